@@ -1,0 +1,17 @@
+"""tritamp's Triton kernels: one op per file, each with a launcher and a ``*_ref``.
+
+Nothing here compiles or touches CUDA at import time; kernels compile on first call.
+This package knows nothing of opt levels or optimizers.
+"""
+from ._dispatch import elementwise_settings, interpreter_on, use_triton
+from .check_unscale import check_unscale, check_unscale_ref
+from .scale_update import (FLOOR_STREAK, FOUND_INF, HYSTERESIS, SCALE, SKIPPED, STATE_SIZE,
+                           UNSKIPPED, USED_SCALE, scale_update, scale_update_ref)
+
+__all__ = [
+    "use_triton", "interpreter_on", "elementwise_settings",
+    "check_unscale", "check_unscale_ref",
+    "scale_update", "scale_update_ref",
+    "SCALE", "UNSKIPPED", "HYSTERESIS", "FOUND_INF", "USED_SCALE", "SKIPPED", "FLOOR_STREAK",
+    "STATE_SIZE",
+]

@@ -1,0 +1,124 @@
+"""Device-side loss-scale update: growth tracker, hysteresis, clamps, skip counters.
+
+The scaler's whole state lives in one fp32 device vector so that it is updated by one
+single-program launch and read back (for logging) by one non-blocking copy:
+
+    SCALE        the scale the next backward multiplies the loss by
+    UNSKIPPED    clean steps since the last growth or overflow (Apex's ``_unskipped``,
+                 torch's growth tracker)
+    HYSTERESIS   overflows still tolerated before backing off (Megatron's tracker)
+    FOUND_INF    1.0 when the last checked gradients held inf/NaN
+    USED_SCALE   the scale the last checked gradients carry (what a fused step divides by)
+    SKIPPED      total skipped steps (lets a late reader count every skip)
+    FLOOR_STREAK consecutive overflowing steps spent at the minimum scale
+
+Counters are exact in fp32 up to 2**24, which bounds growth_interval and hysteresis.
+
+Update rule (dynamic), given found = FOUND_INF:
+    found:  HYSTERESIS -= 1; if HYSTERESIS <= 0: SCALE = max(SCALE * backoff, min_scale)
+            UNSKIPPED = 0; SKIPPED += 1
+    clean:  UNSKIPPED += 1; if UNSKIPPED == growth_interval:
+                SCALE = min(SCALE * growth, max_scale) if that is finite; UNSKIPPED = 0
+                HYSTERESIS = hysteresis
+Static scaling keeps SCALE and only counts. With hysteresis=1 and no clamps this is
+``torch._amp_update_scale_``'s rule; with min/max clamps and factors 2 / 0.5 it is
+Apex's ``LossScaler.update_scale``.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._dispatch import use_triton
+
+SCALE, UNSKIPPED, HYSTERESIS, FOUND_INF, USED_SCALE, SKIPPED, FLOOR_STREAK = range(7)
+STATE_SIZE = 7
+
+
+@triton.jit
+def _scale_update_kernel(
+    state_ptr,         # fp32 [STATE_SIZE]: the scaler state described in the module docstring
+    growth_factor,     # fp32: multiplier after growth_interval clean steps
+    backoff_factor,    # fp32: multiplier on overflow
+    growth_interval,   # int: clean steps between growths
+    hysteresis,        # int: overflows tolerated before a backoff, restored on growth
+    min_scale,         # fp32: floor of the scale
+    max_scale,         # fp32: ceiling of the scale (inf for none)
+    DYNAMIC: tl.constexpr,
+):
+    scale = tl.load(state_ptr + 0)
+    unskipped = tl.load(state_ptr + 1)
+    hyst = tl.load(state_ptr + 2)
+    found = tl.load(state_ptr + 3) > 0.0
+    skipped = tl.load(state_ptr + 5)
+    streak = tl.load(state_ptr + 6)
+    tl.store(state_ptr + 4, scale)
+    if DYNAMIC:
+        hyst_after = tl.where(found, hyst - 1.0, hyst)
+        backed_off = tl.maximum(scale * backoff_factor, min_scale)
+        clean_count = unskipped + 1.0
+        grow = (not found) & (clean_count >= growth_interval)
+        grown = scale * growth_factor
+        # torch keeps the old scale when growth would overflow fp32
+        grown = tl.where(tl.abs(grown) == float("inf"), scale, tl.minimum(grown, max_scale))
+        new_scale = tl.where(found & (hyst_after <= 0.0), backed_off, tl.where(grow, grown, scale))
+        new_unskipped = tl.where(found | grow, 0.0, clean_count)
+        new_hyst = tl.where(grow, hysteresis * 1.0, tl.maximum(hyst_after, 0.0))
+        new_streak = tl.where(found & (new_scale <= min_scale), streak + 1.0, 0.0)
+        tl.store(state_ptr + 0, new_scale)
+        tl.store(state_ptr + 1, new_unskipped)
+        tl.store(state_ptr + 2, new_hyst)
+        tl.store(state_ptr + 6, new_streak)
+    else:
+        tl.store(state_ptr + 1, tl.where(found, unskipped, unskipped + 1.0))
+    tl.store(state_ptr + 5, tl.where(found, skipped + 1.0, skipped))
+
+
+def _check_state(state):
+    if state.dtype != torch.float32 or state.shape != (STATE_SIZE,) or not state.is_contiguous():
+        raise ValueError(f"scale_update: state must be a contiguous float32 tensor of shape "
+                         f"({STATE_SIZE},), got {state.dtype} {tuple(state.shape)}")
+
+
+def scale_update(state, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
+                 hysteresis=1, min_scale=0.0, max_scale=float("inf"), dynamic=True):
+    """Update the scaler ``state`` in place from its FOUND_INF slot (no host sync)."""
+    _check_state(state)
+    if not use_triton(state):
+        scale_update_ref(state, growth_factor, backoff_factor, growth_interval,
+                         hysteresis, min_scale, max_scale, dynamic)
+        return
+    _scale_update_kernel[(1,)](
+        state, float(growth_factor), float(backoff_factor), int(growth_interval),
+        int(hysteresis), float(min_scale), float(max_scale), DYNAMIC=bool(dynamic), num_warps=1)
+
+
+def scale_update_ref(state, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
+                     hysteresis=1, min_scale=0.0, max_scale=float("inf"), dynamic=True):
+    """Torch reference of :func:`scale_update` (same fp32 arithmetic, device-side)."""
+    _check_state(state)
+    scale, unskipped, hyst, found_f, _, skipped, streak = state.unbind()
+    found = found_f > 0
+    new = state.clone()
+    new[USED_SCALE] = scale
+    new[SKIPPED] = torch.where(found, skipped + 1.0, skipped)
+    if dynamic:
+        f32 = dict(dtype=torch.float32, device=state.device)
+        hyst_after = torch.where(found, hyst - 1.0, hyst)
+        backed_off = torch.maximum(scale * torch.tensor(backoff_factor, **f32),
+                                   torch.tensor(min_scale, **f32))
+        clean_count = unskipped + 1.0
+        grow = (~found) & (clean_count >= growth_interval)
+        grown = scale * torch.tensor(growth_factor, **f32)
+        grown = torch.where(torch.isinf(grown), scale,
+                            torch.minimum(grown, torch.tensor(max_scale, **f32)))
+        new_scale = torch.where(found & (hyst_after <= 0), backed_off,
+                                torch.where(grow, grown, scale))
+        new[SCALE] = new_scale
+        new[UNSKIPPED] = torch.where(found | grow, torch.zeros_like(clean_count), clean_count)
+        new[HYSTERESIS] = torch.where(grow, torch.full_like(hyst, float(hysteresis)),
+                                      torch.clamp(hyst_after, min=0.0))
+        new[FLOOR_STREAK] = torch.where(found & (new_scale <= min_scale), streak + 1.0,
+                                        torch.zeros_like(streak))
+    else:
+        new[UNSKIPPED] = torch.where(found, unskipped, unskipped + 1.0)
+    state.copy_(new)
