@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ._dispatch import elementwise_settings, use_triton
 from ._multi_tensor import plan
+from ._tl_utils import store_cast
 
 
 @triton.jit
@@ -33,6 +34,7 @@ def _check_unscale_sweep_kernel(
     CHECK: tl.constexpr,
     WRITE: tl.constexpr,
     HAS_ADD: tl.constexpr,
+    EMULATE_BF16_ROUNDING: tl.constexpr,  # interpreter only: see _tl_utils
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -59,7 +61,7 @@ def _check_unscale_sweep_kernel(
             add = tl.load(row + 2).to(tl.pointer_type(add_proto.dtype.element_ty))
             x = x + tl.load(add + offs, mask=mask, other=0.0).to(tl.float32)
         dst = tl.load(row + 1).to(tl.pointer_type(dst_proto.dtype.element_ty))
-        tl.store(dst + offs, x.to(dst_proto.dtype.element_ty), mask=mask)
+        store_cast(dst + offs, x, mask, EMULATE_BF16_ROUNDING)
 
 
 def _groups(srcs, dsts, adds):
@@ -88,6 +90,7 @@ def _validate(srcs, dsts, adds):
             raise ValueError(f"check_unscale: tensor {i} is not contiguous; call .contiguous() first")
 
 
+@torch.no_grad()
 def check_unscale(srcs, scale=None, found_inf=None, dsts=None, adds=None, write=True):
     """Check ``srcs`` for inf/NaN into ``found_inf`` and write ``srcs * (1/scale) (+ adds)`` to ``dsts``.
 
@@ -119,10 +122,12 @@ def check_unscale(srcs, scale=None, found_inf=None, dsts=None, adds=None, write=
             scale if scale is not None else anchor,
             found_inf if check else anchor,
             HAS_SCALE=scale is not None, CHECK=check, WRITE=write,
-            HAS_ADD=g_add is not None, BLOCK=block, num_warps=warps,
+            HAS_ADD=g_add is not None, EMULATE_BF16_ROUNDING=not device.type == "cuda",
+            BLOCK=block, num_warps=warps,
         )
 
 
+@torch.no_grad()
 def check_unscale_ref(srcs, scale=None, found_inf=None, dsts=None, adds=None, write=True):
     """Torch reference of :func:`check_unscale` (same arithmetic, same rounding)."""
     srcs = list(srcs)

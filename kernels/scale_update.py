@@ -79,6 +79,7 @@ def _check_state(state):
                          f"({STATE_SIZE},), got {state.dtype} {tuple(state.shape)}")
 
 
+@torch.no_grad()
 def scale_update(state, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
                  hysteresis=1, min_scale=0.0, max_scale=float("inf"), dynamic=True):
     """Update the scaler ``state`` in place from its FOUND_INF slot (no host sync)."""
@@ -92,6 +93,7 @@ def scale_update(state, growth_factor=2.0, backoff_factor=0.5, growth_interval=2
         int(hysteresis), float(min_scale), float(max_scale), DYNAMIC=bool(dynamic), num_warps=1)
 
 
+@torch.no_grad()
 def scale_update_ref(state, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
                      hysteresis=1, min_scale=0.0, max_scale=float("inf"), dynamic=True):
     """Torch reference of :func:`scale_update` (same fp32 arithmetic, device-side)."""

@@ -1,0 +1,164 @@
+"""What initialize does to models: casts, forward patches, fp32 state dicts."""
+import collections.abc as abc
+import functools
+
+import numpy as np
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ._state import warn_or_err
+
+MASTER_ATTR = "_tritamp_master"  # a half model parameter -> its fp32 master
+
+
+def check_models(models):
+    for model in models:
+        parallel_type = None
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            parallel_type = "torch.nn.parallel.DistributedDataParallel"
+        elif isinstance(model, torch.nn.DataParallel):
+            parallel_type = "torch.nn.parallel.DataParallel"
+        if parallel_type is not None:
+            raise RuntimeError(f"Incoming model is an instance of {parallel_type}. Parallel wrappers "
+                               "should only be applied to the model(s) AFTER \nthe model(s) have been "
+                               "returned from amp.initialize.")
+        if getattr(model, "_tritamp_initialized", False):
+            raise RuntimeError("This model has already been through amp.initialize. Pass a fresh "
+                               "model (re-create it, or load its state_dict into a new instance).")
+
+
+def check_params_fp32(models):
+    for model in models:
+        for kind, named in (("param", model.named_parameters()), ("buffer", model.named_buffers())):
+            for name, t in named:
+                if t.is_floating_point() and t.dtype != torch.float32:
+                    warn_or_err(f"Found {kind} {name} with type {t.dtype}, expected torch.float32.\n"
+                                "When using amp.initialize, you do not need to call .half() on your "
+                                "model\nbefore passing it, no matter what optimization level you choose.")
+
+
+def _convert_module(module, dtype):
+    # Assigning .data keeps every Parameter object, so optimizers built on the fp32
+    # model still hold the right tensors.
+    for param in module.parameters(recurse=False):
+        if param.is_floating_point():
+            param.data = param.data.to(dtype)
+            if param.grad is not None and param.grad.is_floating_point():
+                param.grad = param.grad.to(dtype)
+    for name, buf in module.named_buffers(recurse=False):
+        if buf is not None and buf.is_floating_point():
+            module._buffers[name] = buf.to(dtype)
+
+
+def convert_network(network, dtype, keep_batchnorm_fp32):
+    """Cast ``network`` to ``dtype`` in place, affine BatchNorm left fp32 if asked."""
+    for module in network.modules():
+        if keep_batchnorm_fp32 and isinstance(module, _BatchNorm) and module.affine:
+            continue
+        _convert_module(module, dtype)
+        if isinstance(module, torch.nn.RNNBase):
+            module.flatten_parameters()
+    return network
+
+
+def to_type(dtype, t):
+    if isinstance(t, torch.Tensor):
+        return t.to(dtype) if t.is_floating_point() else t
+    return t.to(dtype)
+
+
+def applier(value, fn):
+    """Apply ``fn`` to every tensor in a (nested) container; other values pass through."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (str, bytes, np.ndarray)):
+        return value
+    if hasattr(value, "to") and not isinstance(value, torch.nn.Module):
+        return fn(value)  # custom batch classes
+    if isinstance(value, abc.Mapping):
+        return {k: applier(v, fn) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(applier(v, fn) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(applier(v, fn) for v in value)
+    return value
+
+
+def _device_type(args, kwargs, model):
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            return v.device.type
+    for p in model.parameters():
+        return p.device.type
+    return "cpu"
+
+
+def patch_forward(model, input_dtype=None, output_dtype=None, autocast_dtype=None):
+    """Wrap ``model.forward``: cast floating inputs, run under autocast, cast outputs."""
+    old_forward = model.forward
+    input_caster = functools.partial(to_type, input_dtype) if input_dtype is not None else None
+    output_caster = functools.partial(to_type, output_dtype) if output_dtype is not None else None
+
+    @functools.wraps(old_forward)
+    def new_forward(*args, **kwargs):
+        if input_caster is not None:
+            args = applier(args, input_caster)
+            kwargs = applier(kwargs, input_caster)
+        if autocast_dtype is not None:
+            with torch.autocast(_device_type(args, kwargs, model), dtype=autocast_dtype):
+                output = old_forward(*args, **kwargs)
+        else:
+            output = old_forward(*args, **kwargs)
+        if output_caster is not None:
+            output = applier(output, output_caster)
+        return output
+
+    model.forward = new_forward
+
+
+def _fp32_state_dict_hook(module, state_dict, prefix, local_metadata):
+    """``model.state_dict()`` returns fp32: the master weight where one exists (so a
+    checkpoint keeps every bit of it), the upcast half tensor otherwise."""
+    masters = {}
+    for name, p in module.named_parameters(prefix=prefix.rstrip(".") if prefix else ""):
+        master = getattr(p, MASTER_ATTR, None)
+        if master is not None:
+            masters[name] = master
+    for key, value in list(state_dict.items()):
+        if not key.startswith(prefix) or not isinstance(value, torch.Tensor):
+            continue
+        master = masters.get(key)
+        if master is not None:
+            state_dict[key] = master if value.requires_grad else master.detach()
+        elif value.is_floating_point() and value.dtype != torch.float32:
+            state_dict[key] = value.float()
+
+
+class _MasterLoader:
+    """Copy loaded fp32 values into the master weights as well as the half model."""
+
+    def __init__(self):
+        self.pending = None
+
+    def pre_hook(self, module, state_dict, prefix, *args):
+        self.pending = (state_dict, prefix)
+
+    def post_hook(self, module, incompatible_keys):
+        if self.pending is None:
+            return
+        state_dict, prefix = self.pending
+        self.pending = None
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                master = getattr(p, MASTER_ATTR, None)
+                value = state_dict.get(prefix + name)
+                if master is not None and isinstance(value, torch.Tensor) \
+                        and value.shape == master.shape:
+                    master.copy_(value)
+
+
+def register_fp32_state_dict(model):
+    model.register_state_dict_post_hook(_fp32_state_dict_hook)
+    loader = _MasterLoader()
+    model.register_load_state_dict_pre_hook(loader.pre_hook)
+    model.register_load_state_dict_post_hook(loader.post_hook)

@@ -1,0 +1,238 @@
+"""What initialize does to optimizers: fp32 master weights and a step that skips on
+overflow.
+
+Per optimizer a small state machine, kept in ``optimizer._amp_stash``:
+
+    READY --scale_loss exit--> PENDING (found_inf known on the device; gradients either
+          unscaled, or still scaled with grad_scale recorded)
+    PENDING --step()--> READY (stepped, or skipped when found_inf)
+
+``delay_unscale=True`` adds SCALED (gradients accumulate scaled; step() refuses) until a
+later ``scale_loss`` with ``delay_unscale=False`` unscales them.
+"""
+import types
+
+import torch
+
+from tritamp import kernels as K
+
+from ._model import MASTER_ATTR
+from ._state import logger
+
+
+class AmpStash:
+    def __init__(self, optimizer, master_weights):
+        self.master_weights = bool(master_weights)
+        self.supports_amp_scaling = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        self.model_params = []    # half model parameters that have fp32 masters
+        self.masters = []         # their masters, owned by the optimizer's param_groups
+        self.master_grad_bufs = []  # persistent fp32 gradient storage of the masters
+        self.plain_params = []    # parameters the optimizer updates directly
+        self.plain_stash = []     # their gradients stashed while another loss backpropagates
+        self.found_inf = None     # 0-d device tensor while PENDING, else None
+        self.grad_scale = None    # scale the plain gradients still carry, or None
+        self.scaler = None        # the scaler whose slots found_inf / grad_scale alias
+        self.params_have_scaled_gradients = False  # SCALED (delay_unscale)
+
+    # -- parameters -----------------------------------------------------------------
+    def adopt_group(self, group, optimizer):
+        params = group["params"]
+        for i, p in enumerate(params):
+            if not p.is_floating_point():
+                raise TypeError(f"Optimizer's parameters must be floating point tensors; received "
+                                f"{p.dtype}")
+            if self.master_weights and p.dtype != torch.float32 and p.requires_grad:
+                master = p.detach().clone().float()
+                master.requires_grad_(True)
+                setattr(p, MASTER_ATTR, master)
+                params[i] = master
+                if p in optimizer.state:
+                    optimizer.state[master] = optimizer.state.pop(p)
+                self.model_params.append(p)
+                self.masters.append(master)
+                self.master_grad_bufs.append(None)
+            else:
+                self.plain_params.append(p)
+                self.plain_stash.append(None)
+
+    def _master_grad_buf(self, i):
+        buf = self.master_grad_bufs[i]
+        if buf is None:
+            buf = torch.empty_like(self.masters[i])
+            self.master_grad_bufs[i] = buf
+        return buf
+
+    # -- aliasing of the scaler's slots ---------------------------------------------------
+    def detach_from(self, scaler):
+        """Own copies of the scaler slots before the scaler reuses them."""
+        if self.scaler is scaler:
+            self.found_inf = self.found_inf.clone()
+            if self.grad_scale is not None:
+                self.grad_scale = self.grad_scale.clone()
+            self.scaler = None
+
+    def _drop_alias(self):
+        if self.scaler is not None:
+            try:
+                self.scaler._aliases.remove(self)
+            except ValueError:
+                pass
+            self.scaler = None
+
+    def unscale_pending(self):
+        """Unscale plain gradients left scaled for a fused step (user asked for .grad)."""
+        if self.grad_scale is None:
+            return
+        grads = [p.grad for p in self.plain_params if p.grad is not None]
+        K.check_unscale(grads, self.grad_scale)
+        self.grad_scale = None
+
+    # -- around backward -------------------------------------------------------------
+    def prepare_backward(self):
+        self.unscale_pending()
+        for p in self.model_params:
+            p.grad = None  # fresh half gradients; the masters' gradients accumulate
+        for i, p in enumerate(self.plain_params):
+            self.plain_stash[i] = p.grad
+            p.grad = None
+
+    def post_backward(self, scaler):
+        """Check (and unscale) this backward's gradients; record what step() needs."""
+        srcs, dsts = [], []
+        acc = []  # (gradient, destination, addend): a second loss into the same step
+        for i, (p, m) in enumerate(zip(self.model_params, self.masters)):
+            g = p.grad
+            if g is None:
+                continue
+            if m.grad is None:
+                m.grad = self._master_grad_buf(i)
+                srcs.append(g)
+                dsts.append(m.grad)
+            else:
+                acc.append((g, m.grad, m.grad))
+        plain_fresh = []
+        for i, p in enumerate(self.plain_params):
+            g, s = p.grad, self.plain_stash[i]
+            self.plain_stash[i] = None
+            if g is None:
+                if s is not None:
+                    p.grad = s
+            elif s is None:
+                plain_fresh.append(g)
+            else:
+                acc.append((g, g, s))
+        lazy = self.supports_amp_scaling and not self.masters and not acc
+        found, scale = scaler.found_inf, scaler.scale
+        if lazy:
+            K.check_unscale(plain_fresh, None, found, write=False)
+        else:
+            K.check_unscale(srcs + plain_fresh, scale, found, dsts=dsts + plain_fresh)
+        if acc:
+            acc_srcs, acc_dsts, acc_adds = zip(*acc)
+            K.check_unscale(acc_srcs, scale, found, dsts=acc_dsts, adds=acc_adds)
+        if self.found_inf is None:
+            self.found_inf = found
+            self.scaler = scaler
+            scaler._aliases.append(self)
+            self.grad_scale = scaler.used_scale if lazy else None
+        else:
+            self.found_inf = torch.maximum(self.found_inf, found)
+
+    # -- after the update ---------------------------------------------------------------
+    def master_to_model(self):
+        if self.masters:
+            K.check_unscale(self.masters, None, None, dsts=self.model_params)
+
+    def finish_step(self):
+        for m in self.masters:
+            m.grad = None
+        self.found_inf = None
+        self.grad_scale = None
+        self._drop_alias()
+
+
+def _new_step(old_step):
+    def step(self, closure=None):
+        if closure is not None:
+            raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
+        stash = self._amp_stash
+        if stash.params_have_scaled_gradients:
+            raise RuntimeError("optimizer.step() was called while the gradients are still scaled "
+                               "from a backward with delay_unscale=True. Run the last backward of "
+                               "the accumulation with amp.scale_loss(..., delay_unscale=False) "
+                               "before optimizer.step().")
+        if stash.found_inf is None:
+            # Nothing checked since the last step (e.g. static scale 1.0 without masters).
+            retval = old_step()
+            stash.master_to_model()
+            stash.finish_step()
+            return retval
+        if stash.supports_amp_scaling:
+            # The step reads grad_scale/found_inf on the device: no host sync.
+            self.grad_scale = stash.grad_scale
+            self.found_inf = stash.found_inf
+            try:
+                retval = old_step()
+            finally:
+                del self.grad_scale
+                del self.found_inf
+            stash.master_to_model()  # masters unchanged on a skip: the copy is idempotent
+        elif bool(stash.found_inf):  # one sync per step decides the skip, as in Apex
+            retval = None
+        else:
+            retval = old_step()
+            stash.master_to_model()
+        stash.finish_step()
+        return retval
+    return step
+
+
+def _new_zero_grad(old_zero_grad):
+    def zero_grad(self, set_to_none=True):
+        old_zero_grad(set_to_none=set_to_none)
+        for p in self._amp_stash.model_params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_()
+                    p.grad.zero_()
+    return zero_grad
+
+
+def _new_add_param_group(old_add_param_group):
+    def add_param_group(self, param_group):
+        if not isinstance(param_group, dict):
+            raise TypeError("param_group must be a dict")
+        params = param_group["params"]
+        if isinstance(params, torch.Tensor):
+            param_group["params"] = [params]
+        elif isinstance(params, set):
+            raise TypeError("optimizer parameters need to be organized in ordered collections, but "
+                            "the ordering of tensors in sets will change between runs. Please use a "
+                            "list instead.")
+        else:
+            param_group["params"] = list(params)
+        self._amp_stash.adopt_group(param_group, self)
+        old_add_param_group(param_group)
+    return add_param_group
+
+
+def process_optimizer(optimizer, properties):
+    if hasattr(optimizer, "_amp_stash"):
+        raise RuntimeError("A given optimizer should only be passed through amp.initialize once. "
+                           "Create a fresh optimizer over the model returned by initialize.")
+    stash = AmpStash(optimizer, properties.master_weights)
+    for group in optimizer.param_groups:
+        stash.adopt_group(group, optimizer)
+    optimizer._amp_stash = stash
+    # Recast any existing state to the dtype of the parameters it now belongs to.
+    optimizer.load_state_dict(optimizer.state_dict())
+    optimizer.step = types.MethodType(_new_step(optimizer.step), optimizer)
+    if stash.master_weights:
+        optimizer.zero_grad = types.MethodType(_new_zero_grad(optimizer.zero_grad), optimizer)
+    optimizer.add_param_group = types.MethodType(
+        _new_add_param_group(optimizer.add_param_group), optimizer)
+    logger.debug("amp: optimizer %s has %d master weights and %d plain parameters",
+                 type(optimizer).__name__, len(stash.masters), len(stash.plain_params))
+    return optimizer

@@ -1,0 +1,106 @@
+"""``scale_loss``, ``disable_casts`` and ``master_params``."""
+import contextlib
+
+import torch
+
+from ._state import _amp_state
+
+
+def _as_list(optimizers):
+    if isinstance(optimizers, (list, tuple)):
+        return list(optimizers)
+    return [optimizers]
+
+
+@contextlib.contextmanager
+def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
+               delay_overflow_check=False):
+    """Yield ``loss.float() * scale``; on exit check (and unscale) the gradients.
+
+    The scale is a device tensor, the overflow check and the scale update run on the
+    device: nothing here waits for the GPU. ``optimizer.step()`` then skips the update
+    when the gradients held inf/NaN (no sync for optimizers that declare
+    ``_step_supports_amp_scaling``, one sync for others, as in Apex).
+
+    ``delay_unscale=True`` leaves the gradients scaled (accumulation; a later
+    ``scale_loss`` with ``delay_unscale=False`` unscales them).
+    ``delay_overflow_check=True`` still checks the gradients (the step still skips on
+    inf/NaN) but leaves the loss scale as it is at this exit.
+    """
+    props = _amp_state.opt_properties
+    if props is None:
+        raise RuntimeError("Invoked 'with amp.scale_loss`, but internal Amp state has not been "
+                           "initialized.  model, optimizer = amp.initialize(model, optimizer, "
+                           "opt_level=...) must be called before `with amp.scale_loss`.")
+    if not props.enabled:
+        yield loss
+        return
+    optimizers = _as_list(optimizers)
+    for opt in optimizers:
+        if not hasattr(opt, "_amp_stash"):
+            raise RuntimeError(f"scale_loss got an optimizer ({type(opt).__name__}) that did not go "
+                               "through amp.initialize. Pass the optimizer(s) returned by "
+                               "amp.initialize(model, optimizer, ...).")
+    if not isinstance(loss_id, int) or not 0 <= loss_id < len(_amp_state.loss_scalers):
+        raise ValueError(f"loss_id={loss_id!r} but initialize was called with "
+                         f"num_losses={len(_amp_state.loss_scalers)}; pass num_losses=N to "
+                         "amp.initialize and 0 <= loss_id < N.")
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"scale_loss expects the loss as a torch.Tensor, got {type(loss).__name__}")
+    scaler = _amp_state.loss_scalers[loss_id]
+
+    if not props.master_weights and scaler.static_one:
+        yield loss.float()
+        return
+
+    scaler.poll_reports()
+    scaler._to(loss.device)
+    if not delay_unscale:
+        for opt in optimizers:
+            if not opt._amp_stash.params_have_scaled_gradients:
+                opt._amp_stash.prepare_backward()
+
+    yield loss.float() * scaler.scale
+
+    if delay_unscale:
+        for opt in optimizers:
+            opt._amp_stash.params_have_scaled_gradients = True
+        return
+    scaler.clear_overflow_state()
+    for opt in optimizers:
+        opt._amp_stash.post_backward(scaler)
+        opt._amp_stash.params_have_scaled_gradients = False
+    if not delay_overflow_check:
+        scaler.update_scale()
+
+
+@contextlib.contextmanager
+def disable_casts():
+    """Turn O1's casts (autocast and the registered functions) off inside the block.
+
+    Safe at every opt level and before ``initialize``: it only switches off autocast on
+    the device types where it is currently on."""
+    on = [d for d in ("cpu", "cuda", "xpu", "mps") if _autocast_on(d)]
+    with contextlib.ExitStack() as stack:
+        for device_type in on:
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
+
+def _autocast_on(device_type):
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return False
+
+
+def master_params(optimizer):
+    """Yield the parameters ``optimizer`` updates: the fp32 masters where it has them.
+
+    Use it for gradient clipping after ``scale_loss`` exits. Gradients that were left
+    scaled for a fused step are unscaled first, so what you clip is unscaled."""
+    stash = getattr(optimizer, "_amp_stash", None)
+    if stash is not None:
+        stash.unscale_pending()
+    for group in optimizer.param_groups:
+        yield from group["params"]
