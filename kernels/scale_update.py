@@ -49,6 +49,7 @@ def _scale_update_kernel(
     unskipped = tl.load(state_ptr + 1)
     hyst = tl.load(state_ptr + 2)
     found = tl.load(state_ptr + 3) > 0.0
+    clean = tl.load(state_ptr + 3) <= 0.0
     skipped = tl.load(state_ptr + 5)
     streak = tl.load(state_ptr + 6)
     tl.store(state_ptr + 4, scale)
@@ -56,7 +57,7 @@ def _scale_update_kernel(
         hyst_after = tl.where(found, hyst - 1.0, hyst)
         backed_off = tl.maximum(scale * backoff_factor, min_scale)
         clean_count = unskipped + 1.0
-        grow = (not found) & (clean_count >= growth_interval)
+        grow = clean & (clean_count >= growth_interval)
         grown = scale * growth_factor
         # torch keeps the old scale when growth would overflow fp32
         grown = tl.where(tl.abs(grown) == float("inf"), scale, tl.minimum(grown, max_scale))

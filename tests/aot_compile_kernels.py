@@ -1,0 +1,53 @@
+"""Compile every kernel variant for a Hopper target (sm_90) and print a JSON report.
+
+Run by tests/test_kernel_compile.py in a separate process, because the test session
+runs the kernels in Triton's interpreter, which cannot compile. Needs no GPU.
+"""
+import json
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from tritamp.kernels.check_unscale import _check_unscale_sweep_kernel  # noqa: E402
+from tritamp.kernels.scale_update import _scale_update_kernel  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+MODES = dict(check_unscale=(True, True, True, False), check_only=(True, True, False, False),
+             accumulate=(True, True, True, True), copy=(False, False, True, False))
+PAIRS = [("*fp16", "*fp32"), ("*bf16", "*fp32"), ("*fp32", "*fp32"), ("*fp16", "*fp16"),
+         ("*bf16", "*bf16"), ("*fp32", "*bf16"), ("*fp32", "*fp16")]
+
+
+def compile_one(fn, signature, constexprs, num_warps):
+    sig = dict(signature, **{k: "constexpr" for k in constexprs})
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=HOPPER,
+                       options={"num_warps": num_warps})
+    return k.asm["ptx"]
+
+
+def main():
+    report = {}
+    for src, dst in PAIRS:
+        for mode, (has_scale, check, write, has_add) in MODES.items():
+            sig = {"meta_ptr": "*i64", "blocks_ptr": "*i32", "src_proto": src, "dst_proto": dst,
+                   "add_proto": dst, "scale_ptr": "*fp32", "found_inf_ptr": "*fp32"}
+            ptx = compile_one(_check_unscale_sweep_kernel, sig,
+                              dict(HAS_SCALE=has_scale, CHECK=check, WRITE=write, HAS_ADD=has_add,
+                                   EMULATE_BF16_ROUNDING=False, BLOCK=2048), 8)
+            report[f"check_unscale/{src}->{dst}/{mode}"] = dict(
+                sm90=".target sm_90" in ptx, rn_bf16="cvt.rn.bf16.f32" in ptx)
+    sig = {"state_ptr": "*fp32", "growth_factor": "fp32", "backoff_factor": "fp32",
+           "growth_interval": "i32", "hysteresis": "i32", "min_scale": "fp32", "max_scale": "fp32"}
+    for dynamic in (True, False):
+        ptx = compile_one(_scale_update_kernel, sig, dict(DYNAMIC=dynamic), 1)
+        report[f"scale_update/dynamic={dynamic}"] = dict(sm90=".target sm_90" in ptx)
+    json.dump(report, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
