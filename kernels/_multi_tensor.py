@@ -7,6 +7,7 @@ gradients keep their storage uploads nothing after the first step.
 """
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 _PLAN_CACHE_SIZE = 64
@@ -44,15 +45,16 @@ def plan(srcs, dsts, adds, block: int) -> Plan:
         _plans.move_to_end(key)
         return found
     device = srcs[0].device
-    meta = torch.tensor(list(zip(key[1], key[2], key[3], key[4])), dtype=torch.int64)
-    numels = meta[:, 3]
-    per_tensor = (numels + block - 1) // block
+    # Built with numpy: host arithmetic on host data, nothing read back from a device.
+    meta = np.array(list(zip(key[1], key[2], key[3], key[4])), dtype=np.int64).reshape(-1, 4)
+    per_tensor = (meta[:, 3] + block - 1) // block
     total = int(per_tensor.sum())
-    tensor_idx = torch.repeat_interleave(torch.arange(len(srcs), dtype=torch.int32), per_tensor)
-    starts = torch.cumsum(per_tensor, 0) - per_tensor
-    block_idx = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(starts, per_tensor)
-    blocks = torch.stack([tensor_idx, block_idx.to(torch.int32)], dim=1).contiguous()
-    result = Plan(_upload(meta, device), _upload(blocks, device), total)
+    starts = np.cumsum(per_tensor) - per_tensor
+    tensor_idx = np.repeat(np.arange(len(srcs), dtype=np.int32), per_tensor)
+    block_idx = (np.arange(total, dtype=np.int64) - np.repeat(starts, per_tensor)).astype(np.int32)
+    blocks = np.ascontiguousarray(np.stack([tensor_idx, block_idx], axis=1))
+    result = Plan(_upload(torch.from_numpy(meta), device), _upload(torch.from_numpy(blocks), device),
+                  total)
     _plans[key] = result
     if len(_plans) > _PLAN_CACHE_SIZE:
         _plans.popitem(last=False)

@@ -1,0 +1,104 @@
+"""The training step's host reads: none with a fused optimizer, one without.
+
+A TorchFunctionMode sees every host read of a tensor value (.item(), bool(), float(),
+.tolist(), .cpu()); on a GPU each is a host-device sync. The scaler's own logging reads
+a host-side snapshot, which is not a tensor op and not a sync.
+"""
+import pytest
+import torch
+import torch.nn as nn
+
+from tritamp import amp
+
+HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__,
+              torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__,
+              torch.Tensor.cpu, torch.Tensor.numpy}
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in HOST_READS:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(4 * 4 * 4, 3))
+
+
+def _step(model, opt, x, y):
+    loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True),
+    lambda p: torch.optim.Adam(p, lr=1e-3, fused=True),
+], ids=["sgd-fused", "adam-fused"])
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_fused_optimizer_step_reads_nothing_from_the_device(opt_level, make_opt, half):
+    model = _model()
+    model, opt = amp.initialize(model, make_opt(model.parameters()), opt_level=opt_level,
+                                half_dtype=half, loss_scale="dynamic", verbosity=0)
+    x, y = torch.randn(2, 3, 6, 6), torch.tensor([0, 2])
+    _step(model, opt, x, y)  # first step: plans built, masters' gradient buffers allocated
+    reads = HostReads()
+    with reads:
+        _step(model, opt, x, y)
+        _step(model, opt, x, y)
+    assert reads.calls == []
+
+
+def test_plain_optimizer_step_makes_one_read_to_decide_the_skip():
+    model = _model()
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                opt_level="O2", verbosity=0)
+    x, y = torch.randn(2, 3, 6, 6), torch.tensor([0, 2])
+    _step(model, opt, x, y)
+    reads = HostReads()
+    with reads:
+        _step(model, opt, x, y)
+    assert reads.calls == ["__bool__"]
+
+
+def test_a_planted_item_is_seen():
+    # The counter is not blind: a .item() in the step shows up.
+    model = _model()
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, fused=True),
+                                opt_level="O1", verbosity=0)
+    x, y = torch.randn(2, 3, 6, 6), torch.tensor([0, 2])
+    reads = HostReads()
+    with reads:
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.item()
+    assert reads.calls == ["item"]
+
+
+@pytest.mark.gpu
+def test_steady_state_builds_no_new_launch_plan(monkeypatch):
+    """After the first step the gradients' addresses repeat (CUDA's caching allocator
+    hands the same blocks back), so no table is uploaded. CPU allocations move, which is
+    why this is a GPU test."""
+    from tritamp.kernels import _multi_tensor
+    model = _model().cuda()
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, fused=True),
+                                opt_level="O2", verbosity=0)
+    x, y = torch.randn(2, 3, 6, 6, device="cuda"), torch.tensor([0, 2], device="cuda")
+    _step(model, opt, x, y)
+    _step(model, opt, x, y)
+    uploads = []
+    real = _multi_tensor._upload
+    monkeypatch.setattr(_multi_tensor, "_upload", lambda a, d: uploads.append(a) or real(a, d))
+    for _ in range(3):
+        _step(model, opt, x, y)
+    assert uploads == []
