@@ -1,0 +1,94 @@
+"""CUDA checks: compiled kernels against their references, and a sync-free O2 step.
+
+Skipped (with a reason) where no CUDA device is present; CI has none.
+"""
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tritamp import amp
+from tritamp.kernels import check_unscale, check_unscale_ref, scale_update, scale_update_ref
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_check_unscale_compiled_matches_ref_and_torch(dtype):
+    torch.manual_seed(0)
+    sizes = [1, 257, 1000, 70_001, 3 * 257]
+    grads = [(torch.randn(n, device="cuda") * 1000).to(dtype) for n in sizes]
+    grads[2][5] = float("inf")
+    scale = torch.tensor(1024.0, device="cuda")
+    mine = [g.clone() for g in grads]
+    ref = [g.clone() for g in grads]
+    theirs = [g.clone() for g in grads]
+    f_mine, f_ref, f_theirs = (torch.zeros((), device="cuda") for _ in range(3))
+    check_unscale(mine, scale, f_mine)
+    check_unscale_ref(ref, scale, f_ref)
+    torch._amp_foreach_non_finite_check_and_unscale_(
+        theirs, f_theirs.view(1), scale.double().reciprocal().float())
+    assert f_mine.item() == f_ref.item() == f_theirs.item() == 1.0
+    for a, b, c in zip(mine, ref, theirs):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    masters = [torch.empty(n, device="cuda") for n in sizes]
+    check_unscale(grads, scale, None, dsts=masters)
+    for g, m in zip(grads, masters):
+        assert torch.equal(m, g.float() * scale.double().reciprocal().float())
+
+
+def test_scale_update_compiled_matches_ref():
+    a = torch.tensor([65536., 0, 2, 0, 0, 0, 0], device="cuda")
+    b = a.clone()
+    for found in [0, 1, 1, 0, 0, 0, 1, 0, 0, 0, 0, 1, 1, 1]:
+        a[3] = b[3] = found
+        scale_update(a, 2.0, 0.5, 3, 2, 1.0, 2.0**24, True)
+        scale_update_ref(b, 2.0, 0.5, 3, 2, 1.0, 2.0**24, True)
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_fused_step_makes_no_host_sync(opt_level):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 6 * 6, 10)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, verbosity=0)
+    x = torch.randn(4, 3, 8, 8, device="cuda")
+    y = torch.randint(0, 10, (4,), device="cuda")
+
+    def step():
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_skip_is_logged_once_the_device_catches_up(caplog):
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    model, opt = amp.initialize(model, opt, opt_level="O2")
+    before = model.weight.detach().clone()
+    loss = model(torch.randn(4, 8, device="cuda")).sum() * float("inf")
+    with caplog.at_level(logging.WARNING, logger="tritamp.amp"):
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        torch.cuda.synchronize()
+        amp._state._amp_state.loss_scalers[0].poll_reports()
+    assert torch.equal(model.weight, before)
+    assert "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0" \
+        in caplog.text
