@@ -117,48 +117,40 @@ def patch_forward(model, input_dtype=None, output_dtype=None, autocast_dtype=Non
 
 
 def _fp32_state_dict_hook(module, state_dict, prefix, local_metadata):
-    """``model.state_dict()`` returns fp32: the master weight where one exists (so a
-    checkpoint keeps every bit of it), the upcast half tensor otherwise."""
-    masters = {}
-    for name, p in module.named_parameters(prefix=prefix.rstrip(".") if prefix else ""):
+    """``state_dict()`` returns fp32: the master weight where one exists (so a checkpoint
+    keeps every bit of it), the upcast half tensor otherwise. Registered on every
+    module, each handling its own entries, so a submodule's state_dict is fp32 too."""
+    for name, p in module.named_parameters(recurse=False):
         master = getattr(p, MASTER_ATTR, None)
-        if master is not None:
-            masters[name] = master
-    for key, value in list(state_dict.items()):
-        if not key.startswith(prefix) or not isinstance(value, torch.Tensor):
-            continue
-        master = masters.get(key)
-        if master is not None:
-            state_dict[key] = master if value.requires_grad else master.detach()
-        elif value.is_floating_point() and value.dtype != torch.float32:
+        key = prefix + name
+        if master is not None and key in state_dict:
+            state_dict[key] = master if state_dict[key].requires_grad else master.detach()
+    for name, value in module.named_buffers(recurse=False):
+        key = prefix + name
+        value = state_dict.get(key)
+        if isinstance(value, torch.Tensor) and value.is_floating_point() \
+                and value.dtype != torch.float32:
+            state_dict[key] = value.float()
+    for name, p in module.named_parameters(recurse=False):
+        key = prefix + name
+        value = state_dict.get(key)
+        if getattr(p, MASTER_ATTR, None) is None and isinstance(value, torch.Tensor) \
+                and value.is_floating_point() and value.dtype != torch.float32:
             state_dict[key] = value.float()
 
 
-class _MasterLoader:
-    """Copy loaded fp32 values into the master weights as well as the half model."""
-
-    def __init__(self):
-        self.pending = None
-
-    def pre_hook(self, module, state_dict, prefix, *args):
-        self.pending = (state_dict, prefix)
-
-    def post_hook(self, module, incompatible_keys):
-        if self.pending is None:
-            return
-        state_dict, prefix = self.pending
-        self.pending = None
-        with torch.no_grad():
-            for name, p in module.named_parameters():
-                master = getattr(p, MASTER_ATTR, None)
-                value = state_dict.get(prefix + name)
-                if master is not None and isinstance(value, torch.Tensor) \
-                        and value.shape == master.shape:
-                    master.copy_(value)
+def _load_masters_hook(module, state_dict, prefix, *args):
+    """Loading fp32 values into a half parameter loads its master weight as well."""
+    with torch.no_grad():
+        for name, p in module.named_parameters(recurse=False):
+            master = getattr(p, MASTER_ATTR, None)
+            value = state_dict.get(prefix + name)
+            if master is not None and isinstance(value, torch.Tensor) \
+                    and value.shape == master.shape:
+                master.copy_(value)
 
 
 def register_fp32_state_dict(model):
-    model.register_state_dict_post_hook(_fp32_state_dict_hook)
-    loader = _MasterLoader()
-    model.register_load_state_dict_pre_hook(loader.pre_hook)
-    model.register_load_state_dict_post_hook(loader.post_hook)
+    for module in model.modules():
+        module.register_state_dict_post_hook(_fp32_state_dict_hook)
+        module.register_load_state_dict_pre_hook(_load_masters_hook)

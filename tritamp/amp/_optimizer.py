@@ -121,7 +121,10 @@ class AmpStash:
                 plain_fresh.append(g)
             else:
                 acc.append((g, g, s))
-        lazy = self.supports_amp_scaling and not self.masters and not acc
+        # Leave the gradients scaled for the fused step only when they are all this
+        # backward's, so one grad_scale describes every one of them.
+        lazy = (self.supports_amp_scaling and not self.masters and not acc
+                and self.found_inf is None)
         found, scale = scaler.found_inf, scaler.scale
         if lazy:
             K.check_unscale(plain_fresh, None, found, write=False)
@@ -142,6 +145,14 @@ class AmpStash:
     def master_to_model(self):
         if self.masters:
             K.check_unscale(self.masters, None, None, dsts=self.model_params)
+
+    def forget_pending(self):
+        """zero_grad(): the checked gradients are gone, and so is what step() needed."""
+        self.found_inf = None
+        self.grad_scale = None
+        self._drop_alias()
+        for m in self.masters:
+            m.grad = None
 
     def finish_step(self):
         for m in self.masters:
@@ -190,13 +201,15 @@ def _new_step(old_step):
 def _new_zero_grad(old_zero_grad):
     def zero_grad(self, set_to_none=True):
         old_zero_grad(set_to_none=set_to_none)
-        for p in self._amp_stash.model_params:
+        stash = self._amp_stash
+        for p in stash.model_params:
             if p.grad is not None:
                 if set_to_none:
                     p.grad = None
                 else:
                     p.grad.detach_()
                     p.grad.zero_()
+        stash.forget_pending()
     return zero_grad
 
 
@@ -229,8 +242,7 @@ def process_optimizer(optimizer, properties):
     # Recast any existing state to the dtype of the parameters it now belongs to.
     optimizer.load_state_dict(optimizer.state_dict())
     optimizer.step = types.MethodType(_new_step(optimizer.step), optimizer)
-    if stash.master_weights:
-        optimizer.zero_grad = types.MethodType(_new_zero_grad(optimizer.zero_grad), optimizer)
+    optimizer.zero_grad = types.MethodType(_new_zero_grad(optimizer.zero_grad), optimizer)
     optimizer.add_param_group = types.MethodType(
         _new_add_param_group(optimizer.add_param_group), optimizer)
     logger.debug("amp: optimizer %s has %d master weights and %d plain parameters",

@@ -93,6 +93,12 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     # Validate everything before touching anything: a refused call changes nothing.
     check_models(model_list)
     check_params_fp32(model_list)
+    if len({id(o) for o in opt_list}) != len(opt_list):
+        raise RuntimeError("A given optimizer should only be passed through amp.initialize "
+                           "once; the same optimizer appears more than once in the list.")
+    if len({id(m) for m in model_list}) != len(model_list):
+        raise RuntimeError("The same model appears more than once in the list passed to "
+                           "amp.initialize; pass each model once.")
     for opt in opt_list:
         if hasattr(opt, "_amp_stash"):
             raise RuntimeError("A given optimizer should only be passed through amp.initialize "
