@@ -1,4 +1,9 @@
-"""Small @triton.jit helpers shared by the kernels."""
+"""Small @triton.jit helpers shared by the kernels.
+
+``EMULATE_BF16_ROUNDING`` is on under Triton's interpreter only: there bf16 <-> fp32
+conversions truncate and flush subnormals, where the GPU and torch are exact (widening)
+and round to nearest even (narrowing). On the GPU the native conversions are used.
+"""
 import triton
 import triton.language as tl
 
@@ -11,6 +16,27 @@ def _fp32_to_bf16_rne(x):
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     rounded = tl.where(x != x, 0x7FC0, rounded)  # keep NaN a (quiet) NaN
     return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _bf16_to_fp32_exact(x):
+    # Widen by moving the 16 bits into the top half of an fp32: exact for every value,
+    # subnormals included, which the interpreter's conversion gets wrong.
+    bits = x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def load_f32(ptr, mask, EMULATE_BF16_ROUNDING: tl.constexpr):
+    """Load from ``ptr`` and upcast to fp32 at once (torch's opmath; bf16 exact)."""
+    x = tl.load(ptr, mask=mask, other=0.0)
+    if EMULATE_BF16_ROUNDING:
+        if ptr.dtype.element_ty == tl.bfloat16:
+            return _bf16_to_fp32_exact(x)
+        else:
+            return x.to(tl.float32)
+    else:
+        return x.to(tl.float32)
 
 
 @triton.jit

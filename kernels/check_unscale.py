@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ._dispatch import elementwise_settings, use_triton
 from ._multi_tensor import plan
-from ._tl_utils import store_cast
+from ._tl_utils import load_f32, store_cast
 
 
 @triton.jit
@@ -45,9 +45,7 @@ def _check_unscale_sweep_kernel(
     src = tl.load(row).to(tl.pointer_type(src_proto.dtype.element_ty))
     offs = block * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
-    # Upcast at once: fp32 arithmetic is what torch's opmath does, and the only way
-    # bf16 is right under the interpreter.
-    x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    x = load_f32(src + offs, mask, EMULATE_BF16_ROUNDING)
     if CHECK:
         bad = (x != x) | (tl.abs(x) == float("inf"))
         if tl.sum(bad.to(tl.int32), axis=0) > 0:
@@ -59,7 +57,7 @@ def _check_unscale_sweep_kernel(
             x = x * inv
         if HAS_ADD:
             add = tl.load(row + 2).to(tl.pointer_type(add_proto.dtype.element_ty))
-            x = x + tl.load(add + offs, mask=mask, other=0.0).to(tl.float32)
+            x = x + load_f32(add + offs, mask, EMULATE_BF16_ROUNDING)
         dst = tl.load(row + 1).to(tl.pointer_type(dst_proto.dtype.element_ty))
         store_cast(dst + offs, x, mask, EMULATE_BF16_ROUNDING)
 

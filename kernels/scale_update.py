@@ -13,6 +13,7 @@ single-program launch and read back (for logging) by one non-blocking copy:
     FLOOR_STREAK consecutive overflowing steps spent at the minimum scale
 
 Counters are exact in fp32 up to 2**24, which bounds growth_interval and hysteresis.
+The factors and clamps live in a small fp64 device vector uploaded once per setting.
 
 Update rule (dynamic), given found = FOUND_INF:
     found:  HYSTERESIS -= 1; if HYSTERESIS <= 0: SCALE = max(SCALE * backoff, min_scale)
@@ -37,12 +38,9 @@ STATE_SIZE = 7
 @triton.jit
 def _scale_update_kernel(
     state_ptr,         # fp32 [STATE_SIZE]: the scaler state described in the module docstring
-    growth_factor,     # fp32: multiplier after growth_interval clean steps
-    backoff_factor,    # fp32: multiplier on overflow
+    config_ptr,        # fp64 [4]: growth factor, backoff factor, min scale, max scale
     growth_interval,   # int: clean steps between growths
     hysteresis,        # int: overflows tolerated before a backoff, restored on growth
-    min_scale,         # fp32: floor of the scale
-    max_scale,         # fp32: ceiling of the scale (inf for none)
     DYNAMIC: tl.constexpr,
 ):
     scale = tl.load(state_ptr + 0)
@@ -54,17 +52,26 @@ def _scale_update_kernel(
     streak = tl.load(state_ptr + 6)
     tl.store(state_ptr + 4, scale)
     if DYNAMIC:
+        growth_factor = tl.load(config_ptr + 0)
+        backoff_factor = tl.load(config_ptr + 1)
+        min_scale = tl.load(config_ptr + 2)
+        max_scale = tl.load(config_ptr + 3)
+        # Products in fp64, rounded once to fp32: torch multiplies its fp32 scale by a
+        # double factor the same way.
+        scale64 = scale.to(tl.float64)
+        backed_off = tl.maximum(scale64 * backoff_factor, min_scale).to(tl.float32)
+        grown = (scale64 * growth_factor).to(tl.float32)
+        # torch keeps the old scale when growth would overflow fp32
+        grown = tl.where(tl.abs(grown) == float("inf"), scale,
+                         tl.minimum(grown.to(tl.float64), max_scale).to(tl.float32))
         hyst_after = tl.where(found, hyst - 1.0, hyst)
-        backed_off = tl.maximum(scale * backoff_factor, min_scale)
         clean_count = unskipped + 1.0
         grow = clean & (clean_count >= growth_interval)
-        grown = scale * growth_factor
-        # torch keeps the old scale when growth would overflow fp32
-        grown = tl.where(tl.abs(grown) == float("inf"), scale, tl.minimum(grown, max_scale))
         new_scale = tl.where(found & (hyst_after <= 0.0), backed_off, tl.where(grow, grown, scale))
         new_unskipped = tl.where(found | grow, 0.0, clean_count)
         new_hyst = tl.where(grow, hysteresis * 1.0, tl.maximum(hyst_after, 0.0))
-        new_streak = tl.where(found & (new_scale <= min_scale), streak + 1.0, 0.0)
+        at_floor = new_scale.to(tl.float64) <= min_scale
+        new_streak = tl.where(found & at_floor, streak + 1.0, 0.0)
         tl.store(state_ptr + 0, new_scale)
         tl.store(state_ptr + 1, new_unskipped)
         tl.store(state_ptr + 2, new_hyst)
@@ -72,6 +79,19 @@ def _scale_update_kernel(
     else:
         tl.store(state_ptr + 1, tl.where(found, unskipped, unskipped + 1.0))
     tl.store(state_ptr + 5, tl.where(found, skipped + 1.0, skipped))
+
+
+_configs = {}
+
+
+def _config(device, growth_factor, backoff_factor, min_scale, max_scale):
+    """The fp64 config vector on ``device``, uploaded once per distinct setting."""
+    key = (device, float(growth_factor), float(backoff_factor), float(min_scale), float(max_scale))
+    t = _configs.get(key)
+    if t is None:
+        t = torch.tensor(key[1:], dtype=torch.float64).to(device)
+        _configs[key] = t
+    return t
 
 
 def _check_state(state):
@@ -89,15 +109,15 @@ def scale_update(state, growth_factor=2.0, backoff_factor=0.5, growth_interval=2
         scale_update_ref(state, growth_factor, backoff_factor, growth_interval,
                          hysteresis, min_scale, max_scale, dynamic)
         return
-    _scale_update_kernel[(1,)](
-        state, float(growth_factor), float(backoff_factor), int(growth_interval),
-        int(hysteresis), float(min_scale), float(max_scale), DYNAMIC=bool(dynamic), num_warps=1)
+    config = _config(state.device, growth_factor, backoff_factor, min_scale, max_scale)
+    _scale_update_kernel[(1,)](state, config, int(growth_interval), int(hysteresis),
+                               DYNAMIC=bool(dynamic), num_warps=1)
 
 
 @torch.no_grad()
 def scale_update_ref(state, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
                      hysteresis=1, min_scale=0.0, max_scale=float("inf"), dynamic=True):
-    """Torch reference of :func:`scale_update` (same fp32 arithmetic, device-side)."""
+    """Torch reference of :func:`scale_update` (same arithmetic and rounding, device-side)."""
     _check_state(state)
     scale, unskipped, hyst, found_f, _, skipped, streak = state.unbind()
     found = found_f > 0
@@ -105,22 +125,22 @@ def scale_update_ref(state, growth_factor=2.0, backoff_factor=0.5, growth_interv
     new[USED_SCALE] = scale
     new[SKIPPED] = torch.where(found, skipped + 1.0, skipped)
     if dynamic:
-        f32 = dict(dtype=torch.float32, device=state.device)
+        growth, backoff, lo, hi = _config(state.device, growth_factor, backoff_factor,
+                                          min_scale, max_scale).unbind()
+        scale64 = scale.double()
+        backed_off = torch.maximum(scale64 * backoff, lo).float()
+        grown = (scale64 * growth).float()
+        grown = torch.where(torch.isinf(grown), scale, torch.minimum(grown.double(), hi).float())
         hyst_after = torch.where(found, hyst - 1.0, hyst)
-        backed_off = torch.maximum(scale * torch.tensor(backoff_factor, **f32),
-                                   torch.tensor(min_scale, **f32))
         clean_count = unskipped + 1.0
         grow = (~found) & (clean_count >= growth_interval)
-        grown = scale * torch.tensor(growth_factor, **f32)
-        grown = torch.where(torch.isinf(grown), scale,
-                            torch.minimum(grown, torch.tensor(max_scale, **f32)))
         new_scale = torch.where(found & (hyst_after <= 0), backed_off,
                                 torch.where(grow, grown, scale))
         new[SCALE] = new_scale
         new[UNSKIPPED] = torch.where(found | grow, torch.zeros_like(clean_count), clean_count)
         new[HYSTERESIS] = torch.where(grow, torch.full_like(hyst, float(hysteresis)),
                                       torch.clamp(hyst_after, min=0.0))
-        new[FLOOR_STREAK] = torch.where(found & (new_scale <= min_scale), streak + 1.0,
+        new[FLOOR_STREAK] = torch.where(found & (new_scale.double() <= lo), streak + 1.0,
                                         torch.zeros_like(streak))
     else:
         new[UNSKIPPED] = torch.where(found, unskipped, unskipped + 1.0)

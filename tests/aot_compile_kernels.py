@@ -41,8 +41,8 @@ def main():
                                    EMULATE_BF16_ROUNDING=False, BLOCK=2048), 8)
             report[f"check_unscale/{src}->{dst}/{mode}"] = dict(
                 sm90=".target sm_90" in ptx, rn_bf16="cvt.rn.bf16.f32" in ptx)
-    sig = {"state_ptr": "*fp32", "growth_factor": "fp32", "backoff_factor": "fp32",
-           "growth_interval": "i32", "hysteresis": "i32", "min_scale": "fp32", "max_scale": "fp32"}
+    sig = {"state_ptr": "*fp32", "config_ptr": "*fp64", "growth_interval": "i32",
+           "hysteresis": "i32"}
     for dynamic in (True, False):
         ptx = compile_one(_scale_update_kernel, sig, dict(DYNAMIC=dynamic), 1)
         report[f"scale_update/dynamic={dynamic}"] = dict(sm90=".target sm_90" in ptx)
