@@ -5,7 +5,7 @@ single-program launch and read back (for logging) by one non-blocking copy:
 
     SCALE        the scale the next backward multiplies the loss by
     UNSKIPPED    clean steps since the last growth or overflow (Apex's ``_unskipped``,
-                 torch's growth tracker)
+                 torch's growth tracker); a static scaler counts all clean steps
     HYSTERESIS   overflows still tolerated before backing off (Megatron's tracker)
     FOUND_INF    1.0 when the last checked gradients held inf/NaN
     USED_SCALE   the scale the last checked gradients carry (what a fused step divides by)
@@ -46,8 +46,9 @@ def _scale_update_kernel(
     scale = tl.load(state_ptr + 0)
     unskipped = tl.load(state_ptr + 1)
     hyst = tl.load(state_ptr + 2)
-    found = tl.load(state_ptr + 3) > 0.0
-    clean = tl.load(state_ptr + 3) <= 0.0
+    # Anything but 0.0 in the flag (NaN included) counts as an overflow.
+    found = tl.load(state_ptr + 3) != 0.0
+    clean = tl.load(state_ptr + 3) == 0.0
     skipped = tl.load(state_ptr + 5)
     streak = tl.load(state_ptr + 6)
     tl.store(state_ptr + 4, scale)
@@ -120,7 +121,7 @@ def scale_update_ref(state, growth_factor=2.0, backoff_factor=0.5, growth_interv
     """Torch reference of :func:`scale_update` (same arithmetic and rounding, device-side)."""
     _check_state(state)
     scale, unskipped, hyst, found_f, _, skipped, streak = state.unbind()
-    found = found_f > 0
+    found = found_f != 0
     new = state.clone()
     new[USED_SCALE] = scale
     new[SKIPPED] = torch.where(found, skipped + 1.0, skipped)
