@@ -71,7 +71,7 @@ def defaults_for(device):
         return dict(model="small-cnn", batch_size=256, image_size=64, steps=30, warmup=5,
                     channels_last=True)
     # about two minutes on a 2-core CPU for all configurations (fp16 math is slow there)
-    return dict(model="small-cnn", batch_size=16, image_size=16, steps=6, warmup=2,
+    return dict(model="small-cnn", batch_size=16, image_size=16, steps=10, warmup=2,
                 channels_last=False)
 
 
@@ -170,18 +170,16 @@ def run_config(name, args):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = []
-    for i in range(args.warmup + args.steps):
-        if i == args.warmup + 1:
-            counter = SyncCounter(device)
-            with counter:
-                loss = step()
-            syncs = counter.count
-            continue
+    for _ in range(args.warmup + args.steps):
         _sync(device)
         t0 = time.perf_counter()
         loss = step()
         _sync(device)
         times.append(time.perf_counter() - t0)
+    counter = SyncCounter(device)  # one more step, untimed, with every sync counted
+    with counter:
+        loss = step()
+    syncs = counter.count
     timed = times[args.warmup:]
     median = statistics.median(timed)
     return dict(config=name, samples_per_s=args.batch_size / median, step_ms=median * 1e3,
