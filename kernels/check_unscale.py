@@ -73,19 +73,42 @@ def _groups(srcs, dsts, adds):
     return groups
 
 
+def _dense(t):
+    """Non-overlapping and dense: the elements fill ``numel`` slots of storage in some
+    order (contiguous, channels-last, a transpose). Elementwise sweeps can then walk the
+    storage flat, provided every partner tensor is laid out the same way."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _same_layout(a, b):
+    return a.is_contiguous() and b.is_contiguous() or all(
+        sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n != 1)
+
+
 def _validate(srcs, dsts, adds):
     for name, other in (("dsts", dsts), ("adds", adds)):
         if other is not None and len(other) != len(srcs):
             raise ValueError(f"check_unscale: {name} has {len(other)} tensors but srcs has {len(srcs)}")
     for i, x in enumerate(srcs):
+        ok = _dense(x)
         for other in (dsts, adds):
-            if other is not None and (other[i].shape != x.shape or other[i].device != x.device):
+            if other is None:
+                continue
+            if other[i].shape != x.shape or other[i].device != x.device:
                 raise ValueError(
                     f"check_unscale: tensor {i} has shape {tuple(x.shape)} on {x.device} but its "
                     f"partner has shape {tuple(other[i].shape)} on {other[i].device}")
-        if not x.is_contiguous() or (dsts is not None and not dsts[i].is_contiguous()) \
-                or (adds is not None and not adds[i].is_contiguous()):
-            raise ValueError(f"check_unscale: tensor {i} is not contiguous; call .contiguous() first")
+            ok = ok and _same_layout(x, other[i])
+        if not ok:
+            raise ValueError(f"check_unscale: tensor {i} is not contiguous (nor dense in the same "
+                             "layout as its partners); call .contiguous() first")
 
 
 @torch.no_grad()

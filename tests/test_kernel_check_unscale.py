@@ -465,7 +465,7 @@ def _bad_calls():
          dict(srcs=[a, b], adds=[a.clone(), b.clone(), b.clone()])),
         (r"tensor 1 has shape \(3, 4\)", dict(srcs=[a, b], dsts=[a.clone(), torch.zeros(12, device=DEVICE)])),
         (r"tensor 0 has shape \(5,\)", dict(srcs=[a], adds=[torch.zeros(6, device=DEVICE)])),
-        ("tensor 1 is not contiguous", dict(srcs=[a, t])),
+        ("tensor 1 is not contiguous", dict(srcs=[a, torch.randn(4, 12, device=DEVICE)[:, ::2]])),
         ("tensor 0 is not contiguous", dict(srcs=[t.contiguous()], dsts=[torch.zeros(4, 6, device=DEVICE).t()])),
         ("tensor 0 is not contiguous", dict(srcs=[t.contiguous()], adds=[torch.zeros(4, 6, device=DEVICE).t()])),
     ]
