@@ -1,6 +1,6 @@
 """Launch plans for kernels that sweep a list of tensors in one launch.
 
-A plan is a device table of (address, address, address, numel) per tensor and a
+A plan is a device table of (address, ..., numel) per tensor and a
 block -> (tensor, block-within-tensor) map, as in Triton's grouped-GEMM tutorial.
 Plans are cached on the tensors' addresses and sizes, so a training loop whose
 gradients keep their storage uploads nothing after the first step.
@@ -13,7 +13,6 @@ import torch
 _PLAN_CACHE_SIZE = 64
 _plans: "OrderedDict[tuple, Plan]" = OrderedDict()
 
-META_COLUMNS = 4  # src address, dst address, addend address, numel
 
 
 class Plan:
@@ -32,25 +31,31 @@ def _upload(array: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def plan(srcs, dsts, adds, block: int) -> Plan:
-    """The cached launch plan for ``srcs`` (and their ``dsts`` / ``adds``; None = unused)."""
-    dsts = srcs if dsts is None else dsts
-    adds = srcs if adds is None else adds
-    key = (block,
-           tuple(t.data_ptr() for t in srcs),
-           tuple(t.data_ptr() for t in dsts),
-           tuple(t.data_ptr() for t in adds),
-           tuple(t.numel() for t in srcs))
+    """The cached launch plan for ``srcs`` (and their ``dsts`` / ``adds``; None = unused):
+    rows of (src address, dst address, addend address, numel)."""
+    return plan_columns([srcs, dsts, adds], block)
+
+
+def plan_columns(columns, block: int) -> Plan:
+    """The cached launch plan for parallel lists of tensors.
+
+    ``columns[0]`` gives the sizes; a column that is None repeats ``columns[0]``. The
+    table has one row per tensor: the address in each column, then the numel."""
+    first = columns[0]
+    columns = [first if c is None else c for c in columns]
+    key = (block,) + tuple(tuple(t.data_ptr() for t in c) for c in columns) \
+        + (tuple(t.numel() for t in first),)
     found = _plans.get(key)
     if found is not None:
         _plans.move_to_end(key)
         return found
-    device = srcs[0].device
+    device = first[0].device
     # Built with numpy: host arithmetic on host data, nothing read back from a device.
-    meta = np.array(list(zip(key[1], key[2], key[3], key[4])), dtype=np.int64).reshape(-1, 4)
-    per_tensor = (meta[:, 3] + block - 1) // block
+    meta = np.array(list(zip(*key[1:])), dtype=np.int64).reshape(len(first), len(columns) + 1)
+    per_tensor = (meta[:, -1] + block - 1) // block
     total = int(per_tensor.sum())
     starts = np.cumsum(per_tensor) - per_tensor
-    tensor_idx = np.repeat(np.arange(len(srcs), dtype=np.int32), per_tensor)
+    tensor_idx = np.repeat(np.arange(len(first), dtype=np.int32), per_tensor)
     block_idx = (np.arange(total, dtype=np.int64) - np.repeat(starts, per_tensor)).astype(np.int32)
     blocks = np.ascontiguousarray(np.stack([tensor_idx, block_idx], axis=1))
     result = Plan(_upload(torch.from_numpy(meta), device), _upload(torch.from_numpy(blocks), device),

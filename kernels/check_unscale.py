@@ -40,7 +40,7 @@ def _check_unscale_sweep_kernel(
     pid = tl.program_id(0).to(tl.int64)
     tensor = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
     block = tl.load(blocks_ptr + 2 * pid + 1).to(tl.int64)
-    row = meta_ptr + 4 * tensor  # META_COLUMNS
+    row = meta_ptr + 4 * tensor  # 3 addresses + numel per row
     numel = tl.load(row + 3)
     src = tl.load(row).to(tl.pointer_type(src_proto.dtype.element_ty))
     offs = block * BLOCK + tl.arange(0, BLOCK)
