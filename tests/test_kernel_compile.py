@@ -46,3 +46,9 @@ def test_bf16_stores_round_to_nearest_even_on_the_gpu(report):
 def test_scale_update_compiles_for_sm90(report):
     assert report["scale_update/dynamic=True"]["sm90"]
     assert report["scale_update/dynamic=False"]["sm90"]
+
+
+def test_optimizer_kernels_compile_for_sm90(report):
+    variants = {k: v for k, v in report.items() if k.startswith(("adam/", "sgd/"))}
+    assert len(variants) == 16
+    assert all(v["sm90"] for v in variants.values())

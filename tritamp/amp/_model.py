@@ -9,6 +9,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ._state import warn_or_err
 
 MASTER_ATTR = "_tritamp_master"  # a half model parameter -> its fp32 master
+MODEL_ATTR = "_tritamp_model"    # an fp32 master -> the half model parameter it feeds
 
 
 def check_models(models):

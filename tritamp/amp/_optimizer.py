@@ -16,7 +16,7 @@ import torch
 
 from tritamp import kernels as K
 
-from ._model import MASTER_ATTR
+from ._model import MASTER_ATTR, MODEL_ATTR
 from ._state import logger
 
 
@@ -24,6 +24,9 @@ class AmpStash:
     def __init__(self, optimizer, master_weights):
         self.master_weights = bool(master_weights)
         self.supports_amp_scaling = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        # tritamp's fused optimizers read a master's gradient from its half model
+        # parameter and write that parameter in the same pass.
+        self.writes_model_copies = bool(getattr(optimizer, "_tritamp_writes_model_copies", False))
         self.model_params = []    # half model parameters that have fp32 masters
         self.masters = []         # their masters, owned by the optimizer's param_groups
         self.master_grad_bufs = []  # persistent fp32 gradient storage of the masters
@@ -45,6 +48,7 @@ class AmpStash:
                 master = p.detach().clone().float()
                 master.requires_grad_(True)
                 setattr(p, MASTER_ATTR, master)
+                setattr(master, MODEL_ATTR, p)
                 params[i] = master
                 if p in optimizer.state:
                     optimizer.state[master] = optimizer.state.pop(p)
@@ -80,11 +84,19 @@ class AmpStash:
             self.scaler = None
 
     def unscale_pending(self):
-        """Unscale plain gradients left scaled for a fused step (user asked for .grad)."""
+        """Unscale gradients left scaled for a fused step (the user asked for .grad, or
+        another loss is about to add to them): plain ones in place, the half model
+        gradients into the masters' fp32 gradients."""
         if self.grad_scale is None:
             return
         grads = [p.grad for p in self.plain_params if p.grad is not None]
-        K.check_unscale(grads, self.grad_scale)
+        srcs, dsts = [], []
+        for i, (p, m) in enumerate(zip(self.model_params, self.masters)):
+            if p.grad is not None and m.grad is None:
+                m.grad = self._master_grad_buf(i)
+                srcs.append(p.grad)
+                dsts.append(m.grad)
+        K.check_unscale(grads + srcs, self.grad_scale, dsts=grads + dsts)
         self.grad_scale = None
 
     # -- around backward -------------------------------------------------------------
@@ -98,16 +110,14 @@ class AmpStash:
 
     def post_backward(self, scaler):
         """Check (and unscale) this backward's gradients; record what step() needs."""
-        srcs, dsts = [], []
+        master_fresh = []  # (index, half gradient) of masters without a gradient yet
         acc = []  # (gradient, destination, addend): a second loss into the same step
         for i, (p, m) in enumerate(zip(self.model_params, self.masters)):
             g = p.grad
             if g is None:
                 continue
             if m.grad is None:
-                m.grad = self._master_grad_buf(i)
-                srcs.append(g)
-                dsts.append(m.grad)
+                master_fresh.append((i, g))
             else:
                 acc.append((g, m.grad, m.grad))
         plain_fresh = []
@@ -122,13 +132,19 @@ class AmpStash:
             else:
                 acc.append((g, g, s))
         # Leave the gradients scaled for the fused step only when they are all this
-        # backward's, so one grad_scale describes every one of them.
-        lazy = (self.supports_amp_scaling and not self.masters and not acc
-                and self.found_inf is None)
+        # backward's, so one grad_scale describes every one of them; with masters only
+        # if the optimizer reads the half gradients and writes the half copies itself.
+        lazy = (self.supports_amp_scaling and not acc and self.found_inf is None
+                and (not self.masters or self.writes_model_copies))
         found, scale = scaler.found_inf, scaler.scale
+        srcs = [g for _, g in master_fresh]
         if lazy:
-            K.check_unscale(plain_fresh, None, found, write=False)
+            K.check_unscale(srcs + plain_fresh, None, found, write=False)
         else:
+            dsts = []
+            for i, _ in master_fresh:
+                self.masters[i].grad = self._master_grad_buf(i)
+                dsts.append(self.masters[i].grad)
             K.check_unscale(srcs + plain_fresh, scale, found, dsts=dsts + plain_fresh)
         if acc:
             acc_srcs, acc_dsts, acc_adds = zip(*acc)
@@ -143,7 +159,7 @@ class AmpStash:
 
     # -- after the update ---------------------------------------------------------------
     def master_to_model(self):
-        if self.masters:
+        if self.masters and not self.writes_model_copies:
             K.check_unscale(self.masters, None, None, dsts=self.model_params)
 
     def forget_pending(self):
@@ -199,8 +215,12 @@ def _new_step(old_step):
 
 
 def _new_zero_grad(old_zero_grad):
-    def zero_grad(self, set_to_none=True):
-        old_zero_grad(set_to_none=set_to_none)
+    def zero_grad(self, set_to_none=None):
+        if set_to_none is None:
+            old_zero_grad()  # the optimizer's own default (Apex's set_grad_none)
+            set_to_none = True
+        else:
+            old_zero_grad(set_to_none=set_to_none)
         stash = self._amp_stash
         for p in stash.model_params:
             if p.grad is not None:

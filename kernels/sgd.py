@@ -1,0 +1,178 @@
+"""Fused SGD step (momentum, dampening, Nesterov, weight decay) over a list of tensors.
+
+For every tensor, with g = grad * (1/grad_scale) when a scale is given:
+
+    g += wd * p                               (unless wd_after_momentum)
+    buf = g  (first step)  or  buf = momentum * buf + (1 - dampening) * g
+    g = g + momentum * buf  (Nesterov)  or  g = buf
+    g += wd * p                               (wd_after_momentum, Apex's option)
+    p -= lr * g
+
+torch.optim.SGD's order of operations, in fp32; the momentum buffer is fp32 whatever the
+parameter dtype. ``copies`` receive the updated parameter in their own dtype (the half
+model copy of an fp32 master). A non-zero ``found_inf`` makes it read and write nothing.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._dispatch import elementwise_settings, use_triton
+from ._multi_tensor import plan_columns
+from ._tl_utils import load_f32, store_cast
+
+
+@triton.jit
+def _sgd_step_kernel(
+    meta_ptr,        # int64 [n_tensors, 5]: param, grad, momentum buffer, copy addresses; numel
+    blocks_ptr,      # int32 [n_blocks, 2]: tensor index, block index within that tensor
+    p_proto,         # a param tensor: carries the parameter element type
+    g_proto,         # a gradient tensor: carries the gradient element type
+    c_proto,         # a copy tensor (or any tensor without copies): carries the copy type
+    lr,              # learning rate: a float, or an fp32 scalar tensor when LR_IS_TENSOR
+    momentum, one_minus_dampening, weight_decay,
+    scale_ptr,       # fp32 scalar: the loss scale the gradients carry (HAS_SCALE)
+    found_inf_ptr,   # fp32 scalar: non-zero means skip this step (HAS_FOUND_INF)
+    LR_IS_TENSOR: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    HAS_MOMENTUM: tl.constexpr,
+    FIRST_RUN: tl.constexpr,       # momentum buffers start as the gradient
+    NESTEROV: tl.constexpr,
+    WD_AFTER_MOMENTUM: tl.constexpr,
+    HAS_COPY: tl.constexpr,
+    EMULATE_BF16_ROUNDING: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    tensor = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
+    block = tl.load(blocks_ptr + 2 * pid + 1).to(tl.int64)
+    row = meta_ptr + 5 * tensor
+    numel = tl.load(row + 4)
+    if HAS_FOUND_INF:
+        # A skipped step reads nothing and writes nothing.
+        numel = tl.where(tl.load(found_inf_ptr) == 0.0, numel, 0)
+    offs = block * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    p_ptr = tl.load(row + 0).to(tl.pointer_type(p_proto.dtype.element_ty))
+    g_ptr = tl.load(row + 1).to(tl.pointer_type(g_proto.dtype.element_ty))
+    g = load_f32(g_ptr + offs, mask, EMULATE_BF16_ROUNDING)
+    if HAS_SCALE:
+        g = g * (1.0 / tl.load(scale_ptr).to(tl.float64)).to(tl.float32)
+    p = load_f32(p_ptr + offs, mask, EMULATE_BF16_ROUNDING)
+    if not WD_AFTER_MOMENTUM:
+        g = g + weight_decay * p
+    if HAS_MOMENTUM:
+        b_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+        if FIRST_RUN:
+            buf = g
+        else:
+            buf = tl.load(b_ptr + offs, mask=mask, other=0.0)
+            buf = buf * momentum + one_minus_dampening * g
+        tl.store(b_ptr + offs, buf, mask=mask)
+        if NESTEROV:
+            g = g + momentum * buf
+        else:
+            g = buf
+    if WD_AFTER_MOMENTUM:
+        g = g + weight_decay * p
+    if LR_IS_TENSOR:
+        p = p - tl.load(lr).to(tl.float32) * g
+    else:
+        p = p + (-lr) * g
+    store_cast(p_ptr + offs, p, mask, EMULATE_BF16_ROUNDING)
+    if HAS_COPY:
+        c_ptr = tl.load(row + 3).to(tl.pointer_type(c_proto.dtype.element_ty))
+        store_cast(c_ptr + offs, p, mask, EMULATE_BF16_ROUNDING)
+
+
+def _check(params, grads, bufs, copies):
+    n = len(params)
+    if len(grads) != n or (bufs is not None and len(bufs) != n) \
+            or (copies is not None and len(copies) != n):
+        raise ValueError("sgd_step: params, grads, momentum_buffers and copies must have the "
+                         "same length")
+    if bufs is not None and any(b.dtype != torch.float32 for b in bufs):
+        raise ValueError("sgd_step: momentum buffers must be float32")
+
+
+@torch.no_grad()
+def sgd_step(params, grads, momentum_buffers=None, copies=None, *, lr, momentum=0.0,
+             dampening=0.0, weight_decay=0.0, nesterov=False, wd_after_momentum=False,
+             first_run=False, grad_scale=None, found_inf=None):
+    """One SGD step for lists of same-shaped tensors (see the module docstring).
+
+    ``first_run`` says the momentum buffers hold nothing yet (they are set to the
+    gradient). ``lr`` is a float or an fp32 0-d tensor. No host sync."""
+    params = list(params)
+    if not params:
+        return
+    bufs = None if momentum_buffers is None else list(momentum_buffers)
+    _check(params, grads, bufs, copies)
+    if momentum != 0 and bufs is None:
+        raise ValueError("sgd_step: momentum != 0 needs momentum_buffers")
+    if not use_triton(params[0]):
+        sgd_step_ref(params, grads, bufs, copies, lr=lr, momentum=momentum, dampening=dampening,
+                     weight_decay=weight_decay, nesterov=nesterov,
+                     wd_after_momentum=wd_after_momentum, first_run=first_run,
+                     grad_scale=grad_scale, found_inf=found_inf)
+        return
+    groups = {}
+    for i, p in enumerate(params):
+        if p.numel() == 0:
+            continue
+        key = (p.device, p.dtype, grads[i].dtype, None if copies is None else copies[i].dtype)
+        groups.setdefault(key, []).append(i)
+    lr_is_tensor = isinstance(lr, torch.Tensor)
+    for (device, _, _, copy_dtype), idx in groups.items():
+        block, warps = elementwise_settings(device)
+        cols = [[params[i] for i in idx], [grads[i] for i in idx],
+                None if bufs is None else [bufs[i] for i in idx],
+                None if copy_dtype is None else [copies[i] for i in idx]]
+        pl = plan_columns(cols, block)
+        anchor = cols[0][0]
+        _sgd_step_kernel[(pl.n_blocks,)](
+            pl.meta, pl.blocks, anchor, cols[1][0], cols[3][0] if cols[3] else anchor,
+            lr, float(momentum), 1.0 - dampening, float(weight_decay),
+            grad_scale if grad_scale is not None else anchor,
+            found_inf if found_inf is not None else anchor,
+            LR_IS_TENSOR=lr_is_tensor, HAS_SCALE=grad_scale is not None,
+            HAS_FOUND_INF=found_inf is not None, HAS_MOMENTUM=momentum != 0,
+            FIRST_RUN=bool(first_run), NESTEROV=bool(nesterov),
+            WD_AFTER_MOMENTUM=bool(wd_after_momentum), HAS_COPY=copy_dtype is not None,
+            EMULATE_BF16_ROUNDING=device.type != "cuda", BLOCK=block, num_warps=warps)
+
+
+@torch.no_grad()
+def sgd_step_ref(params, grads, momentum_buffers=None, copies=None, *, lr, momentum=0.0,
+                 dampening=0.0, weight_decay=0.0, nesterov=False, wd_after_momentum=False,
+                 first_run=False, grad_scale=None, found_inf=None):
+    """Torch reference of :func:`sgd_step` (same order of operations, fp32)."""
+    inv = None if grad_scale is None else grad_scale.double().reciprocal().float()
+    keep = None if found_inf is None else found_inf.reshape(()) == 0
+    f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731 - the kernel's scalars
+    for i, p in enumerate(params):
+        if p.numel() == 0:
+            continue
+        g = grads[i].float()
+        if inv is not None:
+            g = g * inv
+        pf = p.float()
+        if not wd_after_momentum:
+            g = g + f32(weight_decay) * pf
+        if momentum != 0:
+            buf = g if first_run else momentum_buffers[i] * f32(momentum) + f32(1.0 - dampening) * g
+            if keep is not None:
+                buf = torch.where(keep, buf, momentum_buffers[i])
+            momentum_buffers[i].copy_(buf)
+            g = g + f32(momentum) * buf if nesterov else buf
+        if wd_after_momentum:
+            g = g + f32(weight_decay) * pf
+        if isinstance(lr, torch.Tensor):
+            new = pf - lr.float() * g
+        else:
+            new = pf + f32(-lr) * g
+        if keep is not None:
+            new = torch.where(keep, new, pf)
+        p.copy_(new)
+        if copies is not None:
+            copies[i].copy_(new)

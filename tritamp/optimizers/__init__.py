@@ -1,0 +1,10 @@
+"""tritamp.optimizers: Apex's fused optimizers on Triton kernels.
+
+Each one subclasses ``torch.optim.Optimizer``, declares ``_step_supports_amp_scaling``
+(``torch.amp.GradScaler`` and ``tritamp.amp`` pass ``grad_scale`` / ``found_inf`` on the
+device) and updates every parameter of a dtype group in one launch.
+"""
+from .fused_adam import FusedAdam
+from .fused_sgd import FusedSGD
+
+__all__ = ["FusedAdam", "FusedSGD"]

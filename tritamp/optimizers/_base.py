@@ -1,0 +1,127 @@
+"""What every tritamp fused optimizer shares: gathering the tensors of a step, the
+``grad_scale`` / ``found_inf`` contract, master weights and state that stays fp32.
+
+Each parameter resolves to (target, gradient, copy):
+
+- a plain parameter updates itself from its ``.grad``;
+- with ``master_weights=True`` a half parameter's fp32 master lives in
+  ``state["master_param"]``; the kernel updates the master and writes the half
+  parameter in the same pass;
+- under ``tritamp.amp`` (O2) the parameter is amp's fp32 master and is linked to the
+  half model parameter: the gradient is read from the model parameter when the master
+  has none (still scaled: the kernel unscales it), and the model parameter is written
+  in the same pass. No master gradient is ever materialised on that path.
+
+The step reads ``self.grad_scale`` and ``self.found_inf`` (set by ``torch.amp.GradScaler``
+or ``tritamp.amp``) on the device: unscaling is folded in, and on overflow nothing
+changes, step counts included, without a host sync.
+"""
+import torch
+
+from tritamp.amp._model import MODEL_ATTR
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    _step_supports_amp_scaling = True
+    _tritamp_writes_model_copies = True
+
+    def __init__(self, params, defaults, *, set_grad_none=True, capturable=False,
+                 master_weights=False):
+        if capturable:
+            defaults = dict(defaults, lr=torch.tensor(float(defaults["lr"]), dtype=torch.float32))
+        super().__init__(params, defaults)
+        self.set_grad_none = set_grad_none
+        self.capturable = capturable
+        self.master_weights = master_weights
+        if capturable:
+            for group in self.param_groups:
+                if group["params"]:
+                    group["lr"] = group["lr"].to(group["params"][0].device)
+
+    # -- hyperparameter checks ------------------------------------------------------------
+    @staticmethod
+    def _check_lr(lr):
+        if not isinstance(lr, torch.Tensor) and not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+
+    @staticmethod
+    def _check_betas(betas):
+        if not 0.0 <= betas[0] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+        if not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+
+    @staticmethod
+    def _check_nonneg(name, value):
+        if not 0.0 <= value:
+            raise ValueError(f"Invalid {name} value: {value}")
+
+    # -- zero_grad / state --------------------------------------------------------------------
+    def zero_grad(self, set_to_none=None):
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        # torch casts loaded state to each parameter's dtype; ours stays fp32, and step
+        # counts live on the parameter's device so the step never reads them on the host.
+        for p, st in self.state.items():
+            for k, v in list(st.items()):
+                if not isinstance(v, torch.Tensor):
+                    continue
+                if k == "step":
+                    st[k] = v.to(device=p.device, dtype=torch.float32)
+                elif k == "master_param" or v.is_floating_point():
+                    st[k] = v.to(device=p.device, dtype=torch.float32)
+
+    # -- gathering a step's tensors ------------------------------------------------------------
+    def _resolve(self, p):
+        """(target, gradient, copy) of parameter ``p``; gradient None means no update."""
+        model = getattr(p, MODEL_ATTR, None)
+        if model is not None:
+            grad = p.grad if p.grad is not None else model.grad
+            return p, grad, model
+        if self.master_weights and p.dtype != torch.float32:
+            st = self.state[p]
+            if "master_param" not in st:
+                st["master_param"] = p.detach().clone().float()
+            return st["master_param"], p.grad, p
+        return p, p.grad, None
+
+    def _gather(self, group):
+        """The group's parameters with gradients, as (param, target, grad, copy) tuples."""
+        out = []
+        for p in group["params"]:
+            target, grad, copy = self._resolve(p)
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients, "
+                                   "please consider SparseAdam instead")
+            out.append((p, target, grad, copy))
+        return out
+
+    @staticmethod
+    def _split_by_copy(items):
+        """Items with a copy and without: one kernel call each (one launch per dtype group)."""
+        with_copy = [it for it in items if it[3] is not None]
+        without = [it for it in items if it[3] is None]
+        return [x for x in (with_copy, without) if x]
+
+    def _amp_args(self):
+        return getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale, found_inf = self._amp_args()
+        for group in self.param_groups:
+            items = self._gather(group)
+            for part in self._split_by_copy(items):
+                self._step_group(group, part, grad_scale, found_inf)
+        return loss
+
+    def _step_group(self, group, items, grad_scale, found_inf):
+        raise NotImplementedError

@@ -1,0 +1,52 @@
+"""FusedAdam: Apex's signature and defaults, one Triton launch per dtype group."""
+import torch
+
+from tritamp.kernels.adam import adam_step
+
+from ._base import FusedOptimizer
+
+
+class FusedAdam(FusedOptimizer):
+    """Adam / AdamW (``adam_w_mode=True``, the default, as in Apex) on Triton.
+
+    Matches ``torch.optim.AdamW`` (or ``Adam`` with ``adam_w_mode=False``) and keeps its
+    ``state_dict`` layout (``step``, ``exp_avg``, ``exp_avg_sq`` per parameter; state in
+    fp32). ``master_weights=True`` keeps an fp32 copy of half parameters in
+    ``state["master_param"]`` and writes the half parameter in the same pass.
+    ``capturable=True`` keeps ``lr`` as a device tensor (safe under CUDA graphs).
+    """
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
+                 adam_w_mode=True, weight_decay=0.0, amsgrad=False, set_grad_none=True,
+                 capturable=False, master_weights=False):
+        if amsgrad:
+            raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
+        self._check_lr(lr)
+        self._check_betas(betas)
+        self._check_nonneg("epsilon", eps)
+        self._check_nonneg("weight_decay", weight_decay)
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                        weight_decay=weight_decay)
+        super().__init__(params, defaults, set_grad_none=set_grad_none, capturable=capturable,
+                         master_weights=master_weights)
+        self.adam_w_mode = 1 if adam_w_mode else 0
+
+    def _state_for(self, p, target):
+        st = self.state[p]
+        if "exp_avg" not in st:
+            st["step"] = torch.zeros((), dtype=torch.float32, device=target.device)
+            st["exp_avg"] = torch.zeros_like(target, dtype=torch.float32)
+            st["exp_avg_sq"] = torch.zeros_like(target, dtype=torch.float32)
+        return st
+
+    def _step_group(self, group, items, grad_scale, found_inf):
+        states = [self._state_for(p, target) for p, target, _, _ in items]
+        beta1, beta2 = group["betas"]
+        copies = [c for _, _, _, c in items] if items[0][3] is not None else None
+        adam_step([t for _, t, _, _ in items], [g for _, _, g, _ in items],
+                  [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                  [s["step"] for s in states], copies,
+                  lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                  weight_decay=group["weight_decay"], adam_w_mode=bool(self.adam_w_mode),
+                  bias_correction=bool(group["bias_correction"]), grad_scale=grad_scale,
+                  found_inf=found_inf)

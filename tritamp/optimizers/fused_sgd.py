@@ -1,0 +1,67 @@
+"""FusedSGD: Apex's signature and defaults, one Triton launch per dtype group."""
+import torch
+from torch.optim.optimizer import required
+
+from tritamp.kernels.sgd import sgd_step
+
+from ._base import FusedOptimizer
+
+
+class FusedSGD(FusedOptimizer):
+    """SGD with momentum, dampening, Nesterov and weight decay on Triton.
+
+    Matches ``torch.optim.SGD`` and keeps its ``state_dict`` layout
+    (``momentum_buffer`` per parameter, fp32). ``wd_after_momentum`` applies weight decay
+    after the momentum update (Apex). ``materialize_master_grads`` is accepted for Apex
+    compatibility: tritamp never materialises master gradients on its fused path.
+    """
+
+    def __init__(self, params, lr=required, momentum=0, dampening=0, weight_decay=0,
+                 nesterov=False, wd_after_momentum=False, materialize_master_grads=True,
+                 set_grad_none=False):
+        if lr is required:
+            raise ValueError("FusedSGD needs a learning rate: FusedSGD(params, lr=...)")
+        self._check_lr(lr)
+        if momentum < 0.0:
+            raise ValueError(f"Invalid momentum value: {momentum}")
+        if weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
+                        weight_decay=weight_decay, nesterov=nesterov)
+        super().__init__(params, defaults, set_grad_none=set_grad_none)
+        self.wd_after_momentum = wd_after_momentum
+        self.materialize_master_grads = materialize_master_grads
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("nesterov", False)
+
+    def _step_group(self, group, items, grad_scale, found_inf):
+        momentum = group["momentum"]
+        copies_all = [c for _, _, _, c in items] if items[0][3] is not None else None
+        kw = dict(lr=group["lr"], momentum=momentum, dampening=group["dampening"],
+                  weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+                  wd_after_momentum=self.wd_after_momentum, grad_scale=grad_scale,
+                  found_inf=found_inf)
+        if momentum == 0:
+            sgd_step([t for _, t, _, _ in items], [g for _, _, g, _ in items], None,
+                     copies_all, **kw)
+            return
+        # Parameters whose buffer does not exist yet start it from the gradient.
+        for first in (True, False):
+            idx = [i for i, (p, _, _, _) in enumerate(items)
+                   if ("momentum_buffer" not in self.state[p]) == first]
+            if not idx:
+                continue
+            if first:
+                for i in idx:
+                    p, target = items[i][0], items[i][1]
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(target,
+                                                                        dtype=torch.float32)
+            sgd_step([items[i][1] for i in idx], [items[i][2] for i in idx],
+                     [self.state[items[i][0]]["momentum_buffer"] for i in idx],
+                     None if copies_all is None else [copies_all[i] for i in idx],
+                     first_run=first, **kw)
