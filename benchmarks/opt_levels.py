@@ -3,8 +3,9 @@
     python benchmarks/opt_levels.py                  # embedded default model, synthetic data
     python benchmarks/opt_levels.py --device cuda --model resnet50 --batch-size 256
 
-Each configuration runs in a fresh process (clean memory peak, clean compile cache) and
-reports samples/s (median step after warm-up), step time, peak memory (CUDA allocator
+tritamp's configurations train with tritamp.optimizers.FusedSGD, the torch.amp baseline
+with torch.optim.SGD(fused=True). Each configuration runs in a fresh process (clean
+memory peak, clean compile cache) and reports samples/s (median step after warm-up), step time, peak memory (CUDA allocator
 peak, or the process's peak RSS on CPU), host-device syncs per training step, the extra
 time of the first step (kernel compiles) and the final loss relative to O0. Writes a
 table to the terminal, a JSON file and, with matplotlib, a PNG bar chart.
@@ -136,7 +137,11 @@ def run_config(name, args):
     model = build_model(args.model, 10).to(device)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     model = model.to(memory_format=memory_format)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=True)
+    if kind == "tritamp":
+        from tritamp.optimizers import FusedSGD
+        opt = FusedSGD(model.parameters(), lr=0.01, momentum=0.9)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=True)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g)
     y = torch.randint(0, 10, (args.batch_size,), generator=g)
