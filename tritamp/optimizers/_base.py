@@ -78,7 +78,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         """(target, gradient, copy) of parameter ``p``; gradient None means no update."""
         model = getattr(p, MODEL_ATTR, None)
         if model is not None:
-            grad = p.grad if p.grad is not None else model.grad
+            grad = p.grad
+            if grad is None and getattr(self, "grad_scale", None) is not None:
+                # amp left this step's half gradients scaled for us to read directly;
+                # without a grad_scale they are stale, not this step's.
+                grad = model.grad
             return p, grad, model
         if self.master_weights and p.dtype != torch.float32:
             st = self.state[p]
