@@ -11,7 +11,6 @@ time of the first step (kernel compiles) and the final loss relative to O0. Writ
 table to the terminal, a JSON file and, with matplotlib, a PNG bar chart.
 """
 import argparse
-import contextlib
 import json
 import os
 import platform

@@ -7,7 +7,9 @@ tensor's step count after this step:
     m = lerp(m, g, 1 - beta1)        v = beta2 * v + (1 - beta2) * g * g
     p -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
 
-torch.optim.Adam's order of operations, in fp32 whatever the parameter dtype. ``copies``
+torch.optim.Adam's order of operations, in fp32 whatever the parameter dtype, with IEEE
+round-to-nearest square root and division (``tl.sqrt_rn`` / ``tl.div_rn``; plain
+``tl.sqrt`` and ``/`` compile to approximate instructions on the GPU). ``copies``
 (optional) receive the updated parameter in their own dtype: the half model copy of an
 fp32 master weight, written in the same pass. When ``found_inf`` holds a non-zero value
 nothing is read or written and the step counts stay: the skipped step leaves no trace.
@@ -83,11 +85,11 @@ def _adam_step_kernel(
         bc1 = 1.0 - tl.exp2(t * tl.log2(tl.load(betas_ptr + 0)))
         bc2_sqrt = tl.sqrt(1.0 - tl.exp2(t * tl.log2(tl.load(betas_ptr + 1)))).to(tl.float32)
         step_size = (lr_v.to(tl.float64) / bc1).to(tl.float32)
-        denom = tl.sqrt(v) / bc2_sqrt + eps
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     else:
         step_size = lr_v
-        denom = tl.sqrt(v) + eps
-    p = p - step_size * (m / denom)
+        denom = tl.sqrt_rn(v) + eps
+    p = p - step_size * tl.div_rn(m, denom)
     store_cast(p_ptr + offs, p, mask, EMULATE_BF16_ROUNDING)
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
@@ -179,6 +181,12 @@ def advance_steps(steps, found_inf):
         torch._foreach_add_(steps, keep)
 
 
+def _sqrt_rn(x):
+    """fp32 square root rounded to nearest, as the kernel's ``tl.sqrt_rn`` (torch's CPU
+    sqrt can be one ulp off)."""
+    return x.double().sqrt().float()
+
+
 def _f32(x):
     """A Python float as the fp32 scalar the kernel receives."""
     return torch.tensor(x, dtype=torch.float32)
@@ -216,10 +224,10 @@ def adam_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, l
             bc1 = 1.0 - torch.exp2(t * torch.log2(b[0]))
             bc2_sqrt = torch.sqrt(1.0 - torch.exp2(t * torch.log2(b[1]))).float()
             step_size = (torch.as_tensor(lr_v, dtype=torch.float32).double() / bc1).float()
-            denom = v.sqrt() / bc2_sqrt + _f32(eps)
+            denom = _sqrt_rn(v) / bc2_sqrt + _f32(eps)
         else:
             step_size = torch.as_tensor(lr_v, dtype=torch.float32)
-            denom = v.sqrt() + _f32(eps)
+            denom = _sqrt_rn(v) + _f32(eps)
         pf = pf - step_size * (m / denom)
         if keep is not None:
             pf = torch.where(keep, pf, p.float())

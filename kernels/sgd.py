@@ -19,11 +19,12 @@ import triton.language as tl
 from ._dispatch import elementwise_settings, use_triton
 from ._multi_tensor import plan_columns
 from ._tl_utils import load_f32, store_cast
+from .adam import advance_steps
 
 
 @triton.jit
 def _sgd_step_kernel(
-    meta_ptr,        # int64 [n_tensors, 5]: param, grad, momentum buffer, copy addresses; numel
+    meta_ptr,        # int64 [n_tensors, 6]: param, grad, momentum buffer, copy, step addresses; numel
     blocks_ptr,      # int32 [n_blocks, 2]: tensor index, block index within that tensor
     p_proto,         # a param tensor: carries the parameter element type
     g_proto,         # a gradient tensor: carries the gradient element type
@@ -37,6 +38,7 @@ def _sgd_step_kernel(
     HAS_FOUND_INF: tl.constexpr,
     HAS_MOMENTUM: tl.constexpr,
     FIRST_RUN: tl.constexpr,       # momentum buffers start as the gradient
+    HAS_STEPS: tl.constexpr,       # per-tensor step counts decide the first run on device
     NESTEROV: tl.constexpr,
     WD_AFTER_MOMENTUM: tl.constexpr,
     HAS_COPY: tl.constexpr,
@@ -46,8 +48,8 @@ def _sgd_step_kernel(
     pid = tl.program_id(0).to(tl.int64)
     tensor = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
     block = tl.load(blocks_ptr + 2 * pid + 1).to(tl.int64)
-    row = meta_ptr + 5 * tensor
-    numel = tl.load(row + 4)
+    row = meta_ptr + 6 * tensor
+    numel = tl.load(row + 5)
     if HAS_FOUND_INF:
         # A skipped step reads nothing and writes nothing.
         numel = tl.where(tl.load(found_inf_ptr) == 0.0, numel, 0)
@@ -68,6 +70,11 @@ def _sgd_step_kernel(
         else:
             buf = tl.load(b_ptr + offs, mask=mask, other=0.0)
             buf = buf * momentum + one_minus_dampening * g
+            if HAS_STEPS:
+                # A step that was skipped did not count: the buffer starts at the first
+                # step actually taken, as torch's does.
+                step_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+                buf = tl.where(tl.load(step_ptr) == 0.0, g, buf)
         tl.store(b_ptr + offs, buf, mask=mask)
         if NESTEROV:
             g = g + momentum * buf
@@ -85,12 +92,14 @@ def _sgd_step_kernel(
         store_cast(c_ptr + offs, p, mask, EMULATE_BF16_ROUNDING)
 
 
-def _check(params, grads, bufs, copies):
+def _check(params, grads, bufs, copies, steps=None):
     n = len(params)
     if len(grads) != n or (bufs is not None and len(bufs) != n) \
             or (copies is not None and len(copies) != n):
         raise ValueError("sgd_step: params, grads, momentum_buffers and copies must have the "
                          "same length")
+    if steps is not None and len(steps) != n:
+        raise ValueError("sgd_step: steps must have one tensor per parameter")
     if bufs is not None and any(b.dtype != torch.float32 for b in bufs):
         raise ValueError("sgd_step: momentum buffers must be float32")
 
@@ -98,22 +107,26 @@ def _check(params, grads, bufs, copies):
 @torch.no_grad()
 def sgd_step(params, grads, momentum_buffers=None, copies=None, *, lr, momentum=0.0,
              dampening=0.0, weight_decay=0.0, nesterov=False, wd_after_momentum=False,
-             first_run=False, grad_scale=None, found_inf=None):
+             first_run=False, steps=None, grad_scale=None, found_inf=None):
     """One SGD step for lists of same-shaped tensors (see the module docstring).
 
     ``first_run`` says the momentum buffers hold nothing yet (they are set to the
-    gradient). ``lr`` is a float or an fp32 0-d tensor. No host sync."""
+    gradient). Alternatively ``steps`` (fp32 0-d device tensors, one per parameter)
+    decide it on the device: a buffer whose step count is 0 starts from the gradient, so
+    a skipped first step leaves no trace; the counts advance unless ``found_inf``.
+    ``lr`` is a float or an fp32 0-d tensor. No host sync."""
     params = list(params)
     if not params:
         return
     bufs = None if momentum_buffers is None else list(momentum_buffers)
-    _check(params, grads, bufs, copies)
+    steps = None if steps is None else list(steps)
+    _check(params, grads, bufs, copies, steps)
     if momentum != 0 and bufs is None:
         raise ValueError("sgd_step: momentum != 0 needs momentum_buffers")
     if not use_triton(params[0]):
         sgd_step_ref(params, grads, bufs, copies, lr=lr, momentum=momentum, dampening=dampening,
                      weight_decay=weight_decay, nesterov=nesterov,
-                     wd_after_momentum=wd_after_momentum, first_run=first_run,
+                     wd_after_momentum=wd_after_momentum, first_run=first_run, steps=steps,
                      grad_scale=grad_scale, found_inf=found_inf)
         return
     groups = {}
@@ -127,7 +140,8 @@ def sgd_step(params, grads, momentum_buffers=None, copies=None, *, lr, momentum=
         block, warps = elementwise_settings(device)
         cols = [[params[i] for i in idx], [grads[i] for i in idx],
                 None if bufs is None else [bufs[i] for i in idx],
-                None if copy_dtype is None else [copies[i] for i in idx]]
+                None if copy_dtype is None else [copies[i] for i in idx],
+                None if steps is None else [steps[i] for i in idx]]
         pl = plan_columns(cols, block)
         anchor = cols[0][0]
         _sgd_step_kernel[(pl.n_blocks,)](
@@ -137,15 +151,17 @@ def sgd_step(params, grads, momentum_buffers=None, copies=None, *, lr, momentum=
             found_inf if found_inf is not None else anchor,
             LR_IS_TENSOR=lr_is_tensor, HAS_SCALE=grad_scale is not None,
             HAS_FOUND_INF=found_inf is not None, HAS_MOMENTUM=momentum != 0,
-            FIRST_RUN=bool(first_run), NESTEROV=bool(nesterov),
+            FIRST_RUN=bool(first_run), HAS_STEPS=steps is not None, NESTEROV=bool(nesterov),
             WD_AFTER_MOMENTUM=bool(wd_after_momentum), HAS_COPY=copy_dtype is not None,
             EMULATE_BF16_ROUNDING=device.type != "cuda", BLOCK=block, num_warps=warps)
+    if steps is not None:
+        advance_steps(steps, found_inf)
 
 
 @torch.no_grad()
 def sgd_step_ref(params, grads, momentum_buffers=None, copies=None, *, lr, momentum=0.0,
                  dampening=0.0, weight_decay=0.0, nesterov=False, wd_after_momentum=False,
-                 first_run=False, grad_scale=None, found_inf=None):
+                 first_run=False, steps=None, grad_scale=None, found_inf=None):
     """Torch reference of :func:`sgd_step` (same order of operations, fp32)."""
     inv = None if grad_scale is None else grad_scale.double().reciprocal().float()
     keep = None if found_inf is None else found_inf.reshape(()) == 0
@@ -161,6 +177,8 @@ def sgd_step_ref(params, grads, momentum_buffers=None, copies=None, *, lr, momen
             g = g + f32(weight_decay) * pf
         if momentum != 0:
             buf = g if first_run else momentum_buffers[i] * f32(momentum) + f32(1.0 - dampening) * g
+            if steps is not None and not first_run:
+                buf = torch.where(steps[i] == 0, g, buf)
             if keep is not None:
                 buf = torch.where(keep, buf, momentum_buffers[i])
             momentum_buffers[i].copy_(buf)
@@ -176,3 +194,5 @@ def sgd_step_ref(params, grads, momentum_buffers=None, copies=None, *, lr, momen
         p.copy_(new)
         if copies is not None:
             copies[i].copy_(new)
+    if steps is not None:
+        advance_steps(list(steps), found_inf)

@@ -52,3 +52,23 @@ def test_optimizer_kernels_compile_for_sm90(report):
     variants = {k: v for k, v in report.items() if k.startswith(("adam/", "sgd/"))}
     assert len(variants) == 16
     assert all(v["sm90"] for v in variants.values())
+
+
+FAMILIES = ("adagrad/", "lamb_moments/", "lamb_apply/", "novograd_step/", "novograd_norm/",
+            "novograd_blend/", "l2norm_partial/", "l2norm_segment/", "axpby/")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_optimizer_family_compiles_for_sm90(report, family):
+    variants = {k: v for k, v in report.items() if k.startswith(family)}
+    assert variants, family
+    assert all(v["sm90"] for v in variants.values())
+
+
+@pytest.mark.parametrize("family", ["adam/", "sgd/", "adagrad/", "lamb_moments/", "lamb_apply/",
+                                    "novograd_step/", "novograd_blend/", "l2norm_segment/"])
+def test_optimizer_math_uses_ieee_sqrt_and_division_on_the_gpu(report, family):
+    # Plain tl.sqrt and / compile to sqrt.approx / div.full on NVIDIA; torch's kernels
+    # are IEEE-rounded, and so are ours (tl.sqrt_rn, tl.div_rn).
+    bad = [k for k, v in report.items() if k.startswith(family) and v["approx"]]
+    assert bad == []

@@ -2,9 +2,13 @@
 
 Each one subclasses ``torch.optim.Optimizer``, declares ``_step_supports_amp_scaling``
 (``torch.amp.GradScaler`` and ``tritamp.amp`` pass ``grad_scale`` / ``found_inf`` on the
-device) and updates every parameter of a dtype group in one launch.
+device) and updates every parameter of a dtype group in one launch (LAMB and NovoGrad:
+a small fixed number, whatever the number of tensors).
 """
+from .fused_adagrad import FusedAdagrad
 from .fused_adam import FusedAdam
+from .fused_lamb import FusedLAMB
+from .fused_novograd import FusedNovoGrad
 from .fused_sgd import FusedSGD
 
-__all__ = ["FusedAdam", "FusedSGD"]
+__all__ = ["FusedAdam", "FusedSGD", "FusedLAMB", "FusedAdagrad", "FusedNovoGrad"]

@@ -16,6 +16,8 @@ The step reads ``self.grad_scale`` and ``self.found_inf`` (set by ``torch.amp.Gr
 or ``tritamp.amp``) on the device: unscaling is folded in, and on overflow nothing
 changes, step counts included, without a host sync.
 """
+from itertools import chain
+
 import torch
 
 from tritamp.amp._model import MODEL_ATTR
@@ -27,16 +29,21 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults, *, set_grad_none=True, capturable=False,
                  master_weights=False):
-        if capturable:
-            defaults = dict(defaults, lr=torch.tensor(float(defaults["lr"]), dtype=torch.float32))
+        self.capturable = capturable
         super().__init__(params, defaults)
         self.set_grad_none = set_grad_none
-        self.capturable = capturable
         self.master_weights = master_weights
-        if capturable:
-            for group in self.param_groups:
-                if group["params"]:
-                    group["lr"] = group["lr"].to(group["params"][0].device)
+
+    def _capturable_lr(self, group):
+        """With capturable=True every group's lr is an fp32 tensor on its parameters'
+        device, so a captured step reads it there (and may be changed in place)."""
+        if getattr(self, "capturable", False) and group["params"]:
+            device = group["params"][0].device
+            group["lr"] = torch.as_tensor(group["lr"], dtype=torch.float32).to(device)
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        self._capturable_lr(self.param_groups[-1])
 
     # -- hyperparameter checks ------------------------------------------------------------
     @staticmethod
@@ -62,16 +69,22 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
-        # torch casts loaded state to each parameter's dtype; ours stays fp32, and step
-        # counts live on the parameter's device so the step never reads them on the host.
-        for p, st in self.state.items():
-            for k, v in list(st.items()):
-                if not isinstance(v, torch.Tensor):
-                    continue
-                if k == "step":
-                    st[k] = v.to(device=p.device, dtype=torch.float32)
-                elif k == "master_param" or v.is_floating_point():
-                    st[k] = v.to(device=p.device, dtype=torch.float32)
+        # torch casts loaded state to each parameter's dtype, which would round the fp32
+        # moments and master weight of a half parameter; the values are taken from the
+        # saved dict instead (copied), fp32, on the parameter's device, step counts
+        # included, so the step never reads them on the host.
+        for group in self.param_groups:
+            # a torch optimizer's groups lack some of our hyperparameters (bias_correction)
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+            self._capturable_lr(group)
+        saved = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for key, p in zip(saved, params):
+            for name, value in state_dict["state"].get(key, {}).items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    self.state[p][name] = value.to(device=p.device, dtype=torch.float32,
+                                                   copy=True)
 
     # -- gathering a step's tensors ------------------------------------------------------------
     def _resolve(self, p):

@@ -11,7 +11,7 @@ class FusedSGD(FusedOptimizer):
     """SGD with momentum, dampening, Nesterov and weight decay on Triton.
 
     Matches ``torch.optim.SGD`` and keeps its ``state_dict`` layout
-    (``momentum_buffer`` per parameter, fp32). ``wd_after_momentum`` applies weight decay
+    (``momentum_buffer`` per parameter, fp32, plus a ``step`` count that torch ignores). ``wd_after_momentum`` applies weight decay
     after the momentum update (Apex). ``materialize_master_grads`` is accepted for Apex
     compatibility: tritamp never materialises master gradients on its fused path.
     """
@@ -41,27 +41,26 @@ class FusedSGD(FusedOptimizer):
 
     def _step_group(self, group, items, grad_scale, found_inf):
         momentum = group["momentum"]
-        copies_all = [c for _, _, _, c in items] if items[0][3] is not None else None
+        copies = [c for _, _, _, c in items] if items[0][3] is not None else None
         kw = dict(lr=group["lr"], momentum=momentum, dampening=group["dampening"],
                   weight_decay=group["weight_decay"], nesterov=group["nesterov"],
                   wd_after_momentum=self.wd_after_momentum, grad_scale=grad_scale,
                   found_inf=found_inf)
+        targets = [t for _, t, _, _ in items]
+        grads = [g for _, _, g, _ in items]
         if momentum == 0:
-            sgd_step([t for _, t, _, _ in items], [g for _, _, g, _ in items], None,
-                     copies_all, **kw)
+            sgd_step(targets, grads, None, copies, **kw)
             return
-        # Parameters whose buffer does not exist yet start it from the gradient.
-        for first in (True, False):
-            idx = [i for i, (p, _, _, _) in enumerate(items)
-                   if ("momentum_buffer" not in self.state[p]) == first]
-            if not idx:
-                continue
-            if first:
-                for i in idx:
-                    p, target = items[i][0], items[i][1]
-                    self.state[p]["momentum_buffer"] = torch.zeros_like(target,
-                                                                        dtype=torch.float32)
-            sgd_step([items[i][1] for i in idx], [items[i][2] for i in idx],
-                     [self.state[items[i][0]]["momentum_buffer"] for i in idx],
-                     None if copies_all is None else [copies_all[i] for i in idx],
-                     first_run=first, **kw)
+        for p, target, _, _ in items:
+            st = self.state[p]
+            if "momentum_buffer" not in st:
+                # The buffer starts from the gradient of the first step actually taken:
+                # the device step count (0 until then) decides, so a skipped first step
+                # leaves the buffer unused.
+                st["momentum_buffer"] = torch.zeros_like(target, dtype=torch.float32)
+                st["step"] = torch.zeros((), dtype=torch.float32, device=target.device)
+            elif "step" not in st:  # state loaded from torch.optim.SGD: already started
+                st["step"] = torch.ones((), dtype=torch.float32, device=target.device)
+        states = [self.state[p] for p, _, _, _ in items]
+        sgd_step(targets, grads, [s["momentum_buffer"] for s in states], copies,
+                 steps=[s["step"] for s in states], **kw)

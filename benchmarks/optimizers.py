@@ -1,0 +1,460 @@
+"""Time one mixed-precision optimizer step: tritamp's fused optimizers against torch's.
+
+    python benchmarks/optimizers.py                              # 25M, 100M, 1B on the GPU
+    python benchmarks/optimizers.py --sizes 100M --optimizers adam,adagrad
+    python benchmarks/optimizers.py --device cpu                 # a small CPU smoke run
+
+For each optimizer, parameter count and layout ("resnet50": ResNet-50's 161 tensors,
+big conv weights and many small BatchNorm vectors, widened to the count; "transformer":
+many equal matrices and small vectors), one training step's optimizer work is timed:
+
+- tritamp (amp O2): fp32 masters, fp16 model weights and fp16 gradients; the overflow
+  check amp runs when the backward ends (one read of the fp16 gradients), then the fused
+  step with ``grad_scale`` / ``found_inf`` on the device, unscaling folded in and the
+  fp16 model copy written in the same pass.
+- torch (torch.amp's layout: fp32 weights and fp32 gradients), driven as
+  ``torch.amp.GradScaler`` drives it: fused optimizers get the non-finite check
+  (``_amp_foreach_non_finite_check_and_unscale_`` with scale 1, which rewrites the
+  gradients) and a step with ``grad_scale`` / ``found_inf``; foreach optimizers get the
+  unscale, a host read of ``found_inf`` and the step.
+
+``grad_scale`` holds 1.0 so repeated in-place unscaling leaves the gradients as they were
+between repetitions; the arithmetic is the same for any scale. Bytes are the least
+traffic the step needs in its layout: every read and write of weight, gradient, state
+and copy once, plus the overflow check's (fp32 state; LAMB and NovoGrad really need
+more passes). GB/s is bytes / median time; "copy BW" is the share of a large device copy's
+measured bandwidth; "vs torch" is torch's time / this row's time (its fused optimizer
+where torch has one on the device, else foreach). Timing: ``triton.testing.do_bench``
+quantiles 0.5 / 0.2 / 0.8 on the GPU; on a CPU a short wall-clock median of the torch
+reference path, which says nothing about GPU speed.
+"""
+import argparse
+import gc
+import importlib
+import importlib.util
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+DEFAULT_SIZES = {"cuda": "25M,100M,1B", "cpu": "100K"}
+LAYOUTS = ("resnet50", "transformer")
+GRAD_DTYPE = torch.float16
+
+
+# -- environment ------------------------------------------------------------------------
+def device_name(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def versions():
+    import triton
+
+    import tritamp
+    return dict(torch=torch.__version__, triton=triton.__version__, tritamp=tritamp.__version__,
+                python=platform.python_version())
+
+
+# -- sizes and layouts ----------------------------------------------------------------------
+def parse_size(text):
+    """'25M' -> 25_000_000; also K, B (10**9) and plain integers."""
+    t = text.strip().upper()
+    mult = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "G": 10 ** 9}.get(t[-1:], 1)
+    number = t[:-1] if mult != 1 else t
+    try:
+        value = int(round(float(number) * mult))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 25M, 1B, 50K") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: must be positive")
+    return value
+
+
+def size_label(n):
+    for unit, div in (("B", 10 ** 9), ("M", 10 ** 6), ("K", 10 ** 3)):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return str(n)
+
+
+def resnet50_shapes(width):
+    """ResNet-50's 161 parameter tensors with every channel count times ``width``."""
+    c = lambda n: max(1, round(n * width))  # noqa: E731
+    shapes = [(c(64), 3, 7, 7), (c(64),), (c(64),)]
+    inplanes = 64
+    for planes, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        for b in range(blocks):
+            shapes += [(c(planes), c(inplanes), 1, 1), (c(planes),), (c(planes),),
+                       (c(planes), c(planes), 3, 3), (c(planes),), (c(planes),),
+                       (c(planes * 4), c(planes), 1, 1), (c(planes * 4),), (c(planes * 4),)]
+            if b == 0:  # the downsample branch
+                shapes += [(c(planes * 4), c(inplanes), 1, 1), (c(planes * 4),),
+                           (c(planes * 4),)]
+            inplanes = planes * 4
+    return shapes + [(1000, c(2048)), (1000,)]
+
+
+def transformer_shapes(n):
+    """Layers of (qkv, out, fc1, fc2) matrices with their biases and two LayerNorms."""
+    d = 1024 if n >= 500e6 else 512 if n >= 50e6 else 256 if n >= 5e6 else \
+        128 if n >= 500e3 else 16
+    per_layer = [(3 * d, d), (3 * d,), (d, d), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,),
+                 (d,), (d,), (d,), (d,)]
+    layers = max(1, round(n / (12 * d * d + 13 * d)))
+    return per_layer * layers
+
+
+def layout_shapes(layout, n):
+    if layout == "transformer":
+        return transformer_shapes(n)
+    lo, hi = 1e-3, 100.0  # bisect the width multiplier onto the count
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        if numel(resnet50_shapes(mid)) < n:
+            lo = mid
+        else:
+            hi = mid
+    return resnet50_shapes(hi)
+
+
+def numel(shapes):
+    return sum(math.prod(s) for s in shapes)
+
+
+# -- optimizers --------------------------------------------------------------------------
+class Spec:
+    def __init__(self, name, states, make_tritamp, torch_impls):
+        self.name = name
+        self.states = states            # fp32 state values per element
+        self.make_tritamp = make_tritamp
+        self.torch_impls = torch_impls  # [(impl name, factory(params, device))]
+
+
+def optimizer_specs():
+    """Every optimizer this checkout has: FusedLAMB / FusedNovoGrad only where present."""
+    from tritamp.optimizers.fused_adagrad import FusedAdagrad
+    from tritamp.optimizers.fused_adam import FusedAdam
+    from tritamp.optimizers.fused_sgd import FusedSGD
+
+    specs = {
+        "adam": Spec("adam", 2, lambda ps: FusedAdam(ps, lr=1e-3, weight_decay=0.01), [
+            ("torch fused", lambda ps, dev: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01,
+                                                              fused=True)),
+            ("torch foreach", lambda ps, dev: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01,
+                                                                foreach=True))]),
+        "sgd": Spec("sgd", 1, lambda ps: FusedSGD(ps, lr=0.01, momentum=0.9), [
+            ("torch fused", lambda ps, dev: torch.optim.SGD(ps, lr=0.01, momentum=0.9,
+                                                            fused=True)),
+            ("torch foreach", lambda ps, dev: torch.optim.SGD(ps, lr=0.01, momentum=0.9,
+                                                              foreach=True))]),
+        # torch's fused Adagrad is CPU-only
+        "adagrad": Spec("adagrad", 1, lambda ps: FusedAdagrad(ps, lr=0.01), [
+            ("torch fused", lambda ps, dev: torch.optim.Adagrad(ps, lr=0.01, fused=True)
+             if dev.type == "cpu" else None),
+            ("torch foreach", lambda ps, dev: torch.optim.Adagrad(ps, lr=0.01, foreach=True))]),
+    }
+    lamb = _optional_module("tritamp.optimizers.fused_lamb")
+    if lamb is not None:
+        specs["lamb"] = Spec("lamb", 2, lambda ps: lamb.FusedLAMB(ps, lr=1e-3), [])
+    novograd = _optional_module("tritamp.optimizers.fused_novograd")
+    if novograd is not None:
+        specs["novograd"] = Spec("novograd", 1, lambda ps: novograd.FusedNovoGrad(ps, lr=1e-3),
+                                 [])
+    return specs
+
+
+def _optional_module(name):
+    if importlib.util.find_spec(name) is None:
+        return None
+    try:
+        return importlib.import_module(name)
+    except Exception as exc:  # present but broken: say so, benchmark the rest
+        print(f"{name} does not import ({type(exc).__name__}: {exc}); left out", file=sys.stderr)
+        return None
+
+
+def bytes_per_element(impl, states):
+    if impl == "tritamp":
+        # check: read fp16 grad; step: read master, grad, states; write master, states, copy
+        return 2 + (4 + 2 + 4 * states) + (4 + 4 * states + 2)
+    # check/unscale: read + write fp32 grad; step: read param, grad, states; write param, states
+    return 8 + (4 + 4 + 4 * states) + (4 + 4 * states)
+
+
+def resident_bytes(impl, states, n):
+    if impl == "tritamp":  # fp32 model while amp casts it, masters, half weights and grads
+        return n * (4 + 4 + 2 + 2 + 4 * states)
+    extra = 8 if "foreach" in impl else 0  # foreach temporaries
+    return n * (4 + 4 + 4 * states + extra)
+
+
+def free_bytes(device):
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
+# -- timing ------------------------------------------------------------------------------
+def make_timer(device, cpu_reps):
+    if device.type == "cuda":
+        import triton.testing
+
+        def timed(fn):
+            return triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
+        return timed
+
+    def timed(fn):
+        fn()  # warm-up: state allocation, first-call work
+        samples = []
+        for _ in range(cpu_reps):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        samples.sort()
+        q = lambda f: samples[min(len(samples) - 1, int(f * len(samples)))]  # noqa: E731
+        return [statistics.median(samples), q(0.2), q(0.8)]
+    return timed
+
+
+def copy_bandwidth(device, timed):
+    """GB/s of a large device-to-device copy (read + write)."""
+    n = (256 << 20) if device.type == "cuda" else (16 << 20)
+    n = min(n, free_bytes(device) // 16)
+    src = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    ms = timed(lambda: dst.copy_(src))[0]
+    del src, dst
+    return 2 * 4 * n / (ms * 1e-3) / 1e9
+
+
+# -- one configuration ----------------------------------------------------------------------
+class Params(nn.Module):
+    def __init__(self, shapes, device):
+        super().__init__()
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.weights = nn.ParameterList(
+            nn.Parameter(torch.randn(s, device=device, generator=gen) * 0.02) for s in shapes)
+
+
+def _grads_like(params, dtype, device):
+    gen = torch.Generator(device=device).manual_seed(1)
+    for p in params:
+        p.grad = (torch.randn(p.shape, device=device, generator=gen) * 1e-3).to(dtype)
+
+
+def tritamp_step(spec, shapes, device):
+    """Set up amp O2 and return the step: amp's overflow check, then the fused step."""
+    from tritamp import amp
+    from tritamp.kernels import check_unscale
+
+    model = Params(shapes, device)
+    opt = spec.make_tritamp(model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    halves = list(model.parameters())
+    _grads_like(halves, GRAD_DTYPE, device)
+    grads = [p.grad for p in halves]
+    found_inf = torch.zeros((), device=device)
+    scale = torch.ones((), device=device)
+    # amp wraps the bound step in its state machine (it needs a backward); after the lazy
+    # check it calls the class's own step with these two attributes set, as done here.
+    fused_step = type(opt).step
+
+    def step():
+        found_inf.zero_()
+        check_unscale(grads, None, found_inf, write=False)  # what scale_loss's exit runs
+        opt.grad_scale, opt.found_inf = scale, found_inf
+        fused_step(opt)
+    return step, (model, opt)
+
+
+def torch_step(factory, shapes, device):
+    model = Params(shapes, device)
+    params = list(model.parameters())
+    opt = factory(params, device)
+    if opt is None:
+        return None, None
+    _grads_like(params, torch.float32, device)
+    grads = [p.grad for p in params]
+    found_inf = torch.zeros((), device=device)
+    scale = torch.ones((), device=device)
+    inv_scale = scale.double().reciprocal().float()
+    if getattr(opt, "_step_supports_amp_scaling", False):
+        def step():  # GradScaler: _check_inf_per_device, then the fused step
+            found_inf.zero_()
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, scale)
+            opt.grad_scale, opt.found_inf = scale, found_inf
+            opt.step()
+    else:
+        def step():  # GradScaler: unscale_, a host read of found_inf, the step
+            found_inf.zero_()
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+            if not found_inf.item():
+                opt.step()
+    return step, (model, opt)
+
+
+def _release(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_one(spec, impl, factory, layout, n, device, timed, copy_gbps, meta):
+    shapes = layout_shapes(layout, n)
+    count = numel(shapes)
+    row = dict(meta, optimizer=spec.name, impl=impl, layout=layout, size=size_label(n),
+               params=count, tensors=len(shapes))
+    need = resident_bytes(impl, spec.states, count)
+    if need > 0.9 * free_bytes(device):
+        row["note"] = (f"skipped: needs about {need / 2**30:.1f} GiB, "
+                       f"{free_bytes(device) / 2**30:.1f} GiB free")
+        return row
+    step = keep = None
+    try:
+        if impl == "tritamp":
+            step, keep = tritamp_step(spec, shapes, device)
+        else:
+            step, keep = torch_step(factory, shapes, device)
+            if step is None:
+                row["note"] = f"skipped: no {impl} implementation on {device.type}"
+                return row
+        med, p20, p80 = timed(step)
+    except torch.cuda.OutOfMemoryError:
+        row["note"] = "skipped: out of device memory"
+        return row
+    except Exception as exc:  # a failing configuration is reported, the run goes on
+        row["note"] = f"failed: {type(exc).__name__}: {exc}"[:300]
+        return row
+    finally:
+        step = keep = None  # noqa: F841 - drop the tensors before the next configuration
+        _release(device)
+    nbytes = bytes_per_element(impl, spec.states) * count
+    gbps = nbytes / (med * 1e-3) / 1e9
+    row.update(time_ms=med, time_ms_p20=p20, time_ms_p80=p80, bytes=nbytes, gbps=gbps,
+               copy_bw_fraction=gbps / copy_gbps if copy_gbps else None)
+    return row
+
+
+def add_ratios(rows):
+    """vs torch = the torch baseline's time / this row's time (same optimizer, layout, size)."""
+    for r in rows:
+        if "time_ms" not in r:
+            continue
+        base = None
+        for impl in ("torch fused", "torch foreach"):
+            base = next((b for b in rows if b["impl"] == impl and "time_ms" in b and
+                         (b["optimizer"], b["layout"], b["size"]) ==
+                         (r["optimizer"], r["layout"], r["size"])), None)
+            if base is not None:
+                break
+        r["baseline"] = base["impl"] if base else None
+        r["ratio_to_torch"] = base["time_ms"] / r["time_ms"] if base else None
+
+
+# -- output ------------------------------------------------------------------------------
+def format_table(rows):
+    head = ["optimizer", "impl", "layout", "params", "tensors", "step ms", "p20-p80 ms",
+            "MB moved", "GB/s", "copy BW", "vs torch", "note"]
+    lines = []
+    for r in rows:
+        t = "time_ms" in r
+        lines.append([
+            r["optimizer"], r["impl"], r["layout"], size_label(r["params"]), str(r["tensors"]),
+            f"{r['time_ms']:.3f}" if t else "-",
+            f"{r['time_ms_p20']:.3f}-{r['time_ms_p80']:.3f}" if t else "-",
+            f"{r['bytes'] / 1e6:.1f}" if t else "-",
+            f"{r['gbps']:.1f}" if t else "-",
+            f"{r['copy_bw_fraction']:.0%}" if t and r.get("copy_bw_fraction") else "-",
+            f"{r['ratio_to_torch']:.2f}x" if t and r.get("ratio_to_torch") else "-",
+            r.get("note", "")])
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
+    fmt = "  ".join(("{:<%d}" if i in (0, 1, 2, 11) else "{:>%d}") % w
+                    for i, w in enumerate(widths))
+    out = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
+    return "\n".join(line.rstrip() for line in out + [fmt.format(*cells) for cells in lines])
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    p.add_argument("--sizes", default=None,
+                   help="comma-separated parameter counts (default: 25M,100M,1B on a GPU, "
+                        "100K on a CPU)")
+    p.add_argument("--optimizers", default=None,
+                   help="comma-separated: adam, sgd, adagrad (+ lamb, novograd where present)")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="resnet50, transformer")
+    p.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
+    p.add_argument("--cpu-reps", type=int, default=3, help="timed repetitions on a CPU")
+    p.add_argument("--out", default="benchmarks/out", help="folder for the JSON")
+    args = p.parse_args(argv)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("--device cuda but no CUDA device is present")
+    device = torch.device(args.device)
+    try:
+        args.sizes = [parse_size(s) for s in (args.sizes or DEFAULT_SIZES.get(device.type, "1M"))
+                      .split(",") if s.strip()]
+    except argparse.ArgumentTypeError as exc:
+        p.error(str(exc))
+    specs = optimizer_specs()
+    names = [s.strip() for s in (args.optimizers or ",".join(specs)).split(",") if s.strip()]
+    unknown = [s for s in names if s not in specs]
+    if unknown:
+        p.error(f"unknown optimizer(s) {unknown}; this checkout has {list(specs)}")
+    args.specs = [specs[s] for s in names]
+    args.layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
+    bad = [s for s in args.layouts if s not in LAYOUTS]
+    if bad:
+        p.error(f"unknown layout(s) {bad}; choose from {list(LAYOUTS)}")
+    if args.cpu_reps < 1:
+        p.error("--cpu-reps must be >= 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        print("No GPU in use: these are CPU figures of small sizes (torch reference paths, or "
+              "Triton's interpreter); they say nothing about GPU speed.")
+    timed = make_timer(device, args.cpu_reps)
+    meta = dict(device=device_name(device), **versions())
+    copy_gbps = copy_bandwidth(device, timed)
+    print(f"{meta['device']} | torch {meta['torch']}, triton {meta['triton']}, "
+          f"tritamp {meta['tritamp']} | measured copy bandwidth {copy_gbps:.1f} GB/s")
+    rows = []
+    for n in args.sizes:
+        for layout in args.layouts:
+            for spec in args.specs:
+                impls = [("tritamp", None)] + ([] if args.no_torch else spec.torch_impls)
+                for impl, factory in impls:
+                    rows.append(run_one(spec, impl, factory, layout, n, device, timed,
+                                        copy_gbps, meta))
+    add_ratios(rows)
+    print(format_table(rows))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"optimizers_{device.type}.json")
+    with open(path, "w") as f:
+        json.dump(dict(meta, copy_bandwidth_gbps=copy_gbps, grad_dtype=str(GRAD_DTYPE),
+                       rows=rows), f, indent=2)
+    print(f"wrote {path}")
+    return 0 if all("time_ms" in r or r.get("note", "").startswith("skipped") for r in rows) \
+        else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

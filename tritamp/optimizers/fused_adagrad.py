@@ -1,0 +1,64 @@
+"""FusedAdagrad: Apex's signature and defaults, one Triton launch per dtype group."""
+import torch
+
+from tritamp.kernels.adagrad import adagrad_step
+
+from ._base import FusedOptimizer
+
+
+class FusedAdagrad(FusedOptimizer):
+    """Adagrad on Triton (Duchi et al., 2011), Apex's ``FusedAdagrad``.
+
+    ``weight_decay`` is an L2 penalty added to the gradient (``torch.optim.Adagrad``'s
+    rule) unless ``adagrad_w_mode=True``, which decays the weights decoupled from the
+    gradient (AdamW-style): ``p -= lr * (g / (sqrt(sum) + eps) + weight_decay * p)``.
+
+    The state keeps ``torch.optim.Adagrad``'s layout (``step`` and ``sum`` per parameter,
+    fp32, on the parameter's device), so state dicts load either way; ``step`` counts the
+    steps taken, a step skipped for overflow excluded. ``lr_decay`` is not supported (Apex
+    has none): a state dict from ``torch.optim.Adagrad`` with ``lr_decay != 0`` or
+    ``maximize=True`` is refused at the next step. ``master_weights=True`` keeps an fp32
+    copy of half parameters in ``state["master_param"]`` and writes the half parameter in
+    the same pass. ``grad_scale`` / ``found_inf`` (``torch.amp.GradScaler``,
+    ``tritamp.amp``) are read on the device: unscaling is folded in and an overflow step
+    changes nothing.
+    """
+
+    def __init__(self, params, lr=1e-2, eps=1e-10, weight_decay=0.0, set_grad_none=True,
+                 adagrad_w_mode=False, master_weights=False):
+        self._check_lr(lr)
+        self._check_nonneg("epsilon", eps)
+        self._check_nonneg("weight_decay", weight_decay)
+        # lr_decay and initial_accumulator_value are torch.optim.Adagrad's group keys: kept
+        # (at the only values supported) so a state dict of ours steps under torch's class.
+        defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, lr_decay=0.0,
+                        initial_accumulator_value=0.0)
+        super().__init__(params, defaults, set_grad_none=set_grad_none,
+                         master_weights=master_weights)
+        self.adagrad_w_mode = 1 if adagrad_w_mode else 0
+
+    def _state_for(self, p, target):
+        st = self.state[p]
+        if "sum" not in st:
+            st["sum"] = torch.zeros_like(target, dtype=torch.float32)
+        if "step" not in st:  # Apex's FusedAdagrad kept no step count
+            st["step"] = torch.zeros((), dtype=torch.float32, device=target.device)
+        return st
+
+    @staticmethod
+    def _check_group(group):
+        if group.get("lr_decay", 0.0) != 0:
+            raise ValueError(f"FusedAdagrad does not support lr_decay (got {group['lr_decay']}; "
+                             "Apex's FusedAdagrad has none): use a learning-rate scheduler")
+        if group.get("maximize", False):
+            raise ValueError("FusedAdagrad does not support maximize=True: negate the loss")
+
+    def _step_group(self, group, items, grad_scale, found_inf):
+        self._check_group(group)
+        states = [self._state_for(p, target) for p, target, _, _ in items]
+        copies = [c for _, _, _, c in items] if items[0][3] is not None else None
+        adagrad_step([t for _, t, _, _ in items], [g for _, _, g, _ in items],
+                     [s["sum"] for s in states], copies, lr=group["lr"], eps=group["eps"],
+                     weight_decay=group["weight_decay"],
+                     adagrad_w_mode=bool(self.adagrad_w_mode), steps=[s["step"] for s in states],
+                     grad_scale=grad_scale, found_inf=found_inf)

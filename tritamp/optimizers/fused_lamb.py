@@ -1,0 +1,88 @@
+"""FusedLAMB: Apex's signature and defaults, a few Triton launches per dtype group."""
+
+import torch
+
+from tritamp.kernels.l2norm import multi_tensor_l2norm
+from tritamp.kernels.lamb import lamb_step
+
+from ._base import FusedOptimizer
+
+
+class FusedLAMB(FusedOptimizer):
+    """LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning") on Triton.
+
+    Apex's variant: gradients are first clipped by the global norm of all gradients of
+    all groups (``max_grad_norm``, read from the constructor's defaults as Apex does;
+    ``None`` or ``0`` turns clipping off), then Adam moments give an update ``u`` whose
+    size is set per tensor by the trust ratio ``||p|| / ||u||``. As in Apex the ratio
+    applies only to groups with a non-zero ``weight_decay`` unless ``use_nvlamb=True``,
+    and falls back to 1 when either norm is zero. ``adam_w_mode=True`` (the default)
+    adds the decay to the update; ``False`` adds it to the gradient (L2).
+
+    State per parameter: ``step``, ``exp_avg``, ``exp_avg_sq`` (fp32). Everything stays on
+    the device: the global norm, the per-tensor norms, the skip on ``found_inf`` (nothing
+    changes, step counts included) and the unscale by ``grad_scale``. ``master_weights``
+    (beyond Apex, as in FusedAdam) keeps fp32 masters of half parameters in
+    ``state["master_param"]`` and writes the half parameter in the same pass.
+    """
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
+                 weight_decay=0.01, amsgrad=False, adam_w_mode=True, grad_averaging=True,
+                 set_grad_none=True, max_grad_norm=1.0, use_nvlamb=False, master_weights=False):
+        if amsgrad:
+            raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
+        self._check_lr(lr)
+        self._check_betas(betas)
+        self._check_nonneg("epsilon", eps)
+        self._check_nonneg("weight_decay", weight_decay)
+        if max_grad_norm is not None:
+            self._check_nonneg("max_grad_norm", max_grad_norm)
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                        weight_decay=weight_decay, grad_averaging=grad_averaging,
+                        max_grad_norm=max_grad_norm)
+        super().__init__(params, defaults, set_grad_none=set_grad_none,
+                         master_weights=master_weights)
+        self.adam_w_mode = 1 if adam_w_mode else 0
+        self.use_nvlamb = use_nvlamb
+
+    def _state_for(self, p, target):
+        st = self.state[p]
+        if "exp_avg" not in st:
+            st["step"] = torch.zeros((), dtype=torch.float32, device=target.device)
+            st["exp_avg"] = torch.zeros_like(target, dtype=torch.float32)
+            st["exp_avg_sq"] = torch.zeros_like(target, dtype=torch.float32)
+        return st
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale, found_inf = self._amp_args()
+        gathered = [(group, self._gather(group)) for group in self.param_groups]
+        grads = [g for _, items in gathered for _, _, g, _ in items]
+        max_grad_norm = self.defaults["max_grad_norm"]
+        global_norm = None
+        if grads and max_grad_norm:
+            # One norm over every gradient of every group, of the unscaled gradients.
+            global_norm = multi_tensor_l2norm(grads, scale=grad_scale)[0]
+        for group, items in gathered:
+            for part in self._split_by_copy(items):
+                self._step_group(group, part, grad_scale, found_inf, global_norm)
+        return loss
+
+    def _step_group(self, group, items, grad_scale, found_inf, global_norm=None):
+        states = [self._state_for(p, target) for p, target, _, _ in items]
+        beta1, beta2 = group["betas"]
+        copies = [c for _, _, _, c in items] if items[0][3] is not None else None
+        lamb_step([t for _, t, _, _ in items], [g for _, _, g, _ in items],
+                  [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                  [s["step"] for s in states], copies,
+                  lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                  weight_decay=group["weight_decay"], adam_w_mode=bool(self.adam_w_mode),
+                  grad_averaging=bool(group["grad_averaging"]),
+                  bias_correction=bool(group["bias_correction"]),
+                  use_nvlamb=bool(self.use_nvlamb), global_grad_norm=global_norm,
+                  max_grad_norm=self.defaults["max_grad_norm"] or 0.0,
+                  grad_scale=grad_scale, found_inf=found_inf)

@@ -1,0 +1,71 @@
+"""FusedNovoGrad: Apex's signature and defaults, three Triton launches per dtype group."""
+import torch
+
+from tritamp.kernels.novograd import novograd_step
+
+from ._base import FusedOptimizer
+
+
+class FusedNovoGrad(FusedOptimizer):
+    """NovoGrad (Ginsburg et al. 2019, "Stochastic Gradient Methods with Layer-wise
+    Adaptive Moments") on Triton, Apex's variant.
+
+    The second moment is one scalar per tensor: a running norm of its gradient, L2
+    (``norm_type=2``) or max (``norm_type=0``), started at 0 (``init_zero=True``) or at
+    the first step's norm. ``reg_inside_moment=False`` (the default) adds the weight
+    decay to the update; ``True`` normalises the gradient and adds the decay before the
+    momentum, as in the paper. ``grad_averaging`` scales the gradient by ``1 - beta1``
+    in the momentum.
+
+    State per parameter: ``step`` and ``exp_avg_sq`` (fp32 0-d tensors) and ``exp_avg``
+    (fp32). Apex keeps ``exp_avg_sq`` as one tensor per group and dtype; here it belongs
+    to each parameter, so ``state_dict`` survives regrouping. ``grad_scale`` /
+    ``found_inf`` are honoured on the device (on overflow nothing changes, step counts
+    included); ``master_weights`` (beyond Apex, as in FusedAdam) keeps fp32 masters of
+    half parameters.
+    """
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.0, amsgrad=False, reg_inside_moment=False, grad_averaging=True,
+                 norm_type=2, init_zero=False, set_grad_none=True, master_weights=False):
+        if amsgrad:
+            raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant.")
+        self._check_lr(lr)
+        self._check_betas(betas)
+        self._check_nonneg("epsilon", eps)
+        self._check_nonneg("weight_decay", weight_decay)
+        if norm_type not in (0, 2):
+            raise ValueError(f"Invalid norm_type: {norm_type}; FusedNovoGrad supports 2 (L2 "
+                             "norm) and 0 (infinity norm)")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                        weight_decay=weight_decay, grad_averaging=grad_averaging,
+                        norm_type=norm_type, init_zero=init_zero)
+        super().__init__(params, defaults, set_grad_none=set_grad_none,
+                         master_weights=master_weights)
+        self.moment_mode = 0 if reg_inside_moment else 1
+
+    def _state_for(self, p, target):
+        st = self.state[p]
+        if "exp_avg" not in st:
+            st["step"] = torch.zeros((), dtype=torch.float32, device=target.device)
+            st["exp_avg"] = torch.zeros_like(target, dtype=torch.float32)
+            st["exp_avg_sq"] = torch.zeros((), dtype=torch.float32, device=target.device)
+        return st
+
+    def _step_group(self, group, items, grad_scale, found_inf):
+        if group["norm_type"] not in (0, 2):
+            raise ValueError(f"Invalid norm_type: {group['norm_type']}; FusedNovoGrad "
+                             "supports 2 (L2 norm) and 0 (infinity norm)")
+        states = [self._state_for(p, target) for p, target, _, _ in items]
+        beta1, beta2 = group["betas"]
+        copies = [c for _, _, _, c in items] if items[0][3] is not None else None
+        novograd_step([t for _, t, _, _ in items], [g for _, _, g, _ in items],
+                      [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                      [s["step"] for s in states], copies,
+                      lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                      weight_decay=group["weight_decay"],
+                      reg_inside_moment=self.moment_mode == 0,
+                      grad_averaging=bool(group["grad_averaging"]),
+                      norm_type=group["norm_type"], init_zero=bool(group["init_zero"]),
+                      bias_correction=bool(group["bias_correction"]),
+                      grad_scale=grad_scale, found_inf=found_inf)
