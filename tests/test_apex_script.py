@@ -27,3 +27,15 @@ def test_apex_script_runs_with_only_the_import_changed(argv, tmp_path):
     assert set(saved["amp"]) == {"loss_scaler0"}
     assert {"loss_scale", "unskipped"} <= set(saved["amp"]["loss_scaler0"])
     assert all(v.dtype == torch.float32 for v in saved["model"].values() if v.is_floating_point())
+
+
+@pytest.mark.parametrize("optimizer", ["fused-sgd", "fused-adam", "fused-lamb", "fused-novograd",
+                                       "fused-adagrad"])
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_apex_script_with_fused_optimizers(optimizer, opt_level, tmp_path):
+    ckpt = tmp_path / "ckpt.pt"
+    losses = apex_style_train.main(["--opt-level", opt_level, "--optimizer", optimizer,
+                                    "--steps", "5", "--checkpoint", str(ckpt)])
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[-1] < losses[0]
+    assert "state" in torch.load(ckpt)["optimizer"]

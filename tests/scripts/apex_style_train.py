@@ -10,6 +10,16 @@ import torch
 import torch.nn as nn
 
 from tritamp import amp  # was: from apex import amp
+from tritamp.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD  # was: apex.optimizers
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-4),
+    "fused-sgd": lambda p: FusedSGD(p, lr=0.1, momentum=0.9, weight_decay=1e-4),
+    "fused-adam": lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.01),
+    "fused-lamb": lambda p: FusedLAMB(p, lr=1e-2),
+    "fused-novograd": lambda p: FusedNovoGrad(p, lr=1e-2),
+    "fused-adagrad": lambda p: FusedAdagrad(p, lr=1e-1),
+}
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--opt-level", type=str, default="O1")
@@ -17,6 +27,7 @@ parser.add_argument("--keep-batchnorm-fp32", type=str, default=None)
 parser.add_argument("--loss-scale", type=str, default=None)
 parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--checkpoint", type=str, required=True)
+parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
 
 
 def main(argv=None):
@@ -24,7 +35,7 @@ def main(argv=None):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    optimizer = OPTIMIZERS[args.optimizer](model.parameters())
     model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level,
                                       keep_batchnorm_fp32=args.keep_batchnorm_fp32,
                                       loss_scale=args.loss_scale)

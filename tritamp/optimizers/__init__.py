@@ -5,10 +5,12 @@ Each one subclasses ``torch.optim.Optimizer``, declares ``_step_supports_amp_sca
 device) and updates every parameter of a dtype group in one launch (LAMB and NovoGrad:
 a small fixed number, whatever the number of tensors).
 """
+from .clip import clip_grad_norm_
 from .fused_adagrad import FusedAdagrad
 from .fused_adam import FusedAdam
 from .fused_lamb import FusedLAMB
 from .fused_novograd import FusedNovoGrad
 from .fused_sgd import FusedSGD
 
-__all__ = ["FusedAdam", "FusedSGD", "FusedLAMB", "FusedAdagrad", "FusedNovoGrad"]
+__all__ = ["FusedAdam", "FusedSGD", "FusedLAMB", "FusedAdagrad", "FusedNovoGrad",
+           "clip_grad_norm_"]

@@ -1,0 +1,31 @@
+"""Gradient clipping over many tensors without a host sync."""
+import torch
+
+from tritamp.kernels import multi_tensor_l2norm, multi_tensor_scale
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False):
+    """``torch.nn.utils.clip_grad_norm_`` for the L2 norm on tritamp's multi-tensor kernels.
+
+    One l2-norm launch and one scale launch per dtype group, the clip coefficient
+    ``min(1, max_norm / (norm + 1e-6))`` computed and applied on the device: nothing is
+    read back to the host. Returns the total norm as a 0-d device tensor. Use it on
+    ``amp.master_params(optimizer)`` after ``scale_loss`` exits. Other norm types, and
+    ``error_if_nonfinite=True`` (which must read the norm), go to torch's implementation.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if float(norm_type) != 2.0 or error_if_nonfinite:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type,
+                                              error_if_nonfinite=error_if_nonfinite)
+    if not grads:
+        return torch.tensor(0.0)
+    if len({g.device for g in grads}) > 1:
+        raise ValueError("clip_grad_norm_: gradients on several devices; clip each device's "
+                         "parameters separately, or use torch.nn.utils.clip_grad_norm_")
+    total, _ = multi_tensor_l2norm(grads)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    multi_tensor_scale(grads, grads, coef, None)
+    return total
