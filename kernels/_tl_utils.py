@@ -9,6 +9,40 @@ import triton.language as tl
 
 
 @triton.jit
+def sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, NCOLS: tl.constexpr,
+                HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's share of a multi-tensor sweep (see _multi_tensor.plan_columns).
+
+    Returns the tensor index, its table row (NCOLS addresses, then numel), the element
+    offsets and their mask. With HAS_FOUND_INF a non-zero flag empties the mask: a
+    skipped step reads nothing and writes nothing."""
+    pid = tl.program_id(0).to(tl.int64)
+    tensor = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
+    block = tl.load(blocks_ptr + 2 * pid + 1).to(tl.int64)
+    row = meta_ptr + (NCOLS + 1) * tensor
+    numel = tl.load(row + NCOLS)
+    if HAS_FOUND_INF:
+        numel = tl.where(tl.load(found_inf_ptr) == 0.0, numel, 0)
+    offs = block * BLOCK + tl.arange(0, BLOCK)
+    return tensor, row, offs, offs < numel
+
+
+@triton.jit
+def inv_scale(scale_ptr):
+    """1 / scale taken in fp64 and rounded to fp32, as torch.amp.GradScaler does."""
+    return (1.0 / tl.load(scale_ptr).to(tl.float64)).to(tl.float32)
+
+
+@triton.jit
+def load_lr(lr, LR_IS_TENSOR: tl.constexpr):
+    """The learning rate: a scalar argument, or read from an fp32 device tensor."""
+    if LR_IS_TENSOR:
+        return tl.load(lr).to(tl.float32)
+    else:
+        return lr
+
+
+@triton.jit
 def _fp32_to_bf16_rne(x):
     # Round to nearest even by hand. Triton's interpreter truncates fp32 -> bf16,
     # where the GPU (cvt.rn.bf16.f32) and torch round to nearest even.

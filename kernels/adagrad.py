@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ._dispatch import elementwise_settings, use_triton
 from ._multi_tensor import plan_columns
-from ._tl_utils import load_f32, store_cast
+from ._tl_utils import inv_scale, load_f32, load_lr, store_cast, sweep_block
 from .adam import advance_steps
 
 
@@ -47,29 +47,17 @@ def _adagrad_step_kernel(
     EMULATE_BF16_ROUNDING: tl.constexpr,  # interpreter only: see _tl_utils
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    tensor = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
-    block = tl.load(blocks_ptr + 2 * pid + 1).to(tl.int64)
-    row = meta_ptr + 5 * tensor
-    numel = tl.load(row + 4)
-    if HAS_FOUND_INF:
-        # A skipped step reads nothing and writes nothing.
-        numel = tl.where(tl.load(found_inf_ptr) == 0.0, numel, 0)
-    offs = block * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
+    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, 4, HAS_FOUND_INF, BLOCK)
     p_ptr = tl.load(row + 0).to(tl.pointer_type(p_proto.dtype.element_ty))
     g_ptr = tl.load(row + 1).to(tl.pointer_type(g_proto.dtype.element_ty))
     h_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
 
     g = load_f32(g_ptr + offs, mask, EMULATE_BF16_ROUNDING)
     if HAS_SCALE:
-        g = g * (1.0 / tl.load(scale_ptr).to(tl.float64)).to(tl.float32)
+        g = g * inv_scale(scale_ptr)
     p = load_f32(p_ptr + offs, mask, EMULATE_BF16_ROUNDING)
     h = tl.load(h_ptr + offs, mask=mask, other=0.0)
-    if LR_IS_TENSOR:
-        lr_v = tl.load(lr).to(tl.float32)
-    else:
-        lr_v = lr
+    lr_v = load_lr(lr, LR_IS_TENSOR)
     if ADAGRAD_W:
         h = h + g * g
         p = p - lr_v * (tl.div_rn(g, tl.sqrt_rn(h) + eps) + weight_decay * p)

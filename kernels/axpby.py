@@ -17,7 +17,7 @@ import triton.language as tl
 
 from ._dispatch import elementwise_settings, use_triton
 from ._multi_tensor import plan_columns
-from ._tl_utils import load_f32, store_cast
+from ._tl_utils import load_f32, store_cast, sweep_block
 from .check_unscale import _dense, _same_layout
 
 
@@ -39,13 +39,7 @@ def _axpby_sweep_kernel(
     EMULATE_BF16_ROUNDING: tl.constexpr,  # interpreter only: see _tl_utils
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    tensor = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
-    block = tl.load(blocks_ptr + 2 * pid + 1).to(tl.int64)
-    row = meta_ptr + 4 * tensor
-    numel = tl.load(row + 3)
-    offs = block * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
+    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, meta_ptr, 3, False, BLOCK)
     x_ptr = tl.load(row + 0).to(tl.pointer_type(x_proto.dtype.element_ty))
     x = load_f32(x_ptr + offs, mask, EMULATE_BF16_ROUNDING)
     if A_IS_TENSOR:

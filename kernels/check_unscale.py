@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ._dispatch import elementwise_settings, use_triton
 from ._multi_tensor import plan
-from ._tl_utils import load_f32, store_cast
+from ._tl_utils import inv_scale, load_f32, store_cast, sweep_block
 
 
 @triton.jit
@@ -37,14 +37,8 @@ def _check_unscale_sweep_kernel(
     EMULATE_BF16_ROUNDING: tl.constexpr,  # interpreter only: see _tl_utils
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    tensor = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
-    block = tl.load(blocks_ptr + 2 * pid + 1).to(tl.int64)
-    row = meta_ptr + 4 * tensor  # 3 addresses + numel per row
-    numel = tl.load(row + 3)
+    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, meta_ptr, 3, False, BLOCK)
     src = tl.load(row).to(tl.pointer_type(src_proto.dtype.element_ty))
-    offs = block * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
     x = load_f32(src + offs, mask, EMULATE_BF16_ROUNDING)
     if CHECK:
         bad = (x != x) | (tl.abs(x) == float("inf"))
@@ -53,7 +47,7 @@ def _check_unscale_sweep_kernel(
             tl.store(found_inf_ptr, 1.0)
     if WRITE:
         if HAS_SCALE:
-            inv = (1.0 / tl.load(scale_ptr).to(tl.float64)).to(tl.float32)
+            inv = inv_scale(scale_ptr)
             x = x * inv
         if HAS_ADD:
             add = tl.load(row + 2).to(tl.pointer_type(add_proto.dtype.element_ty))

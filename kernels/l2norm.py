@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ._dispatch import elementwise_settings, use_triton
 from ._multi_tensor import _upload, plan_columns
-from ._tl_utils import load_f32
+from ._tl_utils import inv_scale, load_f32, sweep_block
 from .check_unscale import _dense
 
 # Partials summed per loop iteration of the segment stage (one program per tensor).
@@ -47,17 +47,12 @@ def _l2norm_partial_kernel(
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    tensor = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
-    block = tl.load(blocks_ptr + 2 * pid + 1).to(tl.int64)
-    row = meta_ptr + 2 * tensor
-    numel = tl.load(row + 1)
+    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, meta_ptr, 1, False, BLOCK)
     x_ptr = tl.load(row).to(tl.pointer_type(x_proto.dtype.element_ty))
-    offs = block * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
     x = load_f32(x_ptr + offs, mask, EMULATE_BF16_ROUNDING)
     if HAS_SCALE:
         # Unscale before squaring: a scaled fp32 gradient's square may overflow.
-        x = x * (1.0 / tl.load(scale_ptr).to(tl.float64)).to(tl.float32)
+        x = x * inv_scale(scale_ptr)
     # Masked lanes load 0 and add nothing; inf and NaN propagate into the partial.
     tl.store(partials_ptr + pid, tl.sum(x * x, axis=0))
 

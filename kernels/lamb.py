@@ -40,7 +40,7 @@ import triton.language as tl
 
 from ._dispatch import elementwise_settings, use_triton
 from ._multi_tensor import plan_columns
-from ._tl_utils import load_f32, store_cast
+from ._tl_utils import inv_scale, load_f32, load_lr, store_cast, sweep_block
 from .adam import _betas, advance_steps
 from .l2norm import block_counts, reduce_segments, segment_table
 
@@ -95,15 +95,7 @@ def _lamb_moments_kernel(
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    tensor = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
-    block = tl.load(blocks_ptr + 2 * pid + 1).to(tl.int64)
-    row = meta_ptr + 7 * tensor
-    numel = tl.load(row + 6)
-    if HAS_FOUND_INF:
-        # A skipped step reads nothing and writes nothing (its partials are 0).
-        numel = tl.where(tl.load(found_inf_ptr) == 0.0, numel, 0)
-    offs = block * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
+    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, 6, HAS_FOUND_INF, BLOCK)
     g_ptr = tl.load(row + 1).to(tl.pointer_type(g_proto.dtype.element_ty))
     m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
@@ -111,7 +103,7 @@ def _lamb_moments_kernel(
 
     g = load_f32(g_ptr + offs, mask, EMULATE_BF16_ROUNDING)
     if HAS_SCALE:
-        g = g * (1.0 / tl.load(scale_ptr).to(tl.float64)).to(tl.float32)
+        g = g * inv_scale(scale_ptr)
     if HAS_CLIP:
         gn = tl.load(grad_norm_ptr)
         g = tl.div_rn(g, tl.where(gn > max_grad_norm, tl.div_rn(gn, max_grad_norm), 1.0))
@@ -161,15 +153,7 @@ def _lamb_apply_kernel(
     EMULATE_BF16_ROUNDING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    tensor = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
-    block = tl.load(blocks_ptr + 2 * pid + 1).to(tl.int64)
-    row = meta_ptr + 7 * tensor
-    numel = tl.load(row + 6)
-    if HAS_FOUND_INF:
-        numel = tl.where(tl.load(found_inf_ptr) == 0.0, numel, 0)
-    offs = block * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
+    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, 6, HAS_FOUND_INF, BLOCK)
     p_ptr = tl.load(row + 0).to(tl.pointer_type(p_proto.dtype.element_ty))
     m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
@@ -180,10 +164,7 @@ def _lamb_apply_kernel(
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
     bc1, bc2 = _lamb_bias_corrections(step_ptr, betas_ptr, BIAS_CORRECTION)
     u = _lamb_update(m, v, p, bc1, bc2, eps, weight_decay, ADAM_W, HAS_DECAY)
-    if LR_IS_TENSOR:
-        ratio = tl.load(lr).to(tl.float32)
-    else:
-        ratio = lr
+    ratio = load_lr(lr, LR_IS_TENSOR)
     if USE_RATIO:
         p_norm = tl.load(norms_ptr + tensor)
         u_norm = tl.load(norms_ptr + norms_stride + tensor)

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ._dispatch import elementwise_settings, use_triton
 from ._multi_tensor import plan_columns
-from ._tl_utils import load_f32, store_cast
+from ._tl_utils import inv_scale, load_f32, load_lr, store_cast, sweep_block
 from .adam import _betas, advance_steps
 from .l2norm import SEGMENT_BLOCK, block_counts, segment_table
 
@@ -51,18 +51,11 @@ def _novograd_norm_kernel(
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    tensor = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
-    block = tl.load(blocks_ptr + 2 * pid + 1).to(tl.int64)
-    row = meta_ptr + 7 * tensor
-    numel = tl.load(row + 6)
-    if HAS_FOUND_INF:
-        numel = tl.where(tl.load(found_inf_ptr) == 0.0, numel, 0)
-    offs = block * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
+    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, 6, HAS_FOUND_INF, BLOCK)
     g_ptr = tl.load(row + 1).to(tl.pointer_type(g_proto.dtype.element_ty))
     g = load_f32(g_ptr + offs, mask, EMULATE_BF16_ROUNDING)
     if HAS_SCALE:
-        g = g * (1.0 / tl.load(scale_ptr).to(tl.float64)).to(tl.float32)
+        g = g * inv_scale(scale_ptr)
     if MAX_NORM:
         # tl.max may drop NaN (the interpreter does): carry it through by hand.
         has_nan = tl.max((g != g).to(tl.int32), axis=0) > 0
@@ -141,15 +134,7 @@ def _novograd_step_kernel(
     EMULATE_BF16_ROUNDING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    tensor = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
-    block = tl.load(blocks_ptr + 2 * pid + 1).to(tl.int64)
-    row = meta_ptr + 7 * tensor
-    numel = tl.load(row + 6)
-    if HAS_FOUND_INF:
-        numel = tl.where(tl.load(found_inf_ptr) == 0.0, numel, 0)
-    offs = block * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
+    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, 6, HAS_FOUND_INF, BLOCK)
     p_ptr = tl.load(row + 0).to(tl.pointer_type(p_proto.dtype.element_ty))
     g_ptr = tl.load(row + 1).to(tl.pointer_type(g_proto.dtype.element_ty))
     m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
@@ -158,13 +143,10 @@ def _novograd_step_kernel(
 
     g = load_f32(g_ptr + offs, mask, EMULATE_BF16_ROUNDING)
     if HAS_SCALE:
-        g = g * (1.0 / tl.load(scale_ptr).to(tl.float64)).to(tl.float32)
+        g = g * inv_scale(scale_ptr)
     p = load_f32(p_ptr + offs, mask, EMULATE_BF16_ROUNDING)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    if LR_IS_TENSOR:
-        lr_v = tl.load(lr).to(tl.float32)
-    else:
-        lr_v = lr
+    lr_v = load_lr(lr, LR_IS_TENSOR)
     if BIAS_CORRECTION:
         t = tl.load(step_ptr).to(tl.float64) + 1.0
         bc1 = (1.0 - tl.exp2(t * tl.log2(tl.load(betas_ptr + 0)))).to(tl.float32)
