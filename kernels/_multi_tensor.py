@@ -66,5 +66,30 @@ def plan_columns(columns, block: int) -> Plan:
     return result
 
 
+def check_lists(op, params, fp32=(), **lists):
+    """Every list given (None = absent) holds one tensor per parameter; the lists named
+    in ``fp32`` (optimizer state) are float32."""
+    n = len(params)
+    for name, other in lists.items():
+        if other is not None and len(other) != n:
+            raise ValueError(f"{op}: {name} has {len(other)} tensors but params has {n}; "
+                             "every list needs the same length, one tensor per parameter")
+    for name in fp32:
+        if lists[name] is not None and any(t.dtype != torch.float32 for t in lists[name]):
+            raise ValueError(f"{op}: {name} must be float32 (optimizer state is kept in fp32)")
+
+
+def dtype_groups(params, grads, copies):
+    """Indices of the non-empty parameters grouped by (device, parameter dtype, gradient
+    dtype, copy dtype or None): one launch each."""
+    groups = {}
+    for i, p in enumerate(params):
+        if p.numel() == 0:
+            continue
+        key = (p.device, p.dtype, grads[i].dtype, None if copies is None else copies[i].dtype)
+        groups.setdefault(key, []).append(i)
+    return groups
+
+
 def clear_plans():
     _plans.clear()

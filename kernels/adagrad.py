@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import elementwise_settings, use_triton
-from ._multi_tensor import plan_columns
+from ._multi_tensor import check_lists, dtype_groups, plan_columns
 from ._tl_utils import inv_scale, load_f32, load_lr, store_cast, sweep_block
 from .adam import advance_steps
 
@@ -73,13 +73,9 @@ def _adagrad_step_kernel(
 
 
 def _check(params, grads, sums, copies, steps):
-    n = len(params)
-    for name, other in (("grads", grads), ("sums", sums), ("copies", copies), ("steps", steps)):
-        if other is not None and len(other) != n:
-            raise ValueError(f"adagrad_step: {name} has {len(other)} tensors but params has {n}")
-    for i in range(n):
-        if sums[i].dtype != torch.float32:
-            raise ValueError("adagrad_step: the sum of squares must be float32")
+    check_lists("adagrad_step", params, fp32=("sums",), grads=grads, sums=sums,
+                copies=copies, steps=steps)
+    for i in range(len(params)):
         for name, other in (("grad", grads), ("sum", sums), ("copy", copies)):
             if other is not None and other[i].shape != params[i].shape:
                 raise ValueError(f"adagrad_step: tensor {i} has shape {tuple(params[i].shape)} but "
@@ -106,12 +102,7 @@ def adagrad_step(params, grads, sums, copies=None, *, lr, eps, weight_decay=0.0,
                          adagrad_w_mode=adagrad_w_mode, steps=steps, grad_scale=grad_scale,
                          found_inf=found_inf)
         return
-    groups = {}
-    for i, p in enumerate(params):
-        if p.numel() == 0:
-            continue
-        key = (p.device, p.dtype, grads[i].dtype, None if copies is None else copies[i].dtype)
-        groups.setdefault(key, []).append(i)
+    groups = dtype_groups(params, grads, copies)
     lr_is_tensor = isinstance(lr, torch.Tensor)
     for (device, _, _, copy_dtype), idx in groups.items():
         block, warps = elementwise_settings(device)

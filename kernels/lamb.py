@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import elementwise_settings, use_triton
-from ._multi_tensor import plan_columns
+from ._multi_tensor import check_lists, dtype_groups, plan_columns
 from ._tl_utils import inv_scale, load_f32, load_lr, store_cast, sweep_block
 from .adam import _betas, advance_steps
 from .l2norm import block_counts, reduce_segments, segment_table
@@ -179,16 +179,8 @@ def _lamb_apply_kernel(
 
 
 def _check(params, grads, exp_avgs, exp_avg_sqs, steps, copies):
-    n = len(params)
-    for name, other in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
-                        ("steps", steps)):
-        if len(other) != n:
-            raise ValueError(f"lamb_step: {name} has {len(other)} tensors but params has {n}")
-    if copies is not None and len(copies) != n:
-        raise ValueError(f"lamb_step: copies has {len(copies)} tensors but params has {n}")
-    for i in range(n):
-        if exp_avgs[i].dtype != torch.float32 or exp_avg_sqs[i].dtype != torch.float32:
-            raise ValueError("lamb_step: optimizer state must be float32")
+    check_lists("lamb_step", params, fp32=("exp_avgs", "exp_avg_sqs"), grads=grads,
+                exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps, copies=copies)
 
 
 @torch.no_grad()
@@ -213,12 +205,7 @@ def lamb_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, lr, b
     if not use_triton(params[0]):
         lamb_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies, **kw)
         return
-    groups = {}
-    for i, p in enumerate(params):
-        if p.numel() == 0:
-            continue
-        key = (p.device, p.dtype, grads[i].dtype, None if copies is None else copies[i].dtype)
-        groups.setdefault(key, []).append(i)
+    groups = dtype_groups(params, grads, copies)
     lr_is_tensor = isinstance(lr, torch.Tensor)
     has_decay = weight_decay != 0
     use_ratio = bool(use_nvlamb) or has_decay

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import elementwise_settings, use_triton
-from ._multi_tensor import plan_columns
+from ._multi_tensor import check_lists, dtype_groups, plan_columns
 from ._tl_utils import inv_scale, load_f32, load_lr, store_cast, sweep_block
 from .adam import _betas, advance_steps
 from .l2norm import SEGMENT_BLOCK, block_counts, segment_table
@@ -170,21 +170,13 @@ def _novograd_step_kernel(
 
 
 def _check(params, grads, exp_avgs, exp_avg_sqs, steps, copies, norm_type):
-    n = len(params)
-    for name, other in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
-                        ("steps", steps)):
-        if len(other) != n:
-            raise ValueError(f"novograd_step: {name} has {len(other)} tensors but params has {n}")
-    if copies is not None and len(copies) != n:
-        raise ValueError(f"novograd_step: copies has {len(copies)} tensors but params has {n}")
+    check_lists("novograd_step", params, fp32=("exp_avgs", "exp_avg_sqs"), grads=grads,
+                exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps, copies=copies)
     if norm_type not in (0, 2):
         raise ValueError(f"novograd_step: norm_type must be 2 (L2) or 0 (max norm), "
                          f"got {norm_type}")
-    for i in range(n):
-        if exp_avgs[i].dtype != torch.float32 or exp_avg_sqs[i].dtype != torch.float32:
-            raise ValueError("novograd_step: optimizer state must be float32")
-        if exp_avg_sqs[i].numel() != 1:
-            raise ValueError("novograd_step: exp_avg_sqs holds one scalar per tensor")
+    if any(v.numel() != 1 for v in exp_avg_sqs):
+        raise ValueError("novograd_step: exp_avg_sqs holds one scalar per tensor")
 
 
 @torch.no_grad()
@@ -209,12 +201,7 @@ def novograd_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, l
                           bias_correction=bias_correction, grad_scale=grad_scale,
                           found_inf=found_inf)
         return
-    groups = {}
-    for i, p in enumerate(params):
-        if p.numel() == 0:
-            continue
-        key = (p.device, p.dtype, grads[i].dtype, None if copies is None else copies[i].dtype)
-        groups.setdefault(key, []).append(i)
+    groups = dtype_groups(params, grads, copies)
     lr_is_tensor = isinstance(lr, torch.Tensor)
     has_inf = found_inf is not None
     max_norm = norm_type == 0

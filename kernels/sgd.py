@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import elementwise_settings, use_triton
-from ._multi_tensor import plan_columns
+from ._multi_tensor import check_lists, dtype_groups, plan_columns
 from ._tl_utils import inv_scale, load_f32, load_lr, store_cast, sweep_block
 from .adam import advance_steps
 
@@ -84,15 +84,8 @@ def _sgd_step_kernel(
 
 
 def _check(params, grads, bufs, copies, steps=None):
-    n = len(params)
-    if len(grads) != n or (bufs is not None and len(bufs) != n) \
-            or (copies is not None and len(copies) != n):
-        raise ValueError("sgd_step: params, grads, momentum_buffers and copies must have the "
-                         "same length")
-    if steps is not None and len(steps) != n:
-        raise ValueError("sgd_step: steps must have one tensor per parameter")
-    if bufs is not None and any(b.dtype != torch.float32 for b in bufs):
-        raise ValueError("sgd_step: momentum buffers must be float32")
+    check_lists("sgd_step", params, fp32=("momentum_buffers",), grads=grads,
+                momentum_buffers=bufs, copies=copies, steps=steps)
 
 
 @torch.no_grad()
@@ -120,12 +113,7 @@ def sgd_step(params, grads, momentum_buffers=None, copies=None, *, lr, momentum=
                      wd_after_momentum=wd_after_momentum, first_run=first_run, steps=steps,
                      grad_scale=grad_scale, found_inf=found_inf)
         return
-    groups = {}
-    for i, p in enumerate(params):
-        if p.numel() == 0:
-            continue
-        key = (p.device, p.dtype, grads[i].dtype, None if copies is None else copies[i].dtype)
-        groups.setdefault(key, []).append(i)
+    groups = dtype_groups(params, grads, copies)
     lr_is_tensor = isinstance(lr, torch.Tensor)
     for (device, _, _, copy_dtype), idx in groups.items():
         block, warps = elementwise_settings(device)
