@@ -4,7 +4,8 @@
     python benchmarks/opt_levels.py --device cuda --model resnet50 --batch-size 256
 
 tritamp's configurations train with tritamp.optimizers.FusedSGD, the torch.amp baseline
-with torch.optim.SGD(fused=True). Each configuration runs in a fresh process (clean
+with torch.optim.SGD(fused=True); with ``--model transformer`` (pre-norm transformer blocks
+on synthetic tokens) FusedAdam against torch.optim.AdamW(fused=True). Each configuration runs in a fresh process (clean
 memory peak, clean compile cache) and reports samples/s (median step after warm-up), step time, peak memory (CUDA allocator
 peak, or the process's peak RSS on CPU), host-device syncs per training step, the extra
 time of the first step (kernel compiles) and the final loss relative to O0. Writes a
@@ -47,9 +48,32 @@ def small_cnn(num_classes=10):
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes))
 
 
-def build_model(name, num_classes):
+class TransformerClassifier(nn.Module):
+    """Pre-norm transformer blocks (LayerNorm, attention, MLP) over synthetic tokens:
+    the LayerNorm / Adam side of mixed precision, where the CNNs exercise BatchNorm / SGD."""
+
+    def __init__(self, num_classes=10, vocab=1000, width=64, depth=2, heads=4, seq=512):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.pos = nn.Parameter(torch.zeros(seq, width))
+        layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0,
+                                           batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, tokens):
+        h = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        return self.head(self.norm(self.blocks(h)).mean(dim=1))
+
+
+def build_model(name, num_classes, device_type="cpu"):
     if name == "small-cnn":
         return small_cnn(num_classes)
+    if name == "transformer":
+        if device_type == "cuda":
+            return TransformerClassifier(num_classes, width=512, depth=6, heads=8)
+        return TransformerClassifier(num_classes)
     try:
         import torchvision
     except ImportError:
@@ -133,18 +157,26 @@ def run_config(name, args):
     kind, kw = CONFIGS[name]
     device = torch.device(args.device)
     torch.manual_seed(0)
-    model = build_model(args.model, 10).to(device)
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    model = build_model(args.model, 10, device.type).to(device)
+    transformer = args.model == "transformer"
+    memory_format = torch.channels_last if args.channels_last and not transformer \
+        else torch.contiguous_format
     model = model.to(memory_format=memory_format)
-    if kind == "tritamp":
-        from tritamp.optimizers import FusedSGD
+    from tritamp.optimizers import FusedAdam, FusedSGD
+    if transformer:
+        opt = FusedAdam(model.parameters(), lr=1e-3) if kind == "tritamp" else \
+            torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
+    elif kind == "tritamp":
         opt = FusedSGD(model.parameters(), lr=0.01, momentum=0.9)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=True)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g)
+    if transformer:  # image_size is the sequence length
+        x = torch.randint(0, 1000, (args.batch_size, args.image_size), generator=g)
+    else:
+        x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g)
     y = torch.randint(0, 10, (args.batch_size,), generator=g)
-    x = x.to(device).contiguous(memory_format=memory_format)
+    x = x.to(device).contiguous(memory_format=memory_format) if not transformer else x.to(device)
     y = y.to(device)
     criterion = nn.CrossEntropyLoss()
 
@@ -261,9 +293,12 @@ def write_chart(rows, path, title):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
-    p.add_argument("--model", default=None, help="small-cnn or a torchvision model name")
+    p.add_argument("--model", default=None,
+                   help="small-cnn, transformer (pre-norm blocks, FusedAdam vs fused AdamW) or a "
+                        "torchvision model name")
     p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--image-size", type=int, default=None)
+    p.add_argument("--image-size", type=int, default=None,
+                   help="image side, or the sequence length with --model transformer")
     p.add_argument("--steps", type=int, default=None, help="timed steps per configuration")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None)

@@ -41,3 +41,14 @@ def test_sync_counter_counts_a_planted_item():
 def test_unknown_configuration_is_refused():
     with pytest.raises(SystemExit):
         opt_levels.parse_args(["--levels", "O4"])
+
+
+def test_transformer_option_runs_fused_adam(tmp_path, capsys):
+    rc = opt_levels.main(["--device", "cpu", "--model", "transformer", "--levels", "O2,torch.amp",
+                          "--batch-size", "2", "--image-size", "8", "--steps", "1",
+                          "--warmup", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "opt_levels_cpu.json").read_text())
+    assert data["model"] == "transformer"
+    assert [r["config"] for r in data["rows"]] == ["O2", "torch.amp"]
+    assert all(r["syncs_per_step"] == 0 for r in data["rows"])
