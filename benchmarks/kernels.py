@@ -1,0 +1,162 @@
+"""Every kernel benchmark behind one command, in one output format.
+
+    python benchmarks/kernels.py                   # 25M, 100M (and 1B for optimizers) on the GPU
+    python benchmarks/kernels.py --sizes 25M --layouts resnet50
+    python benchmarks/kernels.py --device cpu      # a small CPU smoke run
+
+Rows: amp's end-of-backward kernels (the overflow check alone, and check + unscale of
+fp16 gradients into fp32 master gradients) against torch's
+``_amp_foreach_non_finite_check_and_unscale_`` (what GradScaler runs), the multi-tensor
+l2-norm against ``torch._foreach_norm``, then every fused optimizer step from
+benchmarks/optimizers.py. Each row: time (median, p20-p80), bytes moved, GB/s, the
+share of the device's measured copy bandwidth and the ratio to the torch baseline. Timing
+as in optimizers.py: ``triton.testing.do_bench`` on the GPU, a short wall-clock median of
+the reference path on a CPU (which says nothing about GPU speed).
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import optimizers as ob  # noqa: E402  (the optimizer benchmark: layouts, timer, table)
+
+from tritamp.kernels import check_unscale, multi_tensor_l2norm  # noqa: E402
+
+DEFAULT_SIZES = {"cuda": "25M,100M", "cpu": "100K"}
+
+
+def _grads(shapes, device, dtype=torch.float16):
+    g = torch.Generator(device=device).manual_seed(0)
+    return [torch.randn(s, device=device, generator=g, dtype=torch.float32).to(dtype)
+            for s in shapes]
+
+
+def kernel_cases(shapes, device):
+    """(kernel, impl, make) with make() -> (step function, bytes moved, tensors to keep)."""
+    scale = torch.tensor(65536.0, device=device)
+    found = torch.zeros((), device=device)
+
+    def check_only():
+        grads = _grads(shapes, device)
+        return (lambda: check_unscale(grads, None, found, write=False)), \
+            sum(g.numel() * 2 for g in grads), grads
+
+    def check_unscale_to_fp32():
+        grads = _grads(shapes, device)
+        masters = [torch.empty(g.shape, device=device) for g in grads]
+        return (lambda: check_unscale(grads, scale, found, dsts=masters)), \
+            sum(g.numel() * (2 + 4) for g in grads), (grads, masters)
+
+    def torch_unscale():
+        grads = _grads(shapes, device)
+        inv = torch.ones((), device=device)  # 1.0: repeated runs leave the gradients as they are
+        fi = torch.zeros(1, device=device)
+        return (lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, fi, inv)), \
+            sum(g.numel() * (2 + 2) for g in grads), grads
+
+    def l2norm():
+        grads = _grads(shapes, device, torch.float32)
+        return (lambda: multi_tensor_l2norm(grads, per_tensor=True)), \
+            sum(g.numel() * 4 for g in grads), grads
+
+    def torch_norm():
+        grads = _grads(shapes, device, torch.float32)
+        return (lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))), \
+            sum(g.numel() * 4 for g in grads), grads
+
+    return [("amp check", "tritamp", check_only),
+            ("amp check", "torch fused", torch_unscale),
+            ("amp unscale->fp32", "tritamp", check_unscale_to_fp32),
+            ("amp unscale->fp32", "torch fused", torch_unscale),
+            ("l2norm", "tritamp", l2norm),
+            ("l2norm", "torch fused", torch_norm)]
+
+
+def run_kernel(name, impl, make, layout, n, device, timed, copy_gbps, meta):
+    shapes = ob.layout_shapes(layout, n)
+    row = dict(meta, optimizer=name, impl=impl, layout=layout, size=ob.size_label(n),
+               params=ob.numel(shapes), tensors=len(shapes))
+    try:
+        step, nbytes, keep = make()
+        med, p20, p80 = timed(step)
+    except torch.cuda.OutOfMemoryError:
+        row["note"] = "skipped: out of device memory"
+        return row
+    except Exception as exc:  # reported, the run goes on
+        row["note"] = f"failed: {type(exc).__name__}: {exc}"[:300]
+        return row
+    finally:
+        keep = None  # noqa: F841
+        ob._release(device)
+    gbps = nbytes / (med * 1e-3) / 1e9
+    row.update(time_ms=med, time_ms_p20=p20, time_ms_p80=p80, bytes=nbytes, gbps=gbps,
+               copy_bw_fraction=gbps / copy_gbps if copy_gbps else None)
+    return row
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default=None)
+    p.add_argument("--sizes", default=None, help="parameter counts, e.g. 25M,100M")
+    p.add_argument("--optimizer-sizes", default=None,
+                   help="sizes for the optimizer rows (default: --sizes, plus 1B on a GPU)")
+    p.add_argument("--layouts", default=",".join(ob.LAYOUTS))
+    p.add_argument("--no-optimizers", action="store_true", help="only amp's and the norm kernels")
+    p.add_argument("--cpu-reps", type=int, default=5)
+    p.add_argument("--out", default="benchmarks/out")
+    args = p.parse_args(argv)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    kind = torch.device(args.device).type
+    args.sizes = [ob.parse_size(s) for s in (args.sizes or DEFAULT_SIZES[kind]).split(",")]
+    opt_sizes = args.optimizer_sizes or (ob.DEFAULT_SIZES[kind] if args.optimizer_sizes is None
+                                         and kind == "cuda" else None)
+    args.optimizer_sizes = [ob.parse_size(s) for s in opt_sizes.split(",")] if opt_sizes \
+        else args.sizes
+    args.layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
+    unknown = [s for s in args.layouts if s not in ob.LAYOUTS]
+    if unknown:
+        p.error(f"unknown layout(s) {unknown}; choose from {list(ob.LAYOUTS)}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        print("No GPU in use: these are CPU figures of small sizes (torch reference paths); "
+              "they say nothing about GPU speed.")
+    timed = ob.make_timer(device, args.cpu_reps)
+    meta = dict(device=ob.device_name(device), **ob.versions())
+    copy_gbps = ob.copy_bandwidth(device, timed)
+    print(f"{meta['device']} | torch {meta['torch']}, triton {meta['triton']}, "
+          f"tritamp {meta['tritamp']} | measured copy bandwidth {copy_gbps:.1f} GB/s")
+    rows = []
+    for n in args.sizes:
+        for layout in args.layouts:
+            for name, impl, make in kernel_cases(ob.layout_shapes(layout, n), device):
+                rows.append(run_kernel(name, impl, make, layout, n, device, timed, copy_gbps,
+                                       meta))
+    if not args.no_optimizers:
+        for n in args.optimizer_sizes:
+            for layout in args.layouts:
+                for spec in ob.optimizer_specs().values():
+                    for impl, factory in [("tritamp", None)] + spec.torch_impls:
+                        rows.append(ob.run_one(spec, impl, factory, layout, n, device, timed,
+                                               copy_gbps, meta))
+    ob.add_ratios(rows)
+    print(ob.format_table(rows).replace("optimizer", "kernel   ", 1))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"kernels_{device.type}.json")
+    with open(path, "w") as f:
+        json.dump(dict(meta, copy_bandwidth_gbps=copy_gbps, rows=rows), f, indent=2)
+    print(f"wrote {path}")
+    return 0 if all("time_ms" in r or r.get("note", "").startswith("skipped") for r in rows) \
+        else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""benchmarks/kernels.py gathers every kernel benchmark in one format; CPU smoke run."""
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import kernels as kb  # noqa: E402
+
+
+def test_smoke_run_writes_one_table(tmp_path, capsys):
+    rc = kb.main(["--device", "cpu", "--sizes", "20K", "--layouts", "transformer",
+                  "--cpu-reps", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "CPU figures" in out and "amp check" in out and "adam" in out
+    data = json.loads((tmp_path / "kernels_cpu.json").read_text())
+    names = {r["optimizer"] for r in data["rows"]}
+    assert {"amp check", "amp unscale->fp32", "l2norm", "adam", "sgd"} <= names
+    for r in data["rows"]:
+        assert r["device"] == data["device"] and "torch" in r and "tritamp" in r
+        if "time_ms" in r:
+            assert r["gbps"] > 0 and r["bytes"] > 0
