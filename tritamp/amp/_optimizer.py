@@ -162,15 +162,8 @@ class AmpStash:
         if self.masters and not self.writes_model_copies:
             K.check_unscale(self.masters, None, None, dsts=self.model_params)
 
-    def forget_pending(self):
-        """zero_grad(): the checked gradients are gone, and so is what step() needed."""
-        self.found_inf = None
-        self.grad_scale = None
-        self._drop_alias()
-        for m in self.masters:
-            m.grad = None
-
     def finish_step(self):
+        """After step() or zero_grad(): back to READY; the masters' gradients are spent."""
         for m in self.masters:
             m.grad = None
         self.found_inf = None
@@ -229,7 +222,7 @@ def _new_zero_grad(old_zero_grad):
                 else:
                     p.grad.detach_()
                     p.grad.zero_()
-        stash.forget_pending()
+        stash.finish_step()
     return zero_grad
 
 
