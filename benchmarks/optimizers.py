@@ -35,7 +35,6 @@ import importlib.util
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -48,19 +47,9 @@ LAYOUTS = ("resnet50", "transformer")
 GRAD_DTYPE = torch.float16
 
 
-# -- environment ------------------------------------------------------------------------
-def device_name(device):
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-
-
-def versions():
-    import triton
-
-    import tritamp
-    return dict(torch=torch.__version__, triton=triton.__version__, tritamp=tritamp.__version__,
-                python=platform.python_version())
+# -- environment: the same device and version facts as the opt-level benchmark ----------
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from opt_levels import device_name, versions  # noqa: E402,F401
 
 
 # -- sizes and layouts ----------------------------------------------------------------------
@@ -234,7 +223,6 @@ def copy_bandwidth(device, timed):
     src = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     ms = timed(lambda: dst.copy_(src))[0]
-    del src, dst
     return 2 * 4 * n / (ms * 1e-3) / 1e9
 
 

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import elementwise_settings, use_triton
+from ._ref_utils import f32 as _f32, sqrt_rn as _sqrt_rn
 from ._multi_tensor import check_lists, dtype_groups, plan_columns
 from ._tl_utils import inv_scale, load_f32, load_lr, store_cast, sweep_block
 from .adam import advance_steps
@@ -121,17 +122,6 @@ def adagrad_step(params, grads, sums, copies=None, *, lr, eps, weight_decay=0.0,
             BLOCK=block, num_warps=warps)
     if steps is not None:
         advance_steps(steps, found_inf)
-
-
-def _f32(x):
-    """A Python float as the fp32 scalar the kernel receives."""
-    return torch.tensor(x, dtype=torch.float32)
-
-
-def _sqrt_rn(x):
-    """fp32 square root rounded to nearest, as ``tl.sqrt_rn``. torch's CPU ``sqrt`` is not
-    always correctly rounded (vectorised paths); through fp64 it is (53 >= 2 * 24 + 2)."""
-    return x.double().sqrt().float()
 
 
 @torch.no_grad()

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import elementwise_settings, use_triton
+from ._ref_utils import f32 as _f32, sqrt_rn as _sqrt_rn
 from ._multi_tensor import check_lists, dtype_groups, plan_columns
 from ._tl_utils import inv_scale, load_f32, load_lr, store_cast, sweep_block
 
@@ -154,17 +155,6 @@ def advance_steps(steps, found_inf):
     else:
         keep = (found_inf.reshape(()) == 0).to(steps[0].dtype)
         torch._foreach_add_(steps, keep)
-
-
-def _sqrt_rn(x):
-    """fp32 square root rounded to nearest, as the kernel's ``tl.sqrt_rn`` (torch's CPU
-    sqrt can be one ulp off)."""
-    return x.double().sqrt().float()
-
-
-def _f32(x):
-    """A Python float as the fp32 scalar the kernel receives."""
-    return torch.tensor(x, dtype=torch.float32)
 
 
 @torch.no_grad()

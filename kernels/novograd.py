@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import elementwise_settings, use_triton
+from ._ref_utils import f32 as _f32
 from ._multi_tensor import check_lists, dtype_groups, plan_columns
 from ._tl_utils import inv_scale, load_f32, load_lr, store_cast, sweep_block
 from .adam import _betas, advance_steps
@@ -237,10 +238,6 @@ def novograd_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, l
             HAS_COPY=copy_dtype is not None, EMULATE_BF16_ROUNDING=emulate, BLOCK=block,
             num_warps=warps)
     advance_steps(list(steps), found_inf)
-
-
-def _f32(x):
-    return torch.tensor(x, dtype=torch.float32)
 
 
 @torch.no_grad()

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import elementwise_settings, use_triton
+from ._ref_utils import f32
 from ._multi_tensor import check_lists, dtype_groups, plan_columns
 from ._tl_utils import inv_scale, load_f32, load_lr, store_cast, sweep_block
 from .adam import advance_steps
@@ -144,7 +145,6 @@ def sgd_step_ref(params, grads, momentum_buffers=None, copies=None, *, lr, momen
     """Torch reference of :func:`sgd_step` (same order of operations, fp32)."""
     inv = None if grad_scale is None else grad_scale.double().reciprocal().float()
     keep = None if found_inf is None else found_inf.reshape(()) == 0
-    f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731 - the kernel's scalars
     for i, p in enumerate(params):
         if p.numel() == 0:
             continue

@@ -26,6 +26,10 @@ from tritamp.amp._model import MODEL_ATTR
 class FusedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
     _tritamp_writes_model_copies = True
+    # per-parameter state created on first use, fp32: tensors shaped like the parameter,
+    # and 0-d device tensors (step counts, NovoGrad's per-tensor second moment)
+    _STATE_LIKE = ()
+    _STATE_SCALARS = ()
 
     def __init__(self, params, defaults, *, set_grad_none=True, capturable=False,
                  master_weights=False):
@@ -124,8 +128,21 @@ class FusedOptimizer(torch.optim.Optimizer):
         without = [it for it in items if it[3] is None]
         return [x for x in (with_copy, without) if x]
 
-    def _amp_args(self):
-        return getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+    def _state_for(self, p, target):
+        st = self.state[p]
+        for key in self._STATE_LIKE:
+            if key not in st:
+                st[key] = torch.zeros_like(target, dtype=torch.float32)
+        for key in self._STATE_SCALARS:
+            if key not in st:
+                st[key] = torch.zeros((), dtype=torch.float32, device=target.device)
+        return st
+
+    def _columns(self, items, with_state=True):
+        """(targets, gradients, copies or None, states or None) of a step's items."""
+        copies = [c for _, _, _, c in items] if items[0][3] is not None else None
+        states = [self._state_for(p, t) for p, t, _, _ in items] if with_state else None
+        return [t for _, t, _, _ in items], [g for _, _, g, _ in items], copies, states
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -133,12 +150,19 @@ class FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grad_scale, found_inf = self._amp_args()
-        for group in self.param_groups:
-            items = self._gather(group)
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        gathered = [(group, self._gather(group)) for group in self.param_groups]
+        extra = self._before_groups(gathered, grad_scale)
+        for group, items in gathered:
             for part in self._split_by_copy(items):
-                self._step_group(group, part, grad_scale, found_inf)
+                self._step_group(group, part, grad_scale, found_inf, **extra)
         return loss
+
+    def _before_groups(self, gathered, grad_scale):
+        """Work over every group's gradients before the updates (LAMB's global norm);
+        returns keyword arguments for _step_group."""
+        return {}
 
     def _step_group(self, group, items, grad_scale, found_inf):
         raise NotImplementedError

@@ -1,6 +1,4 @@
 """FusedAdagrad: Apex's signature and defaults, one Triton launch per dtype group."""
-import torch
-
 from tritamp.kernels.adagrad import adagrad_step
 
 from ._base import FusedOptimizer
@@ -37,13 +35,8 @@ class FusedAdagrad(FusedOptimizer):
                          master_weights=master_weights)
         self.adagrad_w_mode = 1 if adagrad_w_mode else 0
 
-    def _state_for(self, p, target):
-        st = self.state[p]
-        if "sum" not in st:
-            st["sum"] = torch.zeros_like(target, dtype=torch.float32)
-        if "step" not in st:  # Apex's FusedAdagrad kept no step count
-            st["step"] = torch.zeros((), dtype=torch.float32, device=target.device)
-        return st
+    _STATE_LIKE = ("sum",)
+    _STATE_SCALARS = ("step",)  # created also for Apex state dicts, which kept no count
 
     @staticmethod
     def _check_group(group):
@@ -55,9 +48,8 @@ class FusedAdagrad(FusedOptimizer):
 
     def _step_group(self, group, items, grad_scale, found_inf):
         self._check_group(group)
-        states = [self._state_for(p, target) for p, target, _, _ in items]
-        copies = [c for _, _, _, c in items] if items[0][3] is not None else None
-        adagrad_step([t for _, t, _, _ in items], [g for _, _, g, _ in items],
+        targets, grads, copies, states = self._columns(items)
+        adagrad_step(targets, grads,
                      [s["sum"] for s in states], copies, lr=group["lr"], eps=group["eps"],
                      weight_decay=group["weight_decay"],
                      adagrad_w_mode=bool(self.adagrad_w_mode), steps=[s["step"] for s in states],

@@ -1,6 +1,4 @@
 """FusedAdam: Apex's signature and defaults, one Triton launch per dtype group."""
-import torch
-
 from tritamp.kernels.adam import adam_step
 
 from ._base import FusedOptimizer
@@ -31,19 +29,13 @@ class FusedAdam(FusedOptimizer):
                          master_weights=master_weights)
         self.adam_w_mode = 1 if adam_w_mode else 0
 
-    def _state_for(self, p, target):
-        st = self.state[p]
-        if "exp_avg" not in st:
-            st["step"] = torch.zeros((), dtype=torch.float32, device=target.device)
-            st["exp_avg"] = torch.zeros_like(target, dtype=torch.float32)
-            st["exp_avg_sq"] = torch.zeros_like(target, dtype=torch.float32)
-        return st
+    _STATE_LIKE = ("exp_avg", "exp_avg_sq")
+    _STATE_SCALARS = ("step",)
 
     def _step_group(self, group, items, grad_scale, found_inf):
-        states = [self._state_for(p, target) for p, target, _, _ in items]
+        targets, grads, copies, states = self._columns(items)
         beta1, beta2 = group["betas"]
-        copies = [c for _, _, _, c in items] if items[0][3] is not None else None
-        adam_step([t for _, t, _, _ in items], [g for _, _, g, _ in items],
+        adam_step(targets, grads,
                   [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                   [s["step"] for s in states], copies,
                   lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],

@@ -1,7 +1,5 @@
 """FusedLAMB: Apex's signature and defaults, a few Triton launches per dtype group."""
 
-import torch
-
 from tritamp.kernels.l2norm import multi_tensor_l2norm
 from tritamp.kernels.lamb import lamb_step
 
@@ -45,38 +43,21 @@ class FusedLAMB(FusedOptimizer):
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.use_nvlamb = use_nvlamb
 
-    def _state_for(self, p, target):
-        st = self.state[p]
-        if "exp_avg" not in st:
-            st["step"] = torch.zeros((), dtype=torch.float32, device=target.device)
-            st["exp_avg"] = torch.zeros_like(target, dtype=torch.float32)
-            st["exp_avg_sq"] = torch.zeros_like(target, dtype=torch.float32)
-        return st
+    _STATE_LIKE = ("exp_avg", "exp_avg_sq")
+    _STATE_SCALARS = ("step",)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        grad_scale, found_inf = self._amp_args()
-        gathered = [(group, self._gather(group)) for group in self.param_groups]
+    def _before_groups(self, gathered, grad_scale):
         grads = [g for _, items in gathered for _, _, g, _ in items]
         max_grad_norm = self.defaults["max_grad_norm"]
-        global_norm = None
-        if grads and max_grad_norm:
-            # One norm over every gradient of every group, of the unscaled gradients.
-            global_norm = multi_tensor_l2norm(grads, scale=grad_scale)[0]
-        for group, items in gathered:
-            for part in self._split_by_copy(items):
-                self._step_group(group, part, grad_scale, found_inf, global_norm)
-        return loss
+        if not (grads and max_grad_norm):
+            return dict(global_norm=None)
+        # One norm over every gradient of every group, of the unscaled gradients.
+        return dict(global_norm=multi_tensor_l2norm(grads, scale=grad_scale)[0])
 
     def _step_group(self, group, items, grad_scale, found_inf, global_norm=None):
-        states = [self._state_for(p, target) for p, target, _, _ in items]
+        targets, grads, copies, states = self._columns(items)
         beta1, beta2 = group["betas"]
-        copies = [c for _, _, _, c in items] if items[0][3] is not None else None
-        lamb_step([t for _, t, _, _ in items], [g for _, _, g, _ in items],
+        lamb_step(targets, grads,
                   [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                   [s["step"] for s in states], copies,
                   lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],

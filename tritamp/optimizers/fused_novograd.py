@@ -1,6 +1,4 @@
 """FusedNovoGrad: Apex's signature and defaults, three Triton launches per dtype group."""
-import torch
-
 from tritamp.kernels.novograd import novograd_step
 
 from ._base import FusedOptimizer
@@ -44,22 +42,16 @@ class FusedNovoGrad(FusedOptimizer):
                          master_weights=master_weights)
         self.moment_mode = 0 if reg_inside_moment else 1
 
-    def _state_for(self, p, target):
-        st = self.state[p]
-        if "exp_avg" not in st:
-            st["step"] = torch.zeros((), dtype=torch.float32, device=target.device)
-            st["exp_avg"] = torch.zeros_like(target, dtype=torch.float32)
-            st["exp_avg_sq"] = torch.zeros((), dtype=torch.float32, device=target.device)
-        return st
+    _STATE_LIKE = ("exp_avg",)
+    _STATE_SCALARS = ("step", "exp_avg_sq")  # NovoGrad's second moment is one per tensor
 
     def _step_group(self, group, items, grad_scale, found_inf):
         if group["norm_type"] not in (0, 2):
             raise ValueError(f"Invalid norm_type: {group['norm_type']}; FusedNovoGrad "
                              "supports 2 (L2 norm) and 0 (infinity norm)")
-        states = [self._state_for(p, target) for p, target, _, _ in items]
+        targets, grads, copies, states = self._columns(items)
         beta1, beta2 = group["betas"]
-        copies = [c for _, _, _, c in items] if items[0][3] is not None else None
-        novograd_step([t for _, t, _, _ in items], [g for _, _, g, _ in items],
+        novograd_step(targets, grads,
                       [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                       [s["step"] for s in states], copies,
                       lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],

@@ -41,14 +41,12 @@ class FusedSGD(FusedOptimizer):
 
     def _step_group(self, group, items, grad_scale, found_inf):
         momentum = group["momentum"]
-        copies = [c for _, _, _, c in items] if items[0][3] is not None else None
         kw = dict(lr=group["lr"], momentum=momentum, dampening=group["dampening"],
                   weight_decay=group["weight_decay"], nesterov=group["nesterov"],
                   wd_after_momentum=self.wd_after_momentum, grad_scale=grad_scale,
                   found_inf=found_inf)
-        targets = [t for _, t, _, _ in items]
-        grads = [g for _, _, g, _ in items]
         if momentum == 0:
+            targets, grads, copies, _ = self._columns(items, with_state=False)
             sgd_step(targets, grads, None, copies, **kw)
             return
         for p, target, _, _ in items:
@@ -61,6 +59,6 @@ class FusedSGD(FusedOptimizer):
                 st["step"] = torch.zeros((), dtype=torch.float32, device=target.device)
             elif "step" not in st:  # state loaded from torch.optim.SGD: already started
                 st["step"] = torch.ones((), dtype=torch.float32, device=target.device)
-        states = [self.state[p] for p, _, _, _ in items]
+        targets, grads, copies, states = self._columns(items)
         sgd_step(targets, grads, [s["momentum_buffer"] for s in states], copies,
                  steps=[s["step"] for s in states], **kw)
