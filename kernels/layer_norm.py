@@ -1,0 +1,408 @@
+"""Row-wise LayerNorm and RMSNorm, forward and backward.
+
+``layer_norm_fwd(x, n, weight, bias, eps, rms, out_dtype)`` normalises every row of ``n``
+trailing elements of ``x``::
+
+    LayerNorm   y = (x - mean) * rstd * weight + bias     rstd = 1 / sqrt(var + eps)
+    RMSNorm     y = x * rstd * weight                     rstd = 1 / sqrt(mean(x^2) + eps)
+
+and returns ``y`` (in ``out_dtype``) with the fp32 statistics ``mean`` (LayerNorm only)
+and ``rstd``, one per row. ``layer_norm_bwd`` takes ``dy`` and either the input with
+those statistics or, when the forward kept only its output (``memory_efficient``), the
+output, from which ``xhat = (y - bias) / weight`` is recomputed. It returns ``dx`` and the
+weight and bias gradients, reduced in two stages: each program sums ``dy * xhat`` and
+``dy`` over its own run of rows into an fp32 partial row, and a second kernel sums the
+partial rows per column. No atomics, so the result does not depend on scheduling.
+
+Everything accumulates in fp32 whatever the input, weight and output dtypes (fp32, fp16,
+bf16, mixed). Rows wider than one block are swept in chunks (three passes over the row in
+the forward, two in the backward); rows that fit stay in registers and are read once.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dispatch import use_triton
+from ._tl_utils import load_f32, store_cast
+
+_MAX_BLOCK = 16384   # widest row held in registers at once on the GPU
+_MAX_BLOCK_CPU = 4096
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    x_ptr,          # [M, N] input rows: row stride x_stride, unit column stride
+    y_ptr,          # [M, N] output, contiguous, in the output dtype
+    w_ptr,          # [N] weight (read when HAS_WEIGHT)
+    b_ptr,          # [N] bias (read when HAS_BIAS)
+    mean_ptr,       # [M] fp32: row means (written unless IS_RMS)
+    rstd_ptr,       # [M] fp32: 1 / sqrt(var + eps)
+    x_stride, N, eps,
+    IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ONE_PASS: tl.constexpr,                # the row fits in one BLOCK: read it once
+    EMULATE_BF16_ROUNDING: tl.constexpr,   # interpreter only: see _tl_utils
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_stride
+    y_row = y_ptr + row * N
+    n = N.to(tl.float32)
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        x = load_f32(x_row + cols, mask, EMULATE_BF16_ROUNDING)
+        if IS_RMS:
+            xc = x
+        else:
+            mean = tl.div_rn(tl.sum(x, axis=0), n)
+            # Centre before squaring: E[x^2] - E[x]^2 cancels catastrophically.
+            xc = tl.where(mask, x - mean, 0.0)
+            tl.store(mean_ptr + row, mean)
+        var = tl.div_rn(tl.sum(xc * xc, axis=0), n)
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+        tl.store(rstd_ptr + row, rstd)
+        y = xc * rstd
+        if HAS_WEIGHT:
+            y = y * load_f32(w_ptr + cols, mask, EMULATE_BF16_ROUNDING)
+        if HAS_BIAS:
+            y = y + load_f32(b_ptr + cols, mask, EMULATE_BF16_ROUNDING)
+        store_cast(y_row + cols, y, mask, EMULATE_BF16_ROUNDING)
+    else:
+        mean = 0.0
+        if not IS_RMS:
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, N, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                acc += load_f32(x_row + cols, cols < N, EMULATE_BF16_ROUNDING)
+            mean = tl.div_rn(tl.sum(acc, axis=0), n)
+            tl.store(mean_ptr + row, mean)
+        acc2 = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, N, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < N
+            xc = tl.where(mask, load_f32(x_row + cols, mask, EMULATE_BF16_ROUNDING) - mean, 0.0)
+            acc2 += xc * xc
+        var = tl.div_rn(tl.sum(acc2, axis=0), n)
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+        tl.store(rstd_ptr + row, rstd)
+        for start in range(0, N, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < N
+            y = (load_f32(x_row + cols, mask, EMULATE_BF16_ROUNDING) - mean) * rstd
+            if HAS_WEIGHT:
+                y = y * load_f32(w_ptr + cols, mask, EMULATE_BF16_ROUNDING)
+            if HAS_BIAS:
+                y = y + load_f32(b_ptr + cols, mask, EMULATE_BF16_ROUNDING)
+            store_cast(y_row + cols, y, mask, EMULATE_BF16_ROUNDING)
+
+
+@triton.jit
+def _xhat(v_row, w_ptr, b_ptr, cols, mask, mean, rstd, IS_RMS: tl.constexpr,
+          HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, FROM_OUTPUT: tl.constexpr,
+          EMULATE_BF16_ROUNDING: tl.constexpr):
+    """The normalised row, from the input and its statistics or from the output."""
+    v = load_f32(v_row + cols, mask, EMULATE_BF16_ROUNDING)
+    if FROM_OUTPUT:
+        if HAS_BIAS:
+            v = v - load_f32(b_ptr + cols, mask, EMULATE_BF16_ROUNDING)
+        if HAS_WEIGHT:
+            w = load_f32(w_ptr + cols, mask, EMULATE_BF16_ROUNDING)
+            v = tl.div_rn(v, tl.where(mask, w, 1.0))
+        xhat = v
+    else:
+        if IS_RMS:
+            xhat = v * rstd
+        else:
+            xhat = (v - mean) * rstd
+    # Zero the tail: 0 / 0 there would poison the row sums.
+    return tl.where(mask, xhat, 0.0)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    dy_ptr,         # [M, N] output gradient, contiguous
+    v_ptr,          # [M, N] the input (or the output when FROM_OUTPUT), row stride v_stride
+    w_ptr,          # [N] weight (read when HAS_WEIGHT)
+    b_ptr,          # [N] bias (read when FROM_OUTPUT and HAS_BIAS)
+    mean_ptr,       # [M] fp32 row means (read unless IS_RMS or FROM_OUTPUT)
+    rstd_ptr,       # [M] fp32 1 / sqrt(var + eps)
+    dx_ptr,         # [M, N] input gradient, contiguous, in the input dtype
+    dw_part_ptr,    # [G, N] fp32: this program's sum of dy * xhat over its rows (zeroed)
+    db_part_ptr,    # [G, N] fp32: this program's sum of dy over its rows (zeroed)
+    v_stride, M, N, rows_per_program,
+    IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FROM_OUTPUT: tl.constexpr, ONE_PASS: tl.constexpr,
+    EMULATE_BF16_ROUNDING: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    n = N.to(tl.float32)
+    dw_part = dw_part_ptr + pid * N
+    db_part = db_part_ptr + pid * N
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        if HAS_WEIGHT:
+            w = load_f32(w_ptr + cols, mask, EMULATE_BF16_ROUNDING)
+        dw_acc = tl.zeros([BLOCK], dtype=tl.float32)
+        db_acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for row in range(row_start, row_end):
+            rstd = tl.load(rstd_ptr + row)
+            mean = 0.0
+            if not IS_RMS and not FROM_OUTPUT:
+                mean = tl.load(mean_ptr + row)
+            xhat = _xhat(v_ptr + row * v_stride, w_ptr, b_ptr, cols, mask, mean, rstd, IS_RMS,
+                         HAS_WEIGHT, HAS_BIAS, FROM_OUTPUT, EMULATE_BF16_ROUNDING)
+            dy = load_f32(dy_ptr + row * N + cols, mask, EMULATE_BF16_ROUNDING)
+            wdy = dy
+            if HAS_WEIGHT:
+                wdy = dy * w
+            c1 = tl.div_rn(tl.sum(xhat * wdy, axis=0), n)
+            if IS_RMS:
+                dx = (wdy - xhat * c1) * rstd
+            else:
+                c2 = tl.div_rn(tl.sum(wdy, axis=0), n)
+                dx = (wdy - (xhat * c1 + c2)) * rstd
+            store_cast(dx_ptr + row * N + cols, dx, mask, EMULATE_BF16_ROUNDING)
+            dw_acc += dy * xhat
+            db_acc += dy
+        if HAS_WEIGHT:
+            tl.store(dw_part + cols, dw_acc, mask=mask)
+        if HAS_BIAS:
+            tl.store(db_part + cols, db_acc, mask=mask)
+    else:
+        for row in range(row_start, row_end):
+            rstd = tl.load(rstd_ptr + row)
+            mean = 0.0
+            if not IS_RMS and not FROM_OUTPUT:
+                mean = tl.load(mean_ptr + row)
+            v_row = v_ptr + row * v_stride
+            c1_acc = tl.zeros([BLOCK], dtype=tl.float32)
+            c2_acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, N, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < N
+                xhat = _xhat(v_row, w_ptr, b_ptr, cols, mask, mean, rstd, IS_RMS, HAS_WEIGHT,
+                             HAS_BIAS, FROM_OUTPUT, EMULATE_BF16_ROUNDING)
+                wdy = load_f32(dy_ptr + row * N + cols, mask, EMULATE_BF16_ROUNDING)
+                if HAS_WEIGHT:
+                    wdy = wdy * load_f32(w_ptr + cols, mask, EMULATE_BF16_ROUNDING)
+                c1_acc += xhat * wdy
+                c2_acc += wdy
+            c1 = tl.div_rn(tl.sum(c1_acc, axis=0), n)
+            c2 = tl.div_rn(tl.sum(c2_acc, axis=0), n)
+            for start in range(0, N, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < N
+                xhat = _xhat(v_row, w_ptr, b_ptr, cols, mask, mean, rstd, IS_RMS, HAS_WEIGHT,
+                             HAS_BIAS, FROM_OUTPUT, EMULATE_BF16_ROUNDING)
+                dy = load_f32(dy_ptr + row * N + cols, mask, EMULATE_BF16_ROUNDING)
+                wdy = dy
+                if HAS_WEIGHT:
+                    wdy = dy * load_f32(w_ptr + cols, mask, EMULATE_BF16_ROUNDING)
+                if IS_RMS:
+                    dx = (wdy - xhat * c1) * rstd
+                else:
+                    dx = (wdy - (xhat * c1 + c2)) * rstd
+                store_cast(dx_ptr + row * N + cols, dx, mask, EMULATE_BF16_ROUNDING)
+                # Each program owns its partial row: read-modify-write without races.
+                if HAS_WEIGHT:
+                    tl.store(dw_part + cols, tl.load(dw_part + cols, mask=mask) + dy * xhat,
+                             mask=mask)
+                if HAS_BIAS:
+                    tl.store(db_part + cols, tl.load(db_part + cols, mask=mask) + dy, mask=mask)
+
+
+@triton.jit
+def _layer_norm_bwd_reduce_kernel(
+    dw_part_ptr,    # [G, N] fp32 partial weight gradients
+    db_part_ptr,    # [G, N] fp32 partial bias gradients
+    dw_ptr,         # [N] weight gradient, in the weight dtype
+    db_ptr,         # [N] bias gradient, in the bias dtype
+    G, N,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EMULATE_BF16_ROUNDING: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    dw = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
+    for start in range(0, G, BLOCK_G):
+        rows = start + tl.arange(0, BLOCK_G)
+        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
+        mask = (rows[:, None] < G) & col_mask[None, :]
+        if HAS_WEIGHT:
+            dw += tl.load(dw_part_ptr + offs, mask=mask, other=0.0)
+        if HAS_BIAS:
+            db += tl.load(db_part_ptr + offs, mask=mask, other=0.0)
+    if HAS_WEIGHT:
+        store_cast(dw_ptr + cols, tl.sum(dw, axis=0), col_mask, EMULATE_BF16_ROUNDING)
+    if HAS_BIAS:
+        store_cast(db_ptr + cols, tl.sum(db, axis=0), col_mask, EMULATE_BF16_ROUNDING)
+
+
+def norm_settings(n, device, max_block=None):
+    """(BLOCK, num_warps, one_pass) for rows of ``n`` elements: one heuristic, no autotuning.
+
+    A row up to ``_MAX_BLOCK`` wide stays in registers; warps grow with the block so each
+    thread keeps about 16 bytes per access in flight. ``max_block`` (tests) forces the
+    chunked path for narrow rows."""
+    cap = max_block or (_MAX_BLOCK_CPU if device.type == "cpu" else _MAX_BLOCK)
+    block = min(triton.next_power_of_2(max(n, 1)), triton.next_power_of_2(cap))
+    warps = 16 if block >= 8192 else 8 if block >= 2048 else 4 if block >= 512 else 2
+    return block, warps, n <= block
+
+
+@functools.lru_cache(maxsize=None)
+def _programs_per_device(device):
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: few programs, each sweeping many rows
+
+
+def _rows(x, n):
+    """``x`` viewed as [M, n] rows with a unit column stride, and its row stride."""
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < n):
+        x2 = x2.contiguous()
+    return x2, (x2.stride(0) if x2.shape[0] > 1 else n)
+
+
+def _check(x, n, weight, bias):
+    if n <= 0 or x.numel() % n:
+        raise ValueError(f"layer_norm: the input's {x.numel()} elements are not whole rows of {n}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (t.numel() != n or t.device != x.device):
+            raise ValueError(f"layer_norm: {name} has {t.numel()} elements on {t.device}; expected "
+                             f"{n} (the normalized shape) on {x.device}")
+
+
+def layer_norm_fwd(x, n, weight=None, bias=None, eps=1e-5, rms=False, out_dtype=None,
+                   max_block=None):
+    """Normalise rows of ``n`` trailing elements of ``x``. Returns ``(y, mean, rstd)``:
+    ``y`` shaped like ``x`` in ``out_dtype`` (default ``x.dtype``), ``mean`` (None for
+    RMSNorm) and ``rstd`` fp32 with one value per row."""
+    _check(x, n, weight, bias)
+    if not use_triton(x):
+        return layer_norm_fwd_ref(x, n, weight, bias, eps, rms, out_dtype)
+    out_dtype = out_dtype or x.dtype
+    x2, stride = _rows(x, n)
+    m = x2.shape[0]
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    mean = None if rms else torch.empty(m, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return y, mean, rstd
+    w = weight.contiguous() if weight is not None else None
+    b = bias.contiguous() if bias is not None else None
+    block, warps, one_pass = norm_settings(n, x.device, max_block)
+    _layer_norm_fwd_kernel[(m,)](
+        x2, y, w if w is not None else x2, b if b is not None else x2,
+        mean if mean is not None else rstd, rstd, stride, n, eps,
+        IS_RMS=rms, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None, ONE_PASS=one_pass,
+        EMULATE_BF16_ROUNDING=x.device.type != "cuda", BLOCK=block, num_warps=warps)
+    return y, mean, rstd
+
+
+def layer_norm_bwd(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, rms=False,
+                   from_output=False, x_dtype=None, max_block=None):
+    """Gradients of :func:`layer_norm_fwd`. ``saved`` is the input, or the output when
+    ``from_output`` (then ``mean`` is not needed). Returns ``(dx, dweight, dbias)``:
+    ``dx`` in ``x_dtype`` (default ``saved.dtype``), the others in the parameters' dtypes
+    (None where there is no parameter)."""
+    _check(saved, n, weight, bias)
+    if not use_triton(dy):
+        return layer_norm_bwd_ref(dy, saved, n, weight, bias, mean, rstd, rms, from_output,
+                                  x_dtype)
+    x_dtype = x_dtype or saved.dtype
+    v2, stride = _rows(saved, n)
+    dy2 = dy.reshape(-1, n).contiguous()
+    m = v2.shape[0]
+    dx = torch.empty(saved.shape, dtype=x_dtype, device=dy.device)
+    has_w, has_b = weight is not None, bias is not None and not rms
+    dw = torch.empty(weight.shape, dtype=weight.dtype, device=dy.device) if has_w else None
+    db = torch.empty(bias.shape, dtype=bias.dtype, device=dy.device) if has_b else None
+    if m == 0:
+        for g in (dw, db):
+            if g is not None:
+                g.zero_()
+        return dx, dw, db
+    block, warps, one_pass = norm_settings(n, dy.device, max_block)
+    programs = min(m, _programs_per_device(dy.device))
+    rows_per_program = triton.cdiv(m, programs)
+    programs = triton.cdiv(m, rows_per_program)
+    # Zeroed: rows of programs with no rows (and the chunked path) are summed as they are.
+    dw_part = torch.zeros((programs, n), dtype=torch.float32, device=dy.device) if has_w else None
+    db_part = torch.zeros((programs, n), dtype=torch.float32, device=dy.device) if has_b else None
+    any_part = dw_part if has_w else (db_part if has_b else rstd)
+    _layer_norm_bwd_kernel[(programs,)](
+        dy2, v2, weight.contiguous() if has_w else v2, bias.contiguous() if has_b else v2,
+        mean if mean is not None else rstd, rstd, dx,
+        dw_part if has_w else any_part, db_part if has_b else any_part,
+        stride, m, n, rows_per_program,
+        IS_RMS=rms, HAS_WEIGHT=has_w, HAS_BIAS=has_b, FROM_OUTPUT=from_output,
+        ONE_PASS=one_pass, EMULATE_BF16_ROUNDING=dy.device.type != "cuda", BLOCK=block,
+        num_warps=warps)
+    if has_w or has_b:
+        block_n = 128 if dy.device.type == "cuda" else 1024
+        _layer_norm_bwd_reduce_kernel[(triton.cdiv(n, block_n),)](
+            dw_part if has_w else db_part, db_part if has_b else dw_part,
+            dw if has_w else db, db if has_b else dw, programs, n,
+            HAS_WEIGHT=has_w, HAS_BIAS=has_b, EMULATE_BF16_ROUNDING=dy.device.type != "cuda",
+            BLOCK_G=32, BLOCK_N=block_n, num_warps=4)
+    return dx, dw, db
+
+
+def layer_norm_fwd_ref(x, n, weight=None, bias=None, eps=1e-5, rms=False, out_dtype=None):
+    """Torch reference of :func:`layer_norm_fwd` (fp32 arithmetic, centred variance)."""
+    _check(x, n, weight, bias)
+    out_dtype = out_dtype or x.dtype
+    x2 = x.reshape(-1, n).float()
+    if rms:
+        mean = None
+        xc = x2
+    else:
+        mean = x2.mean(dim=1)
+        xc = x2 - mean[:, None]
+    rstd = torch.rsqrt((xc * xc).mean(dim=1) + eps)
+    y = xc * rstd[:, None]
+    if weight is not None:
+        y = y * weight.reshape(-1).float()
+    if bias is not None:
+        y = y + bias.reshape(-1).float()
+    return y.to(out_dtype).reshape(x.shape), mean, rstd
+
+
+def layer_norm_bwd_ref(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, rms=False,
+                       from_output=False, x_dtype=None):
+    """Torch reference of :func:`layer_norm_bwd`."""
+    _check(saved, n, weight, bias)
+    x_dtype = x_dtype or saved.dtype
+    v = saved.reshape(-1, n).float()
+    dy2 = dy.reshape(-1, n).float()
+    w = weight.reshape(-1).float() if weight is not None else None
+    if from_output:
+        xhat = v
+        if bias is not None and not rms:
+            xhat = xhat - bias.reshape(-1).float()
+        if w is not None:
+            xhat = xhat / w
+    elif rms:
+        xhat = v * rstd[:, None]
+    else:
+        xhat = (v - mean[:, None]) * rstd[:, None]
+    wdy = dy2 * w if w is not None else dy2
+    c1 = (xhat * wdy).mean(dim=1, keepdim=True)
+    if rms:
+        dx = (wdy - xhat * c1) * rstd[:, None]
+    else:
+        dx = (wdy - (xhat * c1 + wdy.mean(dim=1, keepdim=True))) * rstd[:, None]
+    dw = (dy2 * xhat).sum(0).to(weight.dtype).reshape(weight.shape) if weight is not None else None
+    db = (dy2.sum(0).to(bias.dtype).reshape(bias.shape)
+          if bias is not None and not rms else None)
+    return dx.to(x_dtype).reshape(saved.shape), dw, db

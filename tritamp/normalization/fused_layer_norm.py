@@ -1,0 +1,228 @@
+"""FusedLayerNorm / FusedRMSNorm and their functional forms (Apex's names and defaults).
+
+The kernels are registered as the custom ops ``tritamp::fused_norm_fwd`` and
+``tritamp::fused_norm_bwd`` with fake (meta) implementations and an autograd formula, so
+``torch.compile`` sees one opaque op per direction and never traces into Triton.
+
+Dtypes. Statistics and arithmetic are fp32 whatever the dtypes. The output takes the
+input's dtype (``FusedLayerNorm``) or the weight's (the ``Mixed`` variants, Megatron
+style); under ``torch.autocast`` it takes the autocast dtype, as Apex's casts gave. A half
+input with fp32 weights is read as it is: nothing is cast on the way in, and each gradient
+comes back in the dtype of the tensor it belongs to.
+"""
+import numbers
+import warnings
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..kernels.layer_norm import layer_norm_bwd, layer_norm_fwd
+
+_EMPTY = (0,)
+
+
+@torch.library.custom_op("tritamp::fused_norm_fwd", mutates_args=())
+def _norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+              n: int, eps: float, rms: bool, out_dtype: torch.dtype,
+              memory_efficient: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, rms, out_dtype)
+    return y, (rstd.new_empty(_EMPTY) if mean is None else mean), rstd
+
+
+@_norm_fwd.register_fake
+def _norm_fwd_fake(x, weight, bias, n, eps, rms, out_dtype, memory_efficient):
+    rows = x.numel() // n
+    y = x.new_empty(x.shape, dtype=out_dtype)
+    stat = dict(dtype=torch.float32)
+    return y, x.new_empty(_EMPTY if rms else (rows,), **stat), x.new_empty((rows,), **stat)
+
+
+@torch.library.custom_op("tritamp::fused_norm_bwd", mutates_args=())
+def _norm_bwd(dy: torch.Tensor, saved: torch.Tensor, weight: Optional[torch.Tensor],
+              bias: Optional[torch.Tensor], mean: torch.Tensor, rstd: torch.Tensor, n: int,
+              rms: bool, from_output: bool,
+              x_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dw, db = layer_norm_bwd(dy, saved, n, weight, bias, None if rms or from_output else mean,
+                                rstd, rms, from_output, x_dtype)
+    return (dx, dy.new_empty(_EMPTY) if dw is None else dw,
+            dy.new_empty(_EMPTY) if db is None else db)
+
+
+@_norm_bwd.register_fake
+def _norm_bwd_fake(dy, saved, weight, bias, mean, rstd, n, rms, from_output, x_dtype):
+    dx = saved.new_empty(saved.shape, dtype=x_dtype)
+    dw = dy.new_empty(_EMPTY) if weight is None else torch.empty_like(weight)
+    db = dy.new_empty(_EMPTY) if bias is None or rms else torch.empty_like(bias)
+    return dx, dw, db
+
+
+def _norm_setup_context(ctx, inputs, output):
+    x, weight, bias, n, eps, rms, out_dtype, memory_efficient = inputs
+    y, mean, rstd = output
+    # memory_efficient keeps the output instead of the input (Apex): xhat is recomputed
+    # from it as (y - bias) / weight, which needs a weight without zeros.
+    ctx.save_for_backward(y if memory_efficient else x, weight, bias, mean, rstd)
+    ctx.n, ctx.rms, ctx.from_output, ctx.x_dtype = n, rms, memory_efficient, x.dtype
+
+
+def _norm_backward(ctx, dy, _dmean, _drstd):
+    saved, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dw, db = _norm_bwd(dy.contiguous(), saved, weight, bias, mean, rstd, ctx.n, ctx.rms,
+                           ctx.from_output, ctx.x_dtype)
+    return (dx, dw if weight is not None else None,
+            db if bias is not None and not ctx.rms else None, None, None, None, None, None)
+
+
+_norm_fwd.register_autograd(_norm_backward, setup_context=_norm_setup_context)
+
+
+def _normalized_numel(input, normalized_shape):
+    shape = ((normalized_shape,) if isinstance(normalized_shape, numbers.Integral)
+             else tuple(normalized_shape))
+    k = len(shape)
+    if k == 0 or input.dim() < k or tuple(input.shape[input.dim() - k:]) != shape:
+        raise RuntimeError(
+            f"Given normalized_shape={list(shape)}, expected input with shape [*, "
+            f"{', '.join(str(s) for s in shape)}], but got input of size {list(input.shape)}")
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _norm(input, weight, bias, normalized_shape, eps, memory_efficient, rms, mixed):
+    n = _normalized_numel(input, normalized_shape)
+    if not input.is_floating_point():
+        raise TypeError(f"fused norms take floating-point input; got {input.dtype}")
+    device_type = input.device.type
+    if torch.is_autocast_enabled(device_type):
+        out_dtype = torch.get_autocast_dtype(device_type)
+    elif mixed:
+        out_dtype = weight.dtype
+    else:
+        out_dtype = input.dtype
+    return _norm_fwd(input, weight, None if rms else bias, n, float(eps), rms, out_dtype,
+                     bool(memory_efficient))[0]
+
+
+# Functional forms: Apex's signatures, with its functional eps default of 1e-6.
+
+def fused_layer_norm_affine(input, weight, bias, normalized_shape, eps=1e-6, memory_efficient=False):
+    return _norm(input, weight, bias, normalized_shape, eps, memory_efficient, False, False)
+
+
+def fused_layer_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
+    return _norm(input, None, None, normalized_shape, eps, memory_efficient, False, False)
+
+
+def mixed_dtype_fused_layer_norm_affine(input, weight, bias, normalized_shape, eps=1e-6,
+                                        memory_efficient=False):
+    return _norm(input, weight, bias, normalized_shape, eps, memory_efficient, False, True)
+
+
+def fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6, memory_efficient=False):
+    return _norm(input, weight, None, normalized_shape, eps, memory_efficient, True, False)
+
+
+def fused_rms_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
+    return _norm(input, None, None, normalized_shape, eps, memory_efficient, True, False)
+
+
+def mixed_dtype_fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6,
+                                      memory_efficient=False):
+    return _norm(input, weight, None, normalized_shape, eps, memory_efficient, True, True)
+
+
+class _Apply:
+    """Apex's ``*Function.apply(...)`` entry points (Megatron calls them directly)."""
+    _fn = None
+
+    @classmethod
+    def apply(cls, *args, **kwargs):
+        return cls._fn(*args, **kwargs)
+
+
+class FusedLayerNormAffineFunction(_Apply):
+    _fn = staticmethod(fused_layer_norm_affine)
+
+
+class FusedLayerNormFunction(_Apply):
+    _fn = staticmethod(fused_layer_norm)
+
+
+class FusedLayerNormAffineMixedDtypesFunction(_Apply):
+    _fn = staticmethod(mixed_dtype_fused_layer_norm_affine)
+
+
+class FusedRMSNormAffineFunction(_Apply):
+    _fn = staticmethod(fused_rms_norm_affine)
+
+
+class FusedRMSNormFunction(_Apply):
+    _fn = staticmethod(fused_rms_norm)
+
+
+class FusedRMSNormAffineMixedDtypesFunction(_Apply):
+    _fn = staticmethod(mixed_dtype_fused_rms_norm_affine)
+
+
+class FusedLayerNorm(nn.LayerNorm):
+    """Apex's ``FusedLayerNorm`` (output in the input dtype). A ``torch.nn.LayerNorm``
+    subclass: same parameters, state_dict keys and ``repr``; checkpoints load both ways."""
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, memory_efficient=False,
+                 *, bias=True, device=None, dtype=None):
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine,
+                         bias=bias, device=device, dtype=dtype)
+        self.memory_efficient = memory_efficient
+
+    _mixed = False
+
+    def forward(self, input):
+        return _norm(input, self.weight, self.bias, self.normalized_shape, self.eps,
+                     self.memory_efficient, False, self._mixed)
+
+
+class FusedRMSNorm(nn.RMSNorm):
+    """Apex's ``FusedRMSNorm`` (``eps`` defaults to 1e-5, as in Apex). A
+    ``torch.nn.RMSNorm`` subclass: checkpoints load both ways."""
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, memory_efficient=False,
+                 *, device=None, dtype=None):
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine,
+                         device=device, dtype=dtype)
+        self.memory_efficient = memory_efficient
+
+    _mixed = False
+
+    def forward(self, input):
+        return _norm(input, self.weight, None, self.normalized_shape, self.eps,
+                     self.memory_efficient, True, self._mixed)
+
+
+def _mixed_affine(cls_name, kwargs):
+    if "elementwise_affine" in kwargs:
+        warnings.warn(f"{cls_name} does not support `elementwise_affine` argument")
+        if not kwargs.pop("elementwise_affine"):
+            raise RuntimeError(f"{cls_name} does not support `elementwise_affine = False`")
+
+
+class MixedFusedLayerNorm(FusedLayerNorm):
+    """LayerNorm whose output takes the parameters' dtype (Megatron's mixed dtypes)."""
+    _mixed = True
+
+    def __init__(self, normalized_shape, eps=1e-5, *, memory_efficient=False, **kwargs):
+        _mixed_affine("MixedFusedLayerNorm", kwargs)
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=True,
+                         memory_efficient=memory_efficient, **kwargs)
+
+
+class MixedFusedRMSNorm(FusedRMSNorm):
+    """RMSNorm whose output takes the parameters' dtype (Megatron's mixed dtypes)."""
+    _mixed = True
+
+    def __init__(self, normalized_shape, eps=1e-5, *, memory_efficient=False, **kwargs):
+        _mixed_affine("MixedFusedRMSNorm", kwargs)
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=True,
+                         memory_efficient=memory_efficient, **kwargs)
