@@ -77,6 +77,7 @@ def main():
                 EMULATE_BF16_ROUNDING=False, BLOCK=2048), 8)
             report[f"sgd/{p},{g},{c}/lr_tensor={lr_t}"] = _ok(ptx)
     report.update(optimizer_family_variants())
+    report.update(norm_variants())
     json.dump(report, sys.stdout)
 
 
@@ -158,6 +159,41 @@ def optimizer_family_variants():
             out[f"novograd_blend/max={max_norm}/init_zero={init_zero}"] = _ok(compile_one(
                 _novograd_blend_kernel, sig, dict(HAS_FOUND_INF=True, MAX_NORM=max_norm,
                                                   INIT_ZERO=init_zero, BLOCK_R=1024), 4))
+    return out
+
+
+def norm_variants():
+    """LayerNorm / RMSNorm forward, backward and the weight-gradient reduction: each dtype
+    pairing, one-pass and chunked rows, from the input and from the output."""
+    from tritamp.kernels.layer_norm import (_layer_norm_bwd_kernel,
+                                            _layer_norm_bwd_reduce_kernel,
+                                            _layer_norm_fwd_kernel)
+    out = {}
+    for x, w, y in (("*fp32", "*fp32", "*fp32"), ("*fp16", "*fp16", "*fp16"),
+                    ("*bf16", "*bf16", "*bf16"), ("*bf16", "*fp32", "*bf16"),
+                    ("*fp16", "*fp32", "*fp32")):
+        for rms in (False, True):
+            for one_pass in (True, False):
+                mode = dict(IS_RMS=rms, HAS_WEIGHT=True, HAS_BIAS=not rms, ONE_PASS=one_pass,
+                            EMULATE_BF16_ROUNDING=False, BLOCK=4096 if one_pass else 1024)
+                sig = {"x_ptr": x, "y_ptr": y, "w_ptr": w, "b_ptr": w, "mean_ptr": "*fp32",
+                       "rstd_ptr": "*fp32", "x_stride": "i32", "N": "i32", "eps": "fp32"}
+                out[f"layer_norm_fwd/{x},{w},{y}/rms={rms}/one_pass={one_pass}"] = _ok(
+                    compile_one(_layer_norm_fwd_kernel, sig, mode, 8))
+                for from_output in (False, True):
+                    sig = {"dy_ptr": y, "v_ptr": y if from_output else x, "w_ptr": w,
+                           "b_ptr": w, "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "dx_ptr": x,
+                           "dw_part_ptr": "*fp32", "db_part_ptr": "*fp32", "v_stride": "i32",
+                           "M": "i32", "N": "i32", "rows_per_program": "i32"}
+                    out[f"layer_norm_bwd/{x},{w},{y}/rms={rms}/one_pass={one_pass}/"
+                        f"from_output={from_output}"] = _ok(compile_one(
+                            _layer_norm_bwd_kernel, sig, dict(mode, FROM_OUTPUT=from_output), 8))
+        sig = {"dw_part_ptr": "*fp32", "db_part_ptr": "*fp32", "dw_ptr": w, "db_ptr": w,
+               "G": "i32", "N": "i32"}
+        out[f"layer_norm_bwd_reduce/{w}"] = _ok(compile_one(
+            _layer_norm_bwd_reduce_kernel, sig, dict(HAS_WEIGHT=True, HAS_BIAS=True,
+                                                     EMULATE_BF16_ROUNDING=False, BLOCK_G=32,
+                                                     BLOCK_N=128), 4))
     return out
 
 

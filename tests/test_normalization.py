@@ -1,0 +1,232 @@
+"""tritamp.normalization: Apex's modules and functional forms, torch checkpoints both ways,
+autocast, every amp opt level, the custom ops under torch.compile."""
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tritamp
+from tritamp import amp
+from tritamp.normalization import (FusedLayerNorm, FusedLayerNormAffineFunction, FusedRMSNorm,
+                                   MixedFusedLayerNorm, MixedFusedRMSNorm, fused_layer_norm,
+                                   fused_layer_norm_affine, fused_rms_norm, fused_rms_norm_affine,
+                                   mixed_dtype_fused_layer_norm_affine,
+                                   mixed_dtype_fused_rms_norm_affine)
+
+
+def _randomise(m, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+    return m
+
+
+def _fwd_bwd(m, x, dy):
+    x = x.detach().clone().requires_grad_()
+    y = m(x)
+    y.backward(dy.to(y.dtype))
+    return y.detach(), x.grad, [p.grad.clone() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 20), (2, 5, 6, 7)])
+@pytest.mark.parametrize("memory_efficient", [False, True])
+@pytest.mark.parametrize("affine", [True, False])
+def test_fused_layer_norm_matches_nn_layer_norm(shape, affine, memory_efficient):
+    n_shape = shape[-1:] if len(shape) == 3 else shape[-2:]
+    ours = _randomise(FusedLayerNorm(n_shape, elementwise_affine=affine,
+                                     memory_efficient=memory_efficient))
+    ref = nn.LayerNorm(n_shape, elementwise_affine=affine)
+    ref.load_state_dict(ours.state_dict())
+    g = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    y, dx, grads = _fwd_bwd(ours, x, dy)
+    ty, tdx, tgrads = _fwd_bwd(ref, x, dy)
+    torch.testing.assert_close(y, ty, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx, tdx, rtol=1e-4, atol=1e-5)
+    for a, b in zip(grads, tgrads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True])
+@pytest.mark.parametrize("affine", [True, False])
+def test_fused_rms_norm_matches_nn_rms_norm(affine, memory_efficient):
+    ours = _randomise(FusedRMSNorm(24, elementwise_affine=affine, memory_efficient=memory_efficient))
+    ref = nn.RMSNorm(24, eps=1e-5, elementwise_affine=affine)
+    ref.load_state_dict(ours.state_dict())
+    g = torch.Generator().manual_seed(2)
+    x, dy = torch.randn(3, 5, 24, generator=g), torch.randn(3, 5, 24, generator=g)
+    y, dx, grads = _fwd_bwd(ours, x, dy)
+    ty, tdx, tgrads = _fwd_bwd(ref, x, dy)
+    torch.testing.assert_close(y, ty, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx, tdx, rtol=1e-4, atol=1e-5)
+    for a, b in zip(grads, tgrads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_state_dicts_load_both_ways():
+    for fused, plain in ((FusedLayerNorm(10), nn.LayerNorm(10)), (FusedRMSNorm(10), nn.RMSNorm(10)),
+                         (MixedFusedLayerNorm(10), nn.LayerNorm(10)),
+                         (MixedFusedRMSNorm(10), nn.RMSNorm(10))):
+        assert isinstance(fused, type(plain))
+        assert list(fused.state_dict()) == list(plain.state_dict())
+        _randomise(plain, 3)
+        fused.load_state_dict(plain.state_dict())
+        for a, b in zip(fused.parameters(), plain.parameters()):
+            assert torch.equal(a, b)
+        _randomise(fused, 4)
+        plain.load_state_dict(fused.state_dict())
+        for a, b in zip(fused.parameters(), plain.parameters()):
+            assert torch.equal(a, b)
+
+
+def test_apex_signatures_and_defaults():
+    for cls in (FusedLayerNorm, FusedRMSNorm):
+        params = inspect.signature(cls.__init__).parameters
+        assert list(params)[1:5] == ["normalized_shape", "eps", "elementwise_affine", "memory_efficient"]
+        assert params["eps"].default == 1e-5 and params["memory_efficient"].default is False
+    assert FusedRMSNorm(8).eps == 1e-5
+    for fn in (fused_layer_norm_affine, fused_layer_norm, mixed_dtype_fused_layer_norm_affine,
+               fused_rms_norm_affine, fused_rms_norm, mixed_dtype_fused_rms_norm_affine):
+        params = inspect.signature(fn).parameters
+        assert params["eps"].default == 1e-6, fn.__name__
+        assert params["memory_efficient"].default is False
+    m = FusedLayerNorm(16)
+    assert repr(m) == "FusedLayerNorm((16,), eps=1e-05, elementwise_affine=True, bias=True)"
+
+
+def test_mixed_elementwise_affine_argument():
+    with pytest.warns(UserWarning, match="does not support `elementwise_affine` argument"):
+        MixedFusedLayerNorm(8, elementwise_affine=True)
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="elementwise_affine = False"):
+        MixedFusedRMSNorm(8, elementwise_affine=False)
+
+
+def test_functional_forms_match_torch():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 30, generator=g)
+    w = 1 + 0.2 * torch.randn(30, generator=g)
+    b = 0.2 * torch.randn(30, generator=g)
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_layer_norm_affine(x, w, b, (30,)), F.layer_norm(x, (30,), w, b, 1e-6), **tol)
+    torch.testing.assert_close(fused_layer_norm(x, 30), F.layer_norm(x, (30,), eps=1e-6), **tol)
+    torch.testing.assert_close(fused_rms_norm_affine(x, w, (30,)), F.rms_norm(x, (30,), w, 1e-6), **tol)
+    torch.testing.assert_close(fused_rms_norm(x, [30]), F.rms_norm(x, (30,), eps=1e-6), **tol)
+    torch.testing.assert_close(FusedLayerNormAffineFunction.apply(x, w, b, (30,), 1e-6),
+                               F.layer_norm(x, (30,), w, b, 1e-6), **tol)
+
+
+def test_mixed_output_takes_parameter_dtype():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(4, 32, generator=g).bfloat16().requires_grad_()
+    m = _randomise(MixedFusedLayerNorm(32))
+    y = m(x)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, F.layer_norm(x.detach().float(), (32,), m.weight, m.bias, 1e-5),
+                               rtol=1e-5, atol=1e-5)
+    y.sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and m.weight.grad.dtype == torch.float32
+    r = MixedFusedRMSNorm(32).bfloat16()
+    assert mixed_dtype_fused_rms_norm_affine(x.detach().float(), r.weight, (32,)).dtype == torch.bfloat16
+    # the plain module keeps the input's dtype with fp32 weights
+    assert FusedLayerNorm(32)(x.detach()).dtype == torch.bfloat16
+
+
+def test_half_input_fp32_weights_under_autocast():
+    """Apex O1 failed on a half input with fp32 LayerNorm weights; here it just works."""
+    g = torch.Generator().manual_seed(7)
+    m = _randomise(FusedLayerNorm(48))
+    ref = nn.LayerNorm(48)
+    ref.load_state_dict(m.state_dict())
+    x = torch.randn(5, 48, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = x.bfloat16().requires_grad_()          # half activations from an autocast matmul
+        y = m(h)
+        assert y.dtype == torch.bfloat16            # the autocast dtype, as Apex's casts gave
+        y32 = m(x)                                  # fp32 input: also the autocast dtype
+        assert y32.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert h.grad.dtype == torch.bfloat16 and m.weight.grad.dtype == torch.float32
+    want = ref(x.bfloat16().float())
+    torch.testing.assert_close(y.float(), want, rtol=1.6e-2, atol=1e-2)
+
+
+def test_bad_input_errors():
+    m = FusedLayerNorm(8)
+    with pytest.raises(RuntimeError, match=r"expected input with shape \[\*, 8\]"):
+        m(torch.randn(3, 7))
+    with pytest.raises(TypeError, match="floating-point"):
+        fused_layer_norm(torch.ones(3, 8, dtype=torch.long), 8)
+
+
+def test_custom_op_registration_and_compile():
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(4, 16, generator=g, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(16, generator=g)).requires_grad_()
+    b = (0.1 * torch.randn(16, generator=g)).requires_grad_()
+    torch.library.opcheck(torch.ops.tritamp.fused_norm_fwd.default,
+                          (x, w, b, 16, 1e-5, False, torch.float32, False))
+    torch.library.opcheck(torch.ops.tritamp.fused_norm_fwd.default,
+                          (x, w, None, 16, 1e-5, True, torch.float32, True))
+    m = _randomise(FusedLayerNorm(16))
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    y = compiled(x)
+    torch.testing.assert_close(y, m(x), rtol=0, atol=0)
+    y.sum().backward()
+    assert x.grad is not None and m.weight.grad is not None
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block built with whichever LayerNorm class it is given."""
+
+    def __init__(self, norm, d=32, heads=4):
+        super().__init__()
+        self.ln1, self.ln2 = norm(d), norm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        x = x + self.mlp(self.ln2(x))
+        return self.head(x).mean()
+
+
+def _train(norm, opt_level, steps=3):
+    torch.manual_seed(0)
+    model = Block(norm)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, half_dtype=torch.bfloat16,
+                                verbosity=0)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(2, 6, 32, generator=g)
+        loss = model(x).float()
+        opt.zero_grad()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1", "O2", "O3"])
+def test_drop_in_for_layer_norm_at_every_opt_level(opt_level):
+    """Swapping nn.LayerNorm for FusedLayerNorm in a transformer block changes nothing else."""
+    fused_losses, fused_model = _train(FusedLayerNorm, opt_level)
+    plain_losses, plain_model = _train(nn.LayerNorm, opt_level)
+    tol = dict(rtol=1e-5, atol=1e-6) if opt_level == "O0" else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(torch.tensor(fused_losses), torch.tensor(plain_losses), **tol)
+    for (name, a), (_, b) in zip(fused_model.state_dict().items(), plain_model.state_dict().items()):
+        torch.testing.assert_close(a.float(), b.float(), **tol, msg=name)
+
+
+def test_exported_from_package():
+    import tritamp.normalization as norm
+    assert tritamp.normalization is norm
+    assert set(norm.__all__) >= {"FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm",
+                                 "MixedFusedRMSNorm"}
