@@ -76,6 +76,6 @@ def test_optimizer_math_uses_ieee_sqrt_and_division_on_the_gpu(report, family):
 
 def test_norm_kernels_compile_for_sm90_with_ieee_rounding(report):
     variants = {k: v for k, v in report.items() if k.startswith("layer_norm")}
-    assert len(variants) == 5 * 2 * 2 * 3 + 5
+    assert len(variants) == 5 * 2 * 2 * 3 + 3  # fwd, bwd from input and output; reduce per dtype
     for key, v in variants.items():
         assert v["sm90"] and not v["approx"], key
