@@ -1,0 +1,349 @@
+"""``FP16_Optimizer``: Apex's legacy wrapper for a half model, fp32 master weights and
+loss scaling, on the machinery ``tritamp.amp`` uses at O2.
+
+The wrapper owns no second implementation: the fp32 masters, the check-and-unscale of
+the half gradients into them, the skip and the master -> model copy are amp's optimizer
+stash (``tritamp.amp._optimizer``), and the scale lives in amp's device-side scaler.
+One backward and one step therefore cost what an amp O2 step costs:
+
+    backward(loss)   (loss.float() * scale).backward(); one launch per dtype group checks
+                     the half gradients for inf/NaN and writes the unscaled fp32 master
+                     gradients; one launch updates the scale on the device
+    step()           skips when the gradients overflowed (weights, masters and optimizer
+                     state unchanged); otherwise steps the masters and copies them into
+                     the half model in one launch per dtype group
+
+The skip decision costs one host read per step, as in Apex, unless the wrapped optimizer
+reads ``found_inf`` on the device (``_step_supports_amp_scaling``: tritamp's fused
+optimizers, torch's ``fused=True`` Adam/AdamW/SGD); then a step makes no host sync.
+"""
+import logging
+from collections.abc import Mapping
+
+import torch
+
+from tritamp import kernels as K
+from tritamp.amp._model import MODEL_ATTR
+from tritamp.amp._optimizer import AmpStash, _new_step
+
+from .fp16util import clip_grad_norm
+from .loss_scaler import OptimizerLossScaler
+
+logger = logging.getLogger("tritamp.fp16_utils")
+
+_PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DYNAMIC_LOSS_ARGS = ("init_scale", "scale_factor", "scale_window", "min_loss_scale",
+                      "max_loss_scale", "backoff_factor", "hysteresis")
+
+
+class FP16_Optimizer:
+    """Wrap ``init_optimizer`` (built over a half model's parameters) with fp32 master
+    weights and a static or dynamic loss scale.
+
+    ``static_loss_scale`` is used unless ``dynamic_loss_scale=True``; ``dynamic_loss_args``
+    is a dict of ``init_scale`` (2**16), ``scale_factor`` (2.), ``scale_window`` (2000),
+    ``min_loss_scale`` (1.0), ``max_loss_scale`` (2**24), ``backoff_factor``
+    (1/scale_factor), ``hysteresis`` (1). Parameters may be fp16, bf16 (the half dtype is
+    read from each parameter) or fp32 (updated directly), on any device.
+
+    Use ``optimizer.backward(loss)`` in place of ``loss.backward()``, then ``step()``.
+    """
+
+    def __init__(self, init_optimizer, static_loss_scale=1.0, dynamic_loss_scale=False,
+                 dynamic_loss_args=None, verbose=True):
+        if not isinstance(init_optimizer, torch.optim.Optimizer):
+            raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got "
+                            f"{type(init_optimizer).__name__}")
+        if hasattr(init_optimizer, "_amp_stash"):
+            raise RuntimeError("This optimizer is already managed by FP16_Optimizer or "
+                               "amp.initialize; build a fresh optimizer over the model's "
+                               "parameters and wrap that one.")
+        for group in init_optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.dtype not in _PARAM_DTYPES:
+                    raise TypeError("Wrapped parameters must be either float16, bfloat16 or "
+                                    f"float32 tensors. Received {p.dtype} with {tuple(p.size())}")
+        # Everything that can be refused is checked before the optimizer changes.
+        self._dynamic_loss_args = self._check_dynamic_args(dynamic_loss_args)
+        self.verbose = verbose
+        self.dynamic_loss_scale = bool(dynamic_loss_scale)
+        if self.dynamic_loss_scale:
+            self.loss_scaler = OptimizerLossScaler("dynamic", **self._dynamic_loss_args)
+        else:
+            self.loss_scaler = OptimizerLossScaler(static_loss_scale)
+
+        self.optimizer = init_optimizer
+        stash = AmpStash(init_optimizer, master_weights=True)
+        for i, group in enumerate(init_optimizer.param_groups):
+            self.maybe_print("FP16_Optimizer processing param group {}:".format(i))
+            for p in group["params"]:
+                if p.requires_grad:
+                    self.maybe_print("FP16_Optimizer received {} with {}".format(p.dtype, p.size()))
+            stash.adopt_group(group, init_optimizer)
+        init_optimizer._amp_stash = stash
+        self._stash = stash
+        self._amp_step = _new_step(init_optimizer.step)
+
+        self.fp16_groups, self.fp32_from_fp16_groups, self.fp32_from_fp32_groups = [], [], []
+        for group in init_optimizer.param_groups:
+            half, masters, plain = [], [], []
+            for p in group["params"]:
+                model = getattr(p, MODEL_ATTR, None)
+                if model is not None:
+                    half.append(model)
+                    masters.append(p)
+                elif p.requires_grad:
+                    plain.append(p)
+            self.fp16_groups.append(half)
+            self.fp32_from_fp16_groups.append(masters)
+            self.fp32_from_fp32_groups.append(plain)
+        self.all_fp16_params = [p for g in self.fp16_groups for p in g]
+        self.all_fp32_from_fp16_params = [p for g in self.fp32_from_fp16_groups for p in g]
+        self.all_fp32_from_fp32_params = [p for g in self.fp32_from_fp32_groups for p in g]
+
+        # Recast any existing per-parameter state onto the fp32 masters.
+        init_optimizer.load_state_dict(init_optimizer.state_dict())
+
+        self._overflow_flag = None        # device flag of the last checked gradients
+        self._backward_pending = False    # scaled gradients not yet moved to the masters
+        self.first_closure_call_this_step = True
+        self.clip_grad_norm = clip_grad_norm
+
+    @staticmethod
+    def _check_dynamic_args(args):
+        args = dict(args or {})
+        unknown = sorted(set(args) - set(_DYNAMIC_LOSS_ARGS))
+        if unknown:
+            raise TypeError(f"dynamic_loss_args got unknown key(s) {unknown}; the keys are "
+                            f"{list(_DYNAMIC_LOSS_ARGS)}")
+        return args
+
+    def maybe_print(self, msg):
+        if self.verbose:
+            logger.info(msg)
+
+    def __getstate__(self):
+        raise RuntimeError("FP16_Optimizer should be serialized using state_dict().")
+
+    def __setstate__(self, state):
+        raise RuntimeError("FP16_Optimizer should be deserialized using load_state_dict().")
+
+    # -- gradients ----------------------------------------------------------------------
+    def zero_grad(self, set_grads_to_None=False):
+        """Zero (or drop, ``set_grads_to_None=True``) the gradients of the masters, the
+        fp32 parameters and the half model parameters."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for p in params + self.all_fp16_params:
+            if set_grads_to_None:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.detach_()
+                p.grad.zero_()
+        self._stash.finish_step()
+        self._backward_pending = False
+
+    def backward(self, loss, update_master_grads=True, retain_graph=False):
+        """``(loss.float() * loss_scale).backward()``, then (``update_master_grads``) the
+        unscaled fp32 master gradients. With ``update_master_grads=False`` the scaled
+        gradients of several backward calls accumulate until :meth:`update_master_grads`."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"FP16_Optimizer.backward expects the loss as a torch.Tensor, got "
+                            f"{type(loss).__name__}")
+        scaler = self.loss_scaler
+        scaler.poll_reports()
+        scaler._to(loss.device)
+        if not self._backward_pending:
+            self._stash.prepare_backward()
+            self._backward_pending = True
+        (loss.float() * scaler.scale).backward(retain_graph=retain_graph)
+        if update_master_grads:
+            self.update_master_grads()
+
+    def update_master_grads(self):
+        """Check the gradients of the backward calls since the last update for inf/NaN
+        and add them, unscaled, to the fp32 master gradients; update the loss scale.
+        All on the device. Called by :meth:`backward` unless ``update_master_grads=False``;
+        a second call with nothing new in between does nothing."""
+        stash, scaler = self._stash, self.loss_scaler
+        if not self._backward_pending and stash.found_inf is not None:
+            return
+        scaler._to(self._device())
+        scaler.clear_overflow_state()
+        stash.post_backward(scaler)
+        self._backward_pending = False
+        # Own copy: the scaler's slot is reused by the next backward.
+        self._overflow_flag = stash.found_inf.clone()
+        scaler.update_scale()
+
+    def _device(self):
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                return p.device
+        return torch.device("cpu")
+
+    def _require_updated(self, what):
+        if self._backward_pending:
+            raise RuntimeError(f"FP16_Optimizer.{what} was called after "
+                               "backward(loss, update_master_grads=False): the gradients are "
+                               "still scaled. Call optimizer.update_master_grads() first.")
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self, closure=None):
+        """Step the fp32 masters and copy them into the half model, or skip (nothing
+        changes) when the gradients from :meth:`backward` held inf/NaN.
+
+        With a ``closure`` (which must call ``optimizer.backward(loss)``), an overflowing
+        evaluation is repeated at the reduced scale until its gradients are finite."""
+        self._require_updated("step()")
+        if closure is not None:
+            return self._step_with_closure(closure)
+        return self._amp_step(self.optimizer)
+
+    def _step_with_closure(self, closure):
+        stash = self._stash
+
+        def wrapped_closure():
+            if self.first_closure_call_this_step:
+                self.first_closure_call_this_step = False
+            else:
+                # The optimizer moved the masters since the last evaluation.
+                stash.master_to_model()
+            temp_loss = closure()
+            while self.overflow:  # the closure protocol needs the answer on the host
+                scaler = self.loss_scaler
+                attempted, scale = float(scaler.used_scale), float(scaler.scale)
+                if not scaler.dynamic or attempted <= scaler.min_loss_scale:
+                    raise RuntimeError(
+                        "FP16_Optimizer: the closure's gradients are inf/NaN at a loss scale of "
+                        f"{attempted}, which cannot go lower (static, or at min_loss_scale). Look "
+                        "for inf/NaN in the loss or the forward pass, or lower the learning rate.")
+                logger.warning("OVERFLOW within closure! Skipping step. Attempted loss scale: %s, "
+                               "reducing to %s", attempted, scale)
+                temp_loss = closure()
+            self._require_updated("step(closure)")
+            stash.unscale_pending()
+            return temp_loss
+
+        try:
+            retval = self.optimizer.step(wrapped_closure)
+            stash.master_to_model()
+        finally:
+            self.first_closure_call_this_step = True
+        stash.finish_step()
+        return retval
+
+    def clip_master_grads(self, max_norm, norm_type=2):
+        """Clip the fp32 gradients the optimizer will use; returns their total norm as a
+        0-d device tensor, or -1 (same tensor form) when the gradients overflowed.
+
+        The L2 norm runs on tritamp's multi-tensor kernels and nothing is read back to
+        the host: on overflow the step is skipped anyway, so the clip need not be."""
+        self._require_updated("clip_master_grads()")
+        self._stash.unscale_pending()
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        total = self.clip_grad_norm(params, max_norm, norm_type)
+        if self._overflow_flag is None:
+            return total
+        total = total.to(self._overflow_flag.device)
+        return torch.where(self._overflow_flag != 0, torch.full_like(total, -1.0), total)
+
+    def inspect_master_grad_data(self):
+        """The fp32 master gradients per param group (None in an overflow state)."""
+        if self.overflow:
+            logger.warning("Warning:  calling FP16_Optimizer.inspect_master_grad_data while in an "
+                           "overflow state.  Gradients are currently invalid (may be inf, nan, or "
+                           "stale).  Returning None.")
+            return None
+        self._require_updated("inspect_master_grad_data()")
+        self._stash.unscale_pending()
+        return [[None if p.grad is None else p.grad.data for p in group["params"]]
+                for group in self.optimizer.param_groups]
+
+    # -- overflow, loss scale, state ---------------------------------------------------------
+    @property
+    def overflow(self):
+        """True when the most recently checked gradients held inf/NaN (reads the device)."""
+        return False if self._overflow_flag is None else bool(self._overflow_flag)
+
+    @overflow.setter
+    def overflow(self, value):
+        self._overflow_flag = torch.tensor(1.0 if value else 0.0, device=self._device())
+
+    def _get_loss_scale(self):
+        return self.loss_scaler.loss_scale()
+
+    def _set_loss_scale(self, value):
+        self.loss_scaler.set_scale(value)
+
+    loss_scale = property(_get_loss_scale, _set_loss_scale,
+                          doc="The current loss scale as a Python float (reads the device).")
+
+    def _get_state(self):
+        return self.optimizer.state
+
+    def _set_state(self, value):
+        self.optimizer.state = value
+
+    state = property(_get_state, _set_state)
+
+    def _get_param_groups(self):
+        return self.optimizer.param_groups
+
+    def _set_param_groups(self, value):
+        self.optimizer.param_groups = value
+
+    param_groups = property(_get_param_groups, _set_param_groups)
+
+    def state_dict(self):
+        """Apex's keys: ``loss_scaler`` (a plain dict here, not a pickled object),
+        ``dynamic_loss_scale``, ``overflow``, ``first_closure_call_this_step``,
+        ``optimizer_state_dict`` and ``fp32_from_fp16`` (the fp32 master weights)."""
+        return {
+            "loss_scaler": self.loss_scaler.state_dict(),
+            "dynamic_loss_scale": self.dynamic_loss_scale,
+            "overflow": self.overflow,
+            "first_closure_call_this_step": self.first_closure_call_this_step,
+            "optimizer_state_dict": self.optimizer.state_dict(),
+            "fp32_from_fp16": [[m.detach() for m in group] for group in self.fp32_from_fp16_groups],
+        }
+
+    def load_state_dict(self, state_dict):
+        """Restore a :meth:`state_dict`: scaler, optimizer state and the fp32 masters
+        themselves (the half model is refreshed from them, so nothing is lost to rounding)."""
+        saved_masters = state_dict["fp32_from_fp16"]
+        if len(saved_masters) != len(self.fp32_from_fp16_groups) or any(
+                len(s) != len(c) for s, c in zip(saved_masters, self.fp32_from_fp16_groups)):
+            raise ValueError("the checkpoint's fp32_from_fp16 master lists do not match this "
+                             "optimizer's param groups; build the model and optimizer as they "
+                             "were when the checkpoint was saved")
+        dynamic = bool(state_dict.get("dynamic_loss_scale", self.dynamic_loss_scale))
+        scaler_state = _scaler_state(state_dict["loss_scaler"])
+        if dynamic != self.loss_scaler.dynamic:
+            self.loss_scaler = (OptimizerLossScaler("dynamic", **self._dynamic_loss_args) if dynamic
+                                else OptimizerLossScaler(scaler_state["loss_scale"]))
+        self.dynamic_loss_scale = dynamic
+        self.loss_scaler.load_state_dict(scaler_state)
+        self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
+        with torch.no_grad():
+            for current_group, saved_group in zip(self.fp32_from_fp16_groups, saved_masters):
+                for current, saved in zip(current_group, saved_group):
+                    current.copy_(saved)
+        if self.all_fp16_params:
+            K.check_unscale([m.detach() for m in self.all_fp32_from_fp16_params], None, None,
+                            dsts=[p.detach() for p in self.all_fp16_params])
+        self._stash.finish_step()
+        self._backward_pending = False
+        self.overflow = state_dict.get("overflow", False)
+        self.first_closure_call_this_step = state_dict.get("first_closure_call_this_step", True)
+
+
+def _scaler_state(saved):
+    """The scaler dict of a checkpoint; an Apex checkpoint holds the scaler object."""
+    if isinstance(saved, Mapping):
+        return saved
+    scale = saved.loss_scale() if callable(getattr(saved, "loss_scale", None)) else \
+        getattr(saved, "_loss_scale", getattr(saved, "cur_scale", None))
+    if scale is None:
+        raise TypeError(f"cannot read a loss scale from the checkpoint's loss_scaler "
+                        f"({type(saved).__name__})")
+    return {"loss_scale": float(scale), "unskipped": int(getattr(saved, "_unskipped", 0))}

@@ -1,0 +1,193 @@
+"""Apex's manual mixed-precision helpers: half models with fp32 BatchNorm, fp32 master
+parameter lists, and the copies between them.
+
+The copies run on tritamp's multi-tensor kernel (``check_unscale`` with no scale: one
+launch per dtype group, casting on the way, nothing read back to the host). Beyond
+Apex, the conversions take a ``dtype`` (``torch.float16`` by default, or
+``torch.bfloat16``).
+"""
+import torch
+import torch.nn as nn
+from torch._utils import _flatten_dense_tensors
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from tritamp import kernels as K
+from tritamp.amp._model import _convert_module, applier
+from tritamp.amp._model import convert_network as _amp_convert_network
+from tritamp.amp.properties import check_half_dtype
+from tritamp.kernels.check_unscale import _dense, _same_layout
+from tritamp.optimizers.clip import clip_grad_norm_
+
+__all__ = ["tofp16", "BN_convert_float", "network_to_half", "convert_module", "convert_network",
+           "FP16Model", "prep_param_lists", "model_grads_to_master_grads",
+           "master_params_to_model_params", "to_python_float", "clip_grad_norm"]
+
+
+class tofp16(nn.Module):
+    """A module whose forward casts its input to the half dtype (``input.half()``)."""
+
+    def __init__(self, dtype=torch.float16):
+        super().__init__()
+        check_half_dtype(dtype)
+        self.dtype = dtype
+
+    def forward(self, input):
+        return input.to(self.dtype)
+
+
+def BN_convert_float(module):
+    """Cast every affine BatchNorm in ``module`` back to fp32 (for :func:`network_to_half`)."""
+    if isinstance(module, _BatchNorm) and module.affine is True:
+        module.float()
+    for child in module.children():
+        BN_convert_float(child)
+    return module
+
+
+def network_to_half(network, dtype=torch.float16):
+    """``nn.Sequential(tofp16(), network in half with fp32 BatchNorm)``; prefer :class:`FP16Model`."""
+    check_half_dtype(dtype)
+    return nn.Sequential(tofp16(dtype), BN_convert_float(network.to(dtype)))
+
+
+def convert_module(module, dtype):
+    """Cast ``module``'s own floating parameters, their gradients and buffers to ``dtype``."""
+    _convert_module(module, dtype)
+
+
+def convert_network(network, dtype):
+    """Cast ``network`` to ``dtype`` in place, affine BatchNorm left in fp32."""
+    return _amp_convert_network(network, dtype, keep_batchnorm_fp32=True)
+
+
+class FP16Model(nn.Module):
+    """``network`` in half precision (affine BatchNorm kept fp32); forward casts floating
+    inputs to the half dtype. Integer inputs (token ids, labels) pass unchanged, where
+    Apex's ``.half()`` turned them into floats."""
+
+    def __init__(self, network, dtype=torch.float16):
+        super().__init__()
+        check_half_dtype(dtype)
+        self.dtype = dtype
+        self.network = convert_network(network, dtype=dtype)
+
+    def forward(self, *inputs):
+        inputs = applier(inputs, lambda t: t.to(self.dtype) if t.is_floating_point() else t)
+        return self.network(*inputs)
+
+
+def prep_param_lists(model, flat_master=False):
+    """``(model_params, master_params)``: the model's trainable parameters and fp32 copies.
+
+    With ``flat_master=True`` the masters are one flat fp32 Parameter (with a zeroed
+    ``.grad``), which needs every parameter to have the same dtype."""
+    model_params = [p for p in model.parameters() if p.requires_grad]
+    if flat_master:
+        dtypes = {p.dtype for p in model_params}
+        if len(dtypes) > 1:
+            raise TypeError("Error in prep_param_lists:  model may contain a mixture of parameters "
+                            f"of different types ({sorted(map(str, dtypes))}).  Use "
+                            "flat_master=False, or use FP16_Optimizer.")
+        if not model_params:
+            raise ValueError("prep_param_lists(flat_master=True): the model has no trainable "
+                             "parameters to flatten")
+        flat = _flatten_dense_tensors([p.detach() for p in model_params]).float()
+        master = nn.Parameter(flat)
+        master.grad = torch.zeros_like(flat)
+        return model_params, [master]
+    master_params = [p.detach().clone().float() for p in model_params]
+    for m in master_params:
+        m.requires_grad = True
+    return model_params, master_params
+
+
+def _flat_views(flat, params):
+    """Views of the flat master ``flat`` shaped like each of ``params``, in order."""
+    total = sum(p.numel() for p in params)
+    if flat.numel() != total:
+        raise ValueError(f"the flat master holds {flat.numel()} elements but the model parameters "
+                         f"hold {total}; pass the lists prep_param_lists(model, flat_master=True) "
+                         "returned")
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset:offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    return views
+
+
+def _check_pairs(model_params, master_params, flat_master):
+    if flat_master:
+        if len(master_params) != 1:
+            raise ValueError(f"flat_master=True expects one flat master parameter, got "
+                             f"{len(master_params)}")
+    elif len(model_params) != len(master_params):
+        raise ValueError(f"{len(model_params)} model parameters but {len(master_params)} master "
+                         "parameters; pass the lists prep_param_lists returned")
+
+
+def _copy(srcs, dsts):
+    """dst = src (cast), one launch per dtype group; pairs whose layouts differ (a
+    channels-last tensor against a flat view) go through torch's copy."""
+    fused_src, fused_dst = [], []
+    for s, d in zip(srcs, dsts):
+        if _dense(s) and _same_layout(s, d):
+            fused_src.append(s)
+            fused_dst.append(d)
+        else:
+            d.copy_(s)
+    K.check_unscale(fused_src, None, None, dsts=fused_dst)
+
+
+@torch.no_grad()
+def model_grads_to_master_grads(model_params, master_params, flat_master=False):
+    """Copy the model's (half) gradients into the fp32 masters' gradients.
+
+    A model parameter without a gradient leaves its master without one (a zero slice of
+    the flat gradient with ``flat_master=True``)."""
+    model_params, master_params = list(model_params), list(master_params)
+    _check_pairs(model_params, master_params, flat_master)
+    if flat_master:
+        master = master_params[0]
+        if master.grad is None:
+            master.grad = torch.zeros_like(master)
+        views = _flat_views(master.grad, model_params)
+        srcs, dsts = [], []
+        for p, v in zip(model_params, views):
+            if p.grad is None:
+                v.zero_()
+            else:
+                srcs.append(p.grad)
+                dsts.append(v)
+        _copy(srcs, dsts)
+        return
+    srcs, dsts = [], []
+    for model, master in zip(model_params, master_params):
+        if model.grad is None:
+            master.grad = None
+            continue
+        if master.grad is None:
+            master.grad = torch.empty_like(master)
+        srcs.append(model.grad)
+        dsts.append(master.grad)
+    _copy(srcs, dsts)
+
+
+@torch.no_grad()
+def master_params_to_model_params(model_params, master_params, flat_master=False):
+    """Copy the fp32 masters into the model's parameters (rounded to their dtype)."""
+    model_params, master_params = list(model_params), list(master_params)
+    _check_pairs(model_params, master_params, flat_master)
+    if flat_master:
+        master_params = _flat_views(master_params[0].detach(), model_params)
+    _copy([m.detach() for m in master_params], [p.detach() for p in model_params])
+
+
+def to_python_float(t):
+    """A Python number from a 0-d / one-element tensor (reads the device) or a sequence."""
+    if hasattr(t, "item"):
+        return t.item()
+    return t[0]
+
+
+clip_grad_norm = clip_grad_norm_
+"""``torch.nn.utils.clip_grad_norm_`` on tritamp's multi-tensor kernels (L2: no host sync)."""

@@ -1,0 +1,159 @@
+"""Loss scalers of Apex's ``fp16_utils``, on tritamp's device-side scaler.
+
+There is one scaler in tritamp: :class:`tritamp.amp.scaler.LossScaler`, whose scale,
+growth tracker and overflow flag live on the device and are updated by one kernel.
+Everything here drives it:
+
+- :class:`OptimizerLossScaler` is the scaler :class:`~tritamp.fp16_utils.FP16_Optimizer`
+  owns: amp's scaler reporting a skipped step with FP16_Optimizer's message.
+- :class:`LossScaler` (static) and :class:`DynamicLossScaler` keep the legacy
+  stand-alone API of ``apex.fp16_utils`` (``loss_scale`` property, ``has_overflow``,
+  ``update_scale(overflow)``, ``backward``) for scripts that scale by hand.
+"""
+import logging
+import math
+
+import torch
+
+from tritamp import kernels as K
+from tritamp.amp.scaler import LossScaler as _DeviceLossScaler
+from tritamp.amp.scaler import _host_values
+
+from .fp16util import to_python_float
+
+logger = logging.getLogger("tritamp.fp16_utils")
+
+__all__ = ["LossScaler", "DynamicLossScaler", "OptimizerLossScaler", "to_python_float"]
+
+
+class OptimizerLossScaler(_DeviceLossScaler):
+    """tritamp's amp scaler, reporting a skipped step as Apex's FP16_Optimizer did:
+    ``OVERFLOW! Skipping step. Attempted loss scale: 65536.0, reducing to 32768.0``
+    (logger ``tritamp.fp16_utils``, WARNING; ``report=False`` silences it).
+
+    The report is read from a non-blocking copy of the device state once it has landed
+    (as amp's are), so it never makes the host wait."""
+
+    def __init__(self, loss_scale="dynamic", report=True, **kwargs):
+        super().__init__(loss_scale, **kwargs)
+        self.report = report
+
+    def set_scale(self, value):
+        """Replace the current scale (a Python number > 0)."""
+        value = float(value)
+        if not (math.isfinite(value) and value > 0.0):
+            raise ValueError(f"the loss scale must be a finite number > 0, got {value!r}")
+        if not self.dynamic:
+            self._static_scale = value
+        self._state[K.SCALE] = value
+
+    def _report(self, snapshot):
+        values = _host_values(snapshot)
+        skipped = values[K.SKIPPED]
+        new_skips = int(skipped - self._seen_skipped)
+        if new_skips > 0 and self.report:
+            scale, used = values[K.SCALE], values[K.USED_SCALE]
+            more = "" if new_skips == 1 else f" ({new_skips} steps skipped since the last report)"
+            if scale < used:
+                logger.warning("OVERFLOW! Skipping step. Attempted loss scale: %s, reducing to %s%s",
+                               used, scale, more)
+            else:
+                logger.warning("OVERFLOW! Skipping step. Attempted loss scale: %s, keeping it%s",
+                               used, more)
+        # Counted here, so amp's own skip message stays silent; its warning about a scale
+        # stuck at the floor still applies.
+        self._seen_skipped = skipped
+        super()._report(snapshot)
+
+
+def _found_inf_of(tensors):
+    """A 0-d fp32 device flag, 1.0 when any tensor holds inf/NaN (one launch per dtype)."""
+    tensors = [t for t in tensors if t is not None]
+    if not tensors:
+        return None
+    found = torch.zeros((), dtype=torch.float32, device=tensors[0].device)
+    K.check_unscale(tensors, None, found, write=False)
+    return found
+
+
+class _LegacyScaler:
+    """Apex's stand-alone scaler API over a device-side scaler."""
+
+    def __init__(self, scaler):
+        self._scaler = scaler
+
+    @property
+    def loss_scale(self):
+        """The current scale as a Python float (reads the device)."""
+        return self._scaler.loss_scale()
+
+    @property
+    def cur_scale(self):
+        return self._scaler.loss_scale()
+
+    def has_overflow(self, params):
+        """True when a gradient of ``params`` holds inf/NaN. One check launch per dtype
+        group and one host read (this API returns a Python bool)."""
+        found = _found_inf_of([p.grad for p in params])
+        return False if found is None else bool(found)
+
+    @staticmethod
+    def _has_inf_or_nan(x):
+        return bool(_found_inf_of([x]))
+
+    def scale_gradient(self, module, grad_in, grad_out):
+        return tuple(self.loss_scale * g for g in grad_in)
+
+    def backward(self, loss, retain_graph=False):
+        """``(loss * loss_scale).backward()``; the scale is read on the device."""
+        scale = self._scaler._to(loss.device)[K.SCALE]
+        (loss * scale).backward(retain_graph=retain_graph)
+
+    def state_dict(self):
+        return self._scaler.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self._scaler.load_state_dict(state_dict)
+
+
+class LossScaler(_LegacyScaler):
+    """A static loss scale (Apex's ``fp16_utils.LossScaler(scale=1)``).
+
+    Unlike Apex's, ``has_overflow`` really checks the gradients, so a script that skips
+    on overflow skips with a static scale too; ``update_scale`` keeps the scale."""
+
+    def __init__(self, scale=1):
+        super().__init__(OptimizerLossScaler(float(scale), report=False))
+
+    def update_scale(self, overflow):
+        pass
+
+
+class DynamicLossScaler(_LegacyScaler):
+    """Apex's ``fp16_utils.DynamicLossScaler``: start at ``init_scale``, divide by
+    ``scale_factor`` on overflow (never below 1), multiply by it after ``scale_window``
+    consecutive clean iterations. The scale lives on the device; ``update_scale``
+    given a device tensor makes no host sync."""
+
+    def __init__(self, init_scale=2**32, scale_factor=2., scale_window=1000):
+        super().__init__(OptimizerLossScaler("dynamic", report=False, init_scale=init_scale,
+                                             scale_factor=scale_factor, scale_window=scale_window,
+                                             min_loss_scale=1.0, max_loss_scale=None))
+        self.scale_factor = scale_factor
+        self.scale_window = scale_window
+        self.cur_iter = 0
+        self.last_overflow_iter = -1
+
+    def update_scale(self, overflow):
+        """Advance the scale after an iteration; ``overflow`` is a bool, or a 0-d device
+        tensor (then nothing is read back to the host)."""
+        state = self._scaler._state
+        if isinstance(overflow, torch.Tensor):
+            state = self._scaler._to(overflow.device)
+            state[K.FOUND_INF].copy_((overflow != 0).reshape(()))
+        else:
+            state[K.FOUND_INF] = 1.0 if overflow else 0.0
+            if overflow:
+                self.last_overflow_iter = self.cur_iter
+        self._scaler.update_scale()
+        self.cur_iter += 1
