@@ -7,7 +7,8 @@
 Rows: amp's end-of-backward kernels (the overflow check alone, and check + unscale of
 fp16 gradients into fp32 master gradients) against torch's
 ``_amp_foreach_non_finite_check_and_unscale_`` (what GradScaler runs), the multi-tensor
-l2-norm against ``torch._foreach_norm``, then every fused optimizer step from
+l2-norm against ``torch._foreach_norm``, LayerNorm / RMSNorm forward and forward+backward
+against torch's (benchmarks/norms.py), then every fused optimizer step from
 benchmarks/optimizers.py. Each row: time (median, p20-p80), bytes moved, GB/s, the
 share of the device's measured copy bandwidth and the ratio to the torch baseline. Timing
 as in optimizers.py: ``triton.testing.do_bench`` on the GPU, a short wall-clock median of
@@ -21,6 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import norms as nb  # noqa: E402  (the norm benchmark)
 import optimizers as ob  # noqa: E402  (the optimizer benchmark: layouts, timer, table)
 
 from tritamp.kernels import check_unscale, multi_tensor_l2norm  # noqa: E402
@@ -105,6 +107,7 @@ def parse_args(argv=None):
                    help="sizes for the optimizer rows (default: --sizes, plus 1B on a GPU)")
     p.add_argument("--layouts", default=",".join(ob.LAYOUTS))
     p.add_argument("--no-optimizers", action="store_true", help="only amp's and the norm kernels")
+    p.add_argument("--no-norms", action="store_true", help="leave out the LayerNorm/RMSNorm rows")
     p.add_argument("--cpu-reps", type=int, default=5)
     p.add_argument("--out", default="benchmarks/out")
     args = p.parse_args(argv)
@@ -140,6 +143,8 @@ def main(argv=None):
             for name, impl, make in kernel_cases(ob.layout_shapes(layout, n), device):
                 rows.append(run_kernel(name, impl, make, layout, n, device, timed, copy_gbps,
                                        meta))
+    if not args.no_norms:
+        rows += nb.norm_rows(device, timed, copy_gbps, meta)
     if not args.no_optimizers:
         for n in args.optimizer_sizes:
             for layout in args.layouts:

@@ -16,7 +16,8 @@ def test_smoke_run_writes_one_table(tmp_path, capsys):
     assert "CPU figures" in out and "amp check" in out and "adam" in out
     data = json.loads((tmp_path / "kernels_cpu.json").read_text())
     names = {r["optimizer"] for r in data["rows"]}
-    assert {"amp check", "amp unscale->fp32", "l2norm", "adam", "sgd"} <= names
+    assert {"amp check", "amp unscale->fp32", "l2norm", "adam", "sgd", "layer_norm fwd",
+            "layer_norm fwd+bwd", "rms_norm fwd", "rms_norm fwd+bwd"} <= names
     for r in data["rows"]:
         assert r["device"] == data["device"] and "torch" in r and "tritamp" in r
         if "time_ms" in r:
