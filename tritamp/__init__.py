@@ -7,6 +7,7 @@ from . import amp
 from .amp import (disable_casts, float_function, half_function, initialize, load_state_dict,
                   master_params, promote_function, register_float_function,
                   register_half_function, register_promote_function, scale_loss, state_dict)
+from .convert import convert_to_amp
 
 __version__ = "0.1.0"
 
@@ -14,5 +15,5 @@ __all__ = [
     "amp", "initialize", "scale_loss", "state_dict", "load_state_dict", "master_params",
     "disable_casts", "register_half_function", "register_float_function",
     "register_promote_function", "half_function", "float_function", "promote_function",
-    "__version__",
+    "convert_to_amp", "__version__",
 ]

@@ -1,0 +1,239 @@
+"""``convert_to_amp``: ColossalAI-style mixed-precision configuration on tritamp.
+
+ColossalAI configured mixed precision with a dict, ``fp16=dict(mode=..., ...)``, and
+``convert_to_amp(model, optimizer, criterion, mode, amp_config)`` returned the model, an
+optimizer wrapper with ``backward(loss)`` / ``step()`` and the criterion. Its three
+modes each map onto one ``tritamp.amp.initialize`` call (one policy, one device-side
+scaler), so the returned objects train like any tritamp model and optimizer:
+
+    mode     ColossalAI                                  tritamp
+    "apex"   apex.amp.initialize(**config)               amp.initialize(**config) (O1 default)
+    "torch"  autocast forward + torch GradScaler         O1: autocast forward, dynamic scaler
+    "naive"  model.half(), fp32 masters, dynamic scaler  O2: half model (BatchNorm too), fp32
+             with hysteresis (2), growth every 1000      masters, hysteresis 2, growth 1000
+"""
+import torch
+import torch.nn as nn
+
+from . import amp
+from .amp._state import _amp_state
+from .optimizers.clip import clip_grad_norm_
+
+__all__ = ["convert_to_amp", "AmpOptimizer", "AutocastLoss"]
+
+MODES = ("apex", "torch", "naive")
+
+# keys every mode accepts: the scaler settings of amp.initialize, and the half dtype
+_SCALER_KEYS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis")
+_APEX_KEYS = ("enabled", "opt_level", "cast_model_type", "patch_torch_functions",
+              "keep_batchnorm_fp32", "master_weights", "loss_scale", "cast_model_outputs",
+              "num_losses", "verbosity", "min_loss_scale", "max_loss_scale", "half_dtype"
+              ) + _SCALER_KEYS
+_TORCH_KEYS = ("enabled", "verbosity", "half_dtype") + _SCALER_KEYS
+_NAIVE_KEYS = ("initial_scale", "min_scale", "max_scale", "dynamic_grad_scale", "verbose",
+               "clip_grad_norm", "keep_batchnorm_fp32", "half_dtype") + _SCALER_KEYS
+
+
+def _mode_name(mode):
+    name = getattr(mode, "value", mode)  # ColossalAI's AMP_TYPE enum carries the string
+    if isinstance(name, str) and name.lower() in MODES:
+        return name.lower()
+    raise ValueError(f"mode must be one of {MODES} (or ColossalAI's AMP_TYPE), got {mode!r}")
+
+
+def _check_keys(mode, config, allowed):
+    unknown = sorted(set(config) - set(allowed))
+    if unknown:
+        raise TypeError(f"convert_to_amp(mode={mode!r}) got unknown config key(s) {unknown}; "
+                        f"this mode accepts {sorted(allowed)}")
+
+
+def _apex_kwargs(config):
+    kwargs = dict(config)
+    kwargs.setdefault("opt_level", "O1")  # apex.amp.initialize's default, as ColossalAI passed it
+    return kwargs, 0.0
+
+
+def _torch_kwargs(config):
+    kwargs = dict(config)
+    # torch.amp.GradScaler: always dynamic (bf16 too), no ceiling, defaults 2**16 / 2 / 0.5 / 2000
+    kwargs.update(opt_level="O1", loss_scale="dynamic", max_loss_scale=None)
+    return kwargs, 0.0
+
+
+def _naive_kwargs(config):
+    config = dict(config)
+    if "initial_scale" in config and "init_scale" in config:
+        raise TypeError("convert_to_amp(mode='naive'): pass initial_scale or init_scale, not both")
+    init_scale = float(config.pop("initial_scale", config.pop("init_scale", 2.**16)))
+    dynamic = config.pop("dynamic_grad_scale", True)
+    hysteresis = int(config.pop("hysteresis", 2))
+    kwargs = dict(
+        opt_level="O2",
+        # NaiveAMPModel runs model.half(): BatchNorm in half too, unless asked otherwise
+        keep_batchnorm_fp32=config.pop("keep_batchnorm_fp32", False),
+        loss_scale="dynamic" if dynamic else init_scale,
+        init_scale=init_scale,
+        growth_factor=config.pop("growth_factor", 2.),
+        backoff_factor=config.pop("backoff_factor", 0.5),
+        growth_interval=config.pop("growth_interval", 1000),
+        # ColossalAI backs off once hysteresis overflows are counted; 0 behaves as 1
+        hysteresis=max(1, hysteresis),
+        min_loss_scale=config.pop("min_scale", None),
+        max_loss_scale=config.pop("max_scale", None),
+        verbosity=1 if config.pop("verbose", False) else 0,
+        half_dtype=config.pop("half_dtype", torch.float16),
+    )
+    clip = float(config.pop("clip_grad_norm", 0.0))
+    return kwargs, clip
+
+
+_MODE_TABLE = {
+    "apex": (_APEX_KEYS, _apex_kwargs),
+    "torch": (_TORCH_KEYS, _torch_kwargs),
+    "naive": (_NAIVE_KEYS, _naive_kwargs),
+}
+
+
+def convert_to_amp(model, optimizer, criterion=None, mode=None, amp_config=None, **config):
+    """Set up mixed precision from a ColossalAI-style configuration.
+
+    ``mode`` is ``"apex"`` (the default), ``"torch"`` or ``"naive"`` (or ColossalAI's
+    ``AMP_TYPE``); the configuration comes as keyword arguments, as ``amp_config`` (a
+    dict, ColossalAI's calling convention), or both. A ``mode`` key inside it is read
+    too, so ``convert_to_amp(model, optimizer, criterion, **fp16)`` takes ColossalAI's
+    ``fp16=dict(mode=..., ...)`` as it is. Returns ``(model, optimizer, criterion)``:
+    the model prepared by ``tritamp.amp.initialize``, an :class:`AmpOptimizer` with
+    ``backward(loss)``, ``step()``, ``zero_grad()`` and ``clip_grad_norm(model, max_norm)``,
+    and the criterion (wrapped to run under autocast in ``"torch"`` mode, as ColossalAI's
+    ``TorchAMPLoss``). Like ``initialize``, it configures the process's loss scalers:
+    call it once per training setup.
+    """
+    config = {**(amp_config or {}), **config}
+    config_mode = config.pop("mode", None)
+    if mode is not None and config_mode is not None and _mode_name(mode) != _mode_name(config_mode):
+        raise ValueError(f"convert_to_amp got mode={mode!r} and a config with mode={config_mode!r}; "
+                         "pass one of them")
+    mode = mode if mode is not None else config_mode if config_mode is not None else "apex"
+    mode = _mode_name(mode)
+    if isinstance(optimizer, (list, tuple)) or not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("convert_to_amp takes one torch.optim.Optimizer; for several models and "
+                        "optimizers call tritamp.amp.initialize directly")
+    allowed, to_kwargs = _MODE_TABLE[mode]
+    _check_keys(mode, config, allowed)
+    kwargs, clip = to_kwargs(config)
+    model, optimizer = amp.initialize(model, optimizer, **kwargs)
+    enabled = kwargs.get("enabled", True)
+    if mode == "torch" and criterion is not None and enabled:
+        criterion = AutocastLoss(criterion, dtype=kwargs.get("half_dtype", torch.float16))
+    return model, AmpOptimizer(optimizer, clip_grad_norm=clip), criterion
+
+
+class AmpOptimizer:
+    """The optimizer ``convert_to_amp`` returns: ColossalAI's optimizer-wrapper interface
+    over an optimizer prepared by ``tritamp.amp.initialize``.
+
+    ``backward(loss)`` runs ``amp.scale_loss``; ``step()`` clips the fp32 master gradients
+    first when a ``clip_grad_norm`` was configured (naive mode) and skips on overflow;
+    ``optim`` is the optimizer itself (hand it to LR schedulers). ``state_dict()`` holds
+    the optimizer's state and the loss scalers' (key ``"amp"``).
+    """
+
+    def __init__(self, optim, clip_grad_norm=0.0):
+        self.optim = optim
+        self.max_norm = float(clip_grad_norm)
+
+    # -- the optimizer's own interface ---------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
+
+    @property
+    def defaults(self):
+        return self.optim.defaults
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    @property
+    def parameters(self):
+        return [p for group in self.optim.param_groups for p in group["params"]]
+
+    def add_param_group(self, *args, **kwargs):
+        return self.optim.add_param_group(*args, **kwargs)
+
+    def zero_grad(self, *args, **kwargs):
+        self.optim.zero_grad(*args, **kwargs)
+
+    def state_dict(self):
+        sd = dict(self.optim.state_dict())
+        sd["amp"] = amp.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        amp_state = state_dict.pop("amp", None)
+        self.optim.load_state_dict(state_dict)
+        if amp_state is not None and _amp_state.loss_scalers:
+            amp.load_state_dict(amp_state)
+
+    # -- mixed precision ---------------------------------------------------------------------
+    def backward(self, loss, retain_graph=False):
+        """``loss.backward()`` through ``amp.scale_loss``: scaled, checked, unscaled."""
+        with amp.scale_loss(loss, self.optim) as scaled_loss:
+            scaled_loss.backward(retain_graph=retain_graph)
+
+    def step(self, *args, **kwargs):
+        """Clip (when configured), then step; skipped when the gradients overflowed."""
+        if self.max_norm > 0.0:
+            clip_grad_norm_(amp.master_params(self.optim), self.max_norm)
+        return self.optim.step(*args, **kwargs)
+
+    def clip_grad_norm(self, model, max_norm):
+        """Clip the gradients the optimizer will use (fp32 masters, unscaled) to
+        ``max_norm``; returns the total norm as a device tensor (no host sync).
+
+        With a ``clip_grad_norm`` configured (naive mode) ``step()`` clips, and this
+        accepts only that same value, as ColossalAI's naive optimizer did."""
+        if self.max_norm > 0.0:
+            if float(max_norm) == self.max_norm:
+                return None
+            raise RuntimeError("This optimizer clips gradients during step() (clip_grad_norm="
+                               f"{self.max_norm} in the amp config), so clip_grad_norm("
+                               f"max_norm={max_norm}) is not allowed. Drop one of the two.")
+        if max_norm > 0:
+            return clip_grad_norm_(amp.master_params(self.optim), max_norm)
+        return None
+
+    def clip_grad_by_norm(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """``clip_grad_norm_`` over the master parameters (unscaled first)."""
+        return clip_grad_norm_(amp.master_params(self.optim), max_norm, norm_type,
+                               error_if_nonfinite=error_if_nonfinite)
+
+    @property
+    def loss_scale(self):
+        """The current loss scale as a Python float (reads the device)."""
+        scalers = _amp_state.loss_scalers
+        return scalers[0].loss_scale() if scalers else 1.0
+
+
+def _device_type(args, kwargs):
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            return v.device.type
+    return "cpu"
+
+
+class AutocastLoss(nn.Module):
+    """A criterion run under ``torch.autocast`` with the half dtype (ColossalAI's
+    ``TorchAMPLoss``). ``loss`` is the wrapped criterion."""
+
+    def __init__(self, loss, dtype=torch.float16):
+        super().__init__()
+        self.loss = loss
+        self.dtype = dtype
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(_device_type(args, kwargs), dtype=self.dtype):
+            return self.loss(*args, **kwargs)
