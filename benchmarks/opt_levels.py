@@ -5,7 +5,8 @@
 
 tritamp's configurations train with tritamp.optimizers.FusedSGD, the torch.amp baseline
 with torch.optim.SGD(fused=True); with ``--model transformer`` (pre-norm transformer blocks
-on synthetic tokens) FusedAdam against torch.optim.AdamW(fused=True). Each configuration runs in a fresh process (clean
+on synthetic tokens) FusedAdam and tritamp.normalization.FusedLayerNorm against
+torch.optim.AdamW(fused=True) and nn.LayerNorm. Each configuration runs in a fresh process (clean
 memory peak, clean compile cache) and reports samples/s (median step after warm-up), step time, peak memory (CUDA allocator
 peak, or the process's peak RSS on CPU), host-device syncs per training step, the extra
 time of the first step (kernel compiles) and the final loss relative to O0. Writes a
@@ -48,18 +49,35 @@ def small_cnn(num_classes=10):
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes))
 
 
+class PreNormBlock(nn.Module):
+    """x + attention(norm(x)), then x + MLP(norm(x))."""
+
+    def __init__(self, width, heads, norm):
+        super().__init__()
+        self.ln1, self.ln2 = norm(width), norm(width)
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                 nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
 class TransformerClassifier(nn.Module):
     """Pre-norm transformer blocks (LayerNorm, attention, MLP) over synthetic tokens:
-    the LayerNorm / Adam side of mixed precision, where the CNNs exercise BatchNorm / SGD."""
+    the LayerNorm / Adam side of mixed precision, where the CNNs exercise BatchNorm / SGD.
+    ``norm`` is the LayerNorm class: tritamp's FusedLayerNorm for tritamp's configurations,
+    torch's nn.LayerNorm for the torch.amp baseline (same parameters, same initial values)."""
 
-    def __init__(self, num_classes=10, vocab=1000, width=64, depth=2, heads=4, seq=512):
+    def __init__(self, num_classes=10, vocab=1000, width=64, depth=2, heads=4, seq=512,
+                 norm=nn.LayerNorm):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.pos = nn.Parameter(torch.zeros(seq, width))
-        layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0,
-                                           batch_first=True, norm_first=True)
-        self.blocks = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
-        self.norm = nn.LayerNorm(width)
+        self.blocks = nn.Sequential(*(PreNormBlock(width, heads, norm) for _ in range(depth)))
+        self.norm = norm(width)
         self.head = nn.Linear(width, num_classes)
 
     def forward(self, tokens):
@@ -67,13 +85,15 @@ class TransformerClassifier(nn.Module):
         return self.head(self.norm(self.blocks(h)).mean(dim=1))
 
 
-def build_model(name, num_classes, device_type="cpu"):
+def build_model(name, num_classes, device_type="cpu", fused_norms=False):
     if name == "small-cnn":
         return small_cnn(num_classes)
     if name == "transformer":
+        from tritamp.normalization import FusedLayerNorm
+        norm = FusedLayerNorm if fused_norms else nn.LayerNorm
         if device_type == "cuda":
-            return TransformerClassifier(num_classes, width=512, depth=6, heads=8)
-        return TransformerClassifier(num_classes)
+            return TransformerClassifier(num_classes, width=512, depth=6, heads=8, norm=norm)
+        return TransformerClassifier(num_classes, norm=norm)
     try:
         import torchvision
     except ImportError:
@@ -157,7 +177,7 @@ def run_config(name, args):
     kind, kw = CONFIGS[name]
     device = torch.device(args.device)
     torch.manual_seed(0)
-    model = build_model(args.model, 10, device.type).to(device)
+    model = build_model(args.model, 10, device.type, fused_norms=kind == "tritamp").to(device)
     transformer = args.model == "transformer"
     memory_format = torch.channels_last if args.channels_last and not transformer \
         else torch.contiguous_format

@@ -52,3 +52,20 @@ def test_transformer_option_runs_fused_adam(tmp_path, capsys):
     assert data["model"] == "transformer"
     assert [r["config"] for r in data["rows"]] == ["O2", "torch.amp"]
     assert all(r["syncs_per_step"] == 0 for r in data["rows"])
+
+
+def test_transformer_uses_fused_norms_for_tritamp_configs():
+    from torch import nn
+
+    from tritamp.normalization import FusedLayerNorm
+    torch.manual_seed(0)
+    fused = opt_levels.build_model("transformer", 10, "cpu", fused_norms=True)
+    torch.manual_seed(0)
+    plain = opt_levels.build_model("transformer", 10, "cpu", fused_norms=False)
+    norms = [m for m in fused.modules() if isinstance(m, nn.LayerNorm)]
+    assert len(norms) == 5 and all(type(m) is FusedLayerNorm for m in norms)
+    assert not any(isinstance(m, FusedLayerNorm) for m in plain.modules())
+    for (k, a), (k2, b) in zip(fused.state_dict().items(), plain.state_dict().items()):
+        assert k == k2 and torch.equal(a, b)
+    tokens = torch.randint(0, 1000, (2, 8))
+    torch.testing.assert_close(fused(tokens), plain(tokens), rtol=1e-5, atol=1e-5)
