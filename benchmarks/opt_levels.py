@@ -362,8 +362,10 @@ def main(argv=None):
     if device.type != "cuda":
         print("No GPU in use: this is a CPU run of a small model; its numbers say nothing "
               "about GPU speed (fp16 math on a CPU is far slower than fp32).")
-    print(f"model {args.model}, batch {args.batch_size}, {args.image_size}x{args.image_size} "
-          f"synthetic images, {args.steps} timed steps after {args.warmup} warm-up, "
+    data = (f"{args.image_size}-token synthetic sequences" if args.model == "transformer"
+            else f"{args.image_size}x{args.image_size} synthetic images")
+    print(f"model {args.model}, batch {args.batch_size}, {data}, "
+          f"{args.steps} timed steps after {args.warmup} warm-up, "
           f"on {device_name(device)}")
     rows = []
     for name in _progress(args.levels):
