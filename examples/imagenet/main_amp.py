@@ -1,0 +1,109 @@
+"""Mixed-precision ImageNet training with tritamp's amp (Apex's examples/imagenet/main_amp.py).
+
+    python main_amp.py -a resnet50 --b 224 --workers 4 --opt-level O2 ./
+    torchrun --nproc_per_node=2 main_amp.py -a resnet50 --b 224 --workers 4 --opt-level O1 ./
+
+On a CPU, with the tiny generated data set (make_tiny_imagenet.py):
+
+    python main_amp.py -a resnet18 -b 4 --crop-size 32 --val-resize 36 --epochs 1 \
+        --opt-level O2 --half-dtype bf16 --workers 0 /tmp/tiny-imagenet
+
+Three lines enable amp: the import, ``amp.initialize`` after the model and optimizer are
+built, and ``amp.scale_loss`` around the backward pass. The model and its inputs are never
+converted to half by hand.
+"""
+import os
+import sys
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import imagenet_common as common  # noqa: E402
+
+from tritamp import amp  # noqa: E402  (was: from apex import amp)
+
+
+def parse(argv=None):
+    p = common.base_parser("PyTorch ImageNet Training with tritamp's amp")
+    p.add_argument("--opt-level", type=str, required=True,
+                   help="O0 (fp32), O1 (autocast), O2 (half model, fp32 masters), O3 (half)")
+    p.add_argument("--keep-batchnorm-fp32", type=str, default=None,
+                   help="override the opt level's choice: True or False")
+    p.add_argument("--loss-scale", type=str, default=None,
+                   help='override the opt level\'s loss scale: a number or "dynamic"')
+    p.add_argument("--channels-last", type=common.str2bool, nargs="?", const=True,
+                   default=False, metavar="BOOL",
+                   help="train in channels-last memory format (--channels-last alone turns "
+                        "it on; --channels-last False turns it off)")
+    p.add_argument("--half-dtype", default="fp16", choices=sorted(common.HALF_DTYPES),
+                   help="the half type of O1-O3 (default: fp16; bf16 needs no loss scaling)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse(argv)
+    common.setup(args)
+    common.log(args, "opt_level = {}".format(args.opt_level))
+    common.log(args, "keep_batchnorm_fp32 = {}".format(args.keep_batchnorm_fp32),
+               type(args.keep_batchnorm_fp32))
+    common.log(args, "loss_scale = {}".format(args.loss_scale), type(args.loss_scale))
+    common.log(args, "half_dtype = {}".format(args.half_dtype))
+    common.log(args, "device = {}, world_size = {}".format(args.device, args.world_size))
+    if args.device.type == "cuda":
+        common.log(args, "\nCUDNN VERSION: {}\n".format(torch.backends.cudnn.version()))
+
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    train_dataset, val_dataset = common.make_datasets(args)
+
+    model = common.build_model(args, num_classes=len(train_dataset.classes))
+    if args.sync_bn:
+        from tritamp.parallel import convert_syncbn_model
+        common.log(args, "using tritamp synced BN")
+        model = convert_syncbn_model(model)
+    model = model.to(args.device, memory_format=memory_format)
+    if args.distributed:
+        common.broadcast_model(model)
+
+    # Scale learning rate based on global batch size
+    args.lr = args.lr * float(args.batch_size * args.world_size) / 256.
+    optimizer = common.make_sgd(model.parameters(), args)
+
+    # amp accepts values or strings for the overrides, for convenient use with argparse.
+    model, optimizer = amp.initialize(model, optimizer,
+                                      opt_level=args.opt_level,
+                                      keep_batchnorm_fp32=args.keep_batchnorm_fp32,
+                                      loss_scale=args.loss_scale,
+                                      half_dtype=common.HALF_DTYPES[args.half_dtype])
+
+    checkpoint = None
+    if args.resume:
+        checkpoint = common.load_checkpoint(args.resume, args)
+        args.start_epoch = checkpoint["epoch"]
+        model.load_state_dict(common.model_state(checkpoint))   # fp32 masters too, at O2
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        if "amp" in checkpoint:
+            amp.load_state_dict(checkpoint["amp"])
+        common.log(args, "=> loaded checkpoint '{}' (epoch {})".format(args.resume,
+                                                                      checkpoint["epoch"]))
+
+    # DistributedDataParallel wraps the model AFTER amp.initialize (initialize refuses a
+    # wrapped model: casting it afterwards would break DDP's gradient hooks).
+    model = common.wrap_ddp(model, args)
+    criterion = nn.CrossEntropyLoss().to(args.device)
+    train_loader, val_loader, train_sampler = common.make_loaders(
+        train_dataset, val_dataset, args, channels_last=args.channels_last)
+
+    def train_step(loss):
+        optimizer.zero_grad()
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+
+    return common.fit(args, model, criterion, optimizer, train_step, train_loader, val_loader,
+                      train_sampler, checkpoint_extras=lambda: {"amp": amp.state_dict()},
+                      checkpoint=checkpoint)
+
+
+if __name__ == "__main__":
+    main()
