@@ -157,6 +157,12 @@ class AmpStash:
         else:
             self.found_inf = torch.maximum(self.found_inf, found)
 
+    def merge_overflow(self, scaler):
+        """After ``scaler``'s overflow slot was all-reduced: a flag that aliases the slot
+        already sees it; one merged from an earlier loss takes it in (MAX is idempotent)."""
+        if self.found_inf is not None and self.scaler is not scaler:
+            self.found_inf = torch.maximum(self.found_inf, scaler.found_inf)
+
     # -- after the update ---------------------------------------------------------------
     def master_to_model(self):
         if self.masters and not self.writes_model_copies:

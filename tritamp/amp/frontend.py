@@ -19,15 +19,21 @@ def _as_models(models):
     raise TypeError("models must be either a single model or a list of models.")
 
 
+def _is_optimizer(o):
+    # tritamp.parallel.LARC wraps an optimizer without subclassing one, as in Apex.
+    from ..parallel.LARC import LARC
+    return isinstance(o, (torch.optim.Optimizer, LARC))
+
+
 def _as_optimizers(optimizers):
     if optimizers is None:
         return [], False
-    if isinstance(optimizers, torch.optim.Optimizer):
+    if _is_optimizer(optimizers):
         return [optimizers], False
-    if isinstance(optimizers, list) and all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+    if isinstance(optimizers, list) and all(_is_optimizer(o) for o in optimizers):
         return list(optimizers), True
     raise TypeError("optimizers must be either a single optimizer or a list of optimizers "
-                    "(torch.optim.Optimizer instances).")
+                    "(torch.optim.Optimizer or tritamp.parallel.LARC instances).")
 
 
 def _print_options(props):
@@ -40,7 +46,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                loss_scale=None, cast_model_outputs=None, num_losses=1, verbosity=1,
                min_loss_scale=None, max_loss_scale=2.**24, half_dtype=torch.float16, *,
                init_scale=2.**16, growth_factor=2., backoff_factor=0.5, growth_interval=2000,
-               hysteresis=1):
+               hysteresis=1, overflow_process_group=None):
     """Prepare models and optimizers for mixed precision, as Apex's ``amp.initialize``.
 
     Call it after building the model(s) and optimizer(s) and before wrapping the
@@ -52,7 +58,11 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     Beyond Apex: ``half_dtype`` (torch.float16 or torch.bfloat16; with bf16 the default
     loss scale is 1.0), and keyword-only scaler settings ``init_scale``,
     ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``hysteresis``
-    (Megatron's: overflows tolerated before a backoff).
+    (Megatron's: overflows tolerated before a backoff), and ``overflow_process_group``:
+    a ``torch.distributed`` process group over which the overflow flag is all-reduced (MAX)
+    before every step, so ranks holding different gradients (tensor / pipeline / model
+    parallel) skip the same steps. Data parallel needs none: its gradients are already
+    all-reduced, so every rank sees the same inf/NaN.
     """
     check_half_dtype(half_dtype)
     model_list, models_was_list = _as_models(models)
@@ -104,10 +114,23 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
             raise RuntimeError("A given optimizer should only be passed through amp.initialize "
                                "once. Create a fresh optimizer over the model returned by "
                                "initialize.")
+    if overflow_process_group is not None:
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("overflow_process_group was given but torch.distributed is not "
+                               "initialized; call torch.distributed.init_process_group(...) "
+                               "before amp.initialize, or leave overflow_process_group=None.")
+        if not (overflow_process_group is dist.group.WORLD
+                or isinstance(overflow_process_group, dist.ProcessGroup)):
+            raise TypeError("overflow_process_group must be a torch.distributed process group "
+                            "(e.g. torch.distributed.new_group(ranks) or "
+                            f"torch.distributed.group.WORLD), got {overflow_process_group!r}")
     scalers = [LossScaler(props.loss_scale, init_scale=init_scale, scale_factor=growth_factor,
                           scale_window=growth_interval, min_loss_scale=min_loss_scale,
                           max_loss_scale=max_loss_scale, backoff_factor=backoff_factor,
-                          hysteresis=hysteresis, loss_id=i) for i in range(num_losses)]
+                          hysteresis=hysteresis, loss_id=i,
+                          overflow_process_group=overflow_process_group)
+               for i in range(num_losses)]
 
     cast = props.cast_model_type
     for model in model_list:

@@ -70,6 +70,10 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
     for opt in optimizers:
         opt._amp_stash.post_backward(scaler)
         opt._amp_stash.params_have_scaled_gradients = False
+    if scaler.overflow_process_group is not None:
+        scaler.reduce_overflow()
+        for opt in optimizers:
+            opt._amp_stash.merge_overflow(scaler)
     if not delay_overflow_check:
         scaler.update_scale()
 

@@ -48,7 +48,7 @@ class LossScaler:
 
     def __init__(self, loss_scale="dynamic", init_scale=2.**16, scale_factor=2.,
                  scale_window=2000, min_loss_scale=None, max_loss_scale=2.**24,
-                 backoff_factor=None, hysteresis=1, loss_id=0):
+                 backoff_factor=None, hysteresis=1, loss_id=0, overflow_process_group=None):
         self.dynamic = loss_scale == "dynamic"
         growth_factor = float(scale_factor)
         backoff_factor = 1.0 / growth_factor if backoff_factor is None else float(backoff_factor)
@@ -80,6 +80,7 @@ class LossScaler:
         self.min_loss_scale = min_scale
         self.max_loss_scale = max_scale
         self.loss_id = loss_id
+        self.overflow_process_group = overflow_process_group
         state = torch.zeros(K.STATE_SIZE, dtype=torch.float32)
         state[K.SCALE] = start
         state[K.USED_SCALE] = start
@@ -134,6 +135,16 @@ class LossScaler:
             stash.detach_from(self)
         self._aliases.clear()
         self._state[K.FOUND_INF].zero_()
+
+    def reduce_overflow(self):
+        """All-reduce (MAX) the overflow slot over ``overflow_process_group``, in place.
+
+        An asynchronous collective on NCCL: the host does not wait for it."""
+        if self.overflow_process_group is None:
+            return
+        import torch.distributed as dist
+        dist.all_reduce(self._state[K.FOUND_INF:K.FOUND_INF + 1], op=dist.ReduceOp.MAX,
+                        group=self.overflow_process_group)
 
     def update_scale(self):
         """Update the scale from the overflow slot on the device; no host sync."""
