@@ -1,0 +1,509 @@
+"""tritamp.fp16_utils: FP16_Optimizer against amp O2, skips, accumulation, closures,
+checkpoints and host reads; the manual helpers against torch; the legacy scalers
+against Apex's update rule."""
+import copy
+import io
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import TOL
+from tritamp import amp
+from tritamp.fp16_utils import (BN_convert_float, DynamicLossScaler, FP16_Optimizer, FP16Model,
+                                LossScaler, clip_grad_norm, master_params_to_model_params,
+                                model_grads_to_master_grads, network_to_half, prep_param_lists,
+                                to_python_float, tofp16)
+from tritamp.optimizers import FusedAdam, FusedSGD
+
+HALF = [torch.bfloat16, torch.float16]
+HALF_IDS = ["bf16", "fp16"]
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-4),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+    "fused-sgd": lambda p: FusedSGD(p, lr=0.1, momentum=0.9),
+    "fused-adam": lambda p: FusedAdam(p, lr=1e-2),
+}
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _batches(n_steps, n=8):
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)) for _ in range(n_steps)]
+
+
+def _fp16_setup(half, make_opt, **kwargs):
+    model = FP16Model(_net(), dtype=half)
+    kwargs.setdefault("verbose", False)
+    return model, FP16_Optimizer(make_opt(model.parameters()), **kwargs)
+
+
+def _masters(fp16_opt):
+    return [p for g in fp16_opt.param_groups for p in g["params"]]
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts host reads of tensor values (each a device sync on a GPU)."""
+    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
+             torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy}
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+# -- FP16_Optimizer matches amp O2 --------------------------------------------------------------
+
+@pytest.fixture
+def torch_ref_path(monkeypatch):
+    """CPU kernels take their torch reference path (the dispatch rule without the
+    interpreter): for policy tests whose kernels are tested elsewhere, at a fraction of
+    the interpreter's cost per launch."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+MATCH_CASES = [  # (half dtype, optimizer, kernels in the interpreter or their torch refs)
+    (torch.float16, "sgd", "kernels"), (torch.bfloat16, "fused-adam", "kernels"),
+    (torch.bfloat16, "sgd", "refs"), (torch.float16, "adam", "refs"),
+    (torch.bfloat16, "adam", "refs"), (torch.float16, "fused-sgd", "refs"),
+    (torch.bfloat16, "fused-sgd", "refs"), (torch.float16, "fused-adam", "refs"),
+]
+
+
+@pytest.mark.parametrize("half,opt_name,path", MATCH_CASES,
+                         ids=[f"{str(h)[6:]}-{o}-{k}" for h, o, k in MATCH_CASES])
+def test_fp16_optimizer_matches_amp_O2_step_for_step(half, opt_name, path, monkeypatch):
+    """Same model, data and dynamic scale: masters, half weights, optimizer state and
+    scale are bit for bit amp O2's, through an overflowing (skipped) step."""
+    if path == "refs":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    make_opt = OPTIMIZERS[opt_name]
+    ref = _net()
+    ref_opt = make_opt(ref.parameters())
+    ref, ref_opt = amp.initialize(ref, ref_opt, opt_level="O2", half_dtype=half,
+                                  loss_scale="dynamic", verbosity=0)
+    model, opt = _fp16_setup(half, make_opt, dynamic_loss_scale=True)
+    for step, (x, y) in enumerate(_batches(3)):
+        blowup = float("inf") if step == 1 else 1.0
+        loss = nn.functional.mse_loss(ref(x), y) * blowup
+        ref_opt.zero_grad()
+        with amp.scale_loss(loss, ref_opt) as scaled:
+            scaled.backward()
+        ref_opt.step()
+
+        loss = nn.functional.mse_loss(model(x).float(), y) * blowup
+        opt.zero_grad()
+        opt.backward(loss)
+        assert opt.overflow == (step == 1)
+        opt.step()
+
+        for a, b in zip(amp.master_params(ref_opt), _masters(opt)):
+            assert a.dtype == b.dtype == torch.float32
+            assert torch.equal(a, b)
+        for a, b in zip(ref.parameters(), model.parameters()):
+            assert a.dtype == b.dtype
+            assert torch.equal(a, b)
+        assert opt.loss_scale == amp.state_dict()["loss_scaler0"]["loss_scale"]
+    assert opt.loss_scale == 2.**15
+    for a, b in zip(amp.master_params(ref_opt), _masters(opt)):
+        for key, value in ref_opt.state[a].items():
+            assert torch.equal(value, opt.state[b][key]), key
+
+
+def test_fp16_optimizer_infers_the_half_dtype_of_each_parameter():
+    lin16, lin_bf16, lin32 = nn.Linear(3, 3).half(), nn.Linear(3, 3).bfloat16(), nn.Linear(3, 3)
+    params = list(lin16.parameters()) + list(lin_bf16.parameters()) + list(lin32.parameters())
+    opt = FP16_Optimizer(torch.optim.SGD(params, lr=0.1), verbose=False)
+    assert [p.dtype for p in opt.all_fp16_params] == [torch.float16] * 2 + [torch.bfloat16] * 2
+    assert all(m.dtype == torch.float32 for m in opt.all_fp32_from_fp16_params)
+    assert opt.all_fp32_from_fp32_params == list(lin32.parameters())
+    for half, master in zip(opt.all_fp16_params, opt.all_fp32_from_fp16_params):
+        assert torch.equal(master, half.float())
+
+
+# -- skips, scaling, accumulation ----------------------------------------------------------------
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+def test_a_skipped_step_changes_nothing_and_is_reported(dynamic, caplog):
+    model, opt = _fp16_setup(torch.float16, OPTIMIZERS["adam"], dynamic_loss_scale=dynamic,
+                             static_loss_scale=128.0)
+    (x, y), = _batches(1)
+    opt.backward(nn.functional.mse_loss(model(x).float(), y))
+    opt.step()  # Adam state exists
+    before = dict(masters=[m.clone() for m in _masters(opt)],
+                  model=[p.clone() for p in model.parameters()],
+                  state=copy.deepcopy(opt.optimizer.state_dict()["state"]))
+    opt.zero_grad()
+    with caplog.at_level(logging.WARNING, logger="tritamp.fp16_utils"):
+        opt.backward(nn.functional.mse_loss(model(x).float(), y) * float("nan"))
+        assert opt.overflow
+        assert to_python_float(opt.clip_master_grads(1.0)) == -1.0
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before["masters"], _masters(opt)))
+    assert all(torch.equal(a, b) for a, b in zip(before["model"], model.parameters()))
+    after = opt.optimizer.state_dict()["state"]
+    for k, st in before["state"].items():
+        for name, value in st.items():
+            assert torch.equal(value, after[k][name]), name
+    if dynamic:
+        assert opt.loss_scale == 2.**15
+        assert "OVERFLOW! Skipping step. Attempted loss scale: 65536.0, reducing to 32768.0" \
+            in caplog.text
+    else:
+        assert opt.loss_scale == 128.0
+        assert "OVERFLOW! Skipping step. Attempted loss scale: 128.0, keeping it" in caplog.text
+    assert "Gradient overflow" not in caplog.text  # amp's own message is not doubled
+
+
+@pytest.mark.parametrize("half", HALF, ids=HALF_IDS)
+def test_master_gradients_are_the_unscaled_half_gradients(half):
+    """A power-of-two scale is exact: the masters' gradients equal the half gradients of
+    the unscaled loss, bit for bit."""
+    model, opt = _fp16_setup(half, OPTIMIZERS["sgd"], static_loss_scale=1024.0)
+    (x, y), = _batches(1)
+    model.zero_grad()
+    nn.functional.mse_loss(model(x).float(), y).backward()
+    expected = [p.grad.float().clone() for p in model.parameters()]
+    opt.zero_grad()
+    opt.backward(nn.functional.mse_loss(model(x).float(), y))
+    grads = opt.inspect_master_grad_data()
+    assert len(grads) == 1
+    for g, e in zip(grads[0], expected):
+        assert g.dtype == torch.float32
+        assert torch.equal(g, e)
+
+
+def test_update_master_grads_false_accumulates_scaled_gradients_then_unscales_once():
+    model, opt = _fp16_setup(torch.float16, OPTIMIZERS["sgd"], static_loss_scale=256.0)
+    (x1, y1), (x2, y2) = _batches(2)
+    # Apex's semantics by hand: scaled half gradients add up, then divide once.
+    model.zero_grad()
+    for x, y in ((x1, y1), (x2, y2)):
+        (nn.functional.mse_loss(model(x).float(), y) * 256.0).backward()
+    expected = [p.grad.float() / 256.0 for p in model.parameters()]
+
+    opt.zero_grad()
+    opt.backward(nn.functional.mse_loss(model(x1).float(), y1), update_master_grads=False)
+    opt.backward(nn.functional.mse_loss(model(x2).float(), y2), update_master_grads=False)
+    with pytest.raises(RuntimeError, match="update_master_grads"):
+        opt.step()
+    opt.update_master_grads()
+    opt.update_master_grads()  # nothing new: must not add the same gradients twice
+    for m, e in zip(_masters(opt), expected):
+        assert torch.equal(m.grad, e)
+
+
+def test_two_backwards_each_updating_add_up():
+    model, opt = _fp16_setup(torch.bfloat16, OPTIMIZERS["sgd"], dynamic_loss_scale=True)
+    (x1, y1), (x2, y2) = _batches(2)
+    opt.zero_grad()
+    opt.backward(nn.functional.mse_loss(model(x1).float(), y1))
+    first = [m.grad.clone() for m in _masters(opt)]
+    opt.backward(nn.functional.mse_loss(model(x2).float(), y2))
+    both = [m.grad.clone() for m in _masters(opt)]
+    model.zero_grad()
+    nn.functional.mse_loss(model(x2).float(), y2).backward()
+    for g, g1, p in zip(both, first, model.parameters()):
+        assert torch.equal(g, g1 + p.grad.float())
+
+
+def test_closure_repeats_an_overflowing_evaluation_at_a_lower_scale():
+    """The closure's first evaluations overflow fp16 at a huge scale; the step then
+    uses the first finite gradients, which a power-of-two scale leaves exact."""
+    (x, y), = _batches(1)
+    results = []
+    for init_scale in (2.**24, 1.0):
+        model, opt = _fp16_setup(torch.float16, lambda p: torch.optim.SGD(p, lr=0.1),
+                                 dynamic_loss_scale=True,
+                                 dynamic_loss_args=dict(init_scale=init_scale))
+        calls = []
+
+        def closure():
+            calls.append(1)
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x).float(), y)
+            opt.backward(loss)
+            return loss
+
+        loss = opt.step(closure)
+        assert torch.isfinite(loss)
+        results.append(([m.clone() for m in _masters(opt)], len(calls), opt.loss_scale))
+    (masters_big, calls_big, scale_big), (masters_one, calls_one, _) = results
+    assert calls_one == 1 and calls_big > 1
+    assert scale_big == 2.**24 / 2 ** (calls_big - 1)
+    for a, b in zip(masters_big, masters_one):
+        assert torch.equal(a, b)
+
+
+def test_closure_that_always_overflows_at_a_static_scale_raises():
+    model, opt = _fp16_setup(torch.float16, OPTIMIZERS["sgd"], static_loss_scale=8.0)
+    (x, y), = _batches(1)
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x).float(), y) * float("inf")
+        opt.backward(loss)
+        return loss
+
+    with pytest.raises(RuntimeError, match="cannot go lower"):
+        opt.step(closure)
+
+
+def test_clip_master_grads_clips_the_unscaled_master_gradients():
+    model, opt = _fp16_setup(torch.bfloat16, OPTIMIZERS["fused-sgd"], dynamic_loss_scale=True)
+    (x, y), = _batches(1)
+    opt.backward(nn.functional.mse_loss(model(x).float(), y) * 100.0)
+    # The fused path leaves every gradient scaled (2**16, exact) and materialises no
+    # master gradient; clip_master_grads unscales into the masters first.
+    assert all(m.grad is None for m in opt.all_fp32_from_fp16_params)
+    unscaled = [p.grad.float() / 2.**16 for p in model.parameters()]
+    ref_norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in unscaled]))
+    norm = opt.clip_master_grads(0.5)
+    assert float(ref_norm) > 0.5
+    torch.testing.assert_close(norm, ref_norm, **TOL[torch.float32])
+    coef = 0.5 / (ref_norm + 1e-6)
+    for m, g in zip(_masters(opt), unscaled):
+        torch.testing.assert_close(m.grad, g * coef, **TOL[torch.float32])
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("opt_name", ["adam", "fused-sgd"])
+def test_state_dict_round_trip_resumes_bit_for_bit(opt_name):
+    make_opt = OPTIMIZERS[opt_name]
+    batches = _batches(4)
+    model, opt = _fp16_setup(torch.float16, make_opt, dynamic_loss_scale=True,
+                             dynamic_loss_args=dict(init_scale=2.**10, scale_window=3))
+
+    def train(model, opt, data):
+        for x, y in data:
+            opt.zero_grad()
+            opt.backward(nn.functional.mse_loss(model(x).float(), y))
+            opt.step()
+
+    train(model, opt, batches[:2])
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    sd = ckpt["optimizer"]
+    assert set(sd) == {"loss_scaler", "dynamic_loss_scale", "overflow",
+                       "first_closure_call_this_step", "optimizer_state_dict", "fp32_from_fp16"}
+    assert sd["loss_scaler"]["loss_scale"] == 2.**10 and sd["loss_scaler"]["unskipped"] == 2
+    assert all(m.dtype == torch.float32 for m in sd["fp32_from_fp16"][0])
+
+    model2, opt2 = _fp16_setup(torch.float16, make_opt, dynamic_loss_scale=True,
+                               dynamic_loss_args=dict(init_scale=1.0, scale_window=3))
+    model2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(sd)
+    assert opt2.loss_scale == 2.**10
+    for a, b in zip(_masters(opt), _masters(opt2)):
+        assert torch.equal(a, b)  # the fp32 masters themselves, not the rounded half weights
+    train(model, opt, batches[2:])
+    train(model2, opt2, batches[2:])
+    assert opt.loss_scale == opt2.loss_scale == 2.**11  # the growth counter came along
+    for a, b in zip(_masters(opt), _masters(opt2)):
+        assert torch.equal(a, b)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_loading_a_static_checkpoint_into_a_dynamic_optimizer_takes_its_mode():
+    model, opt = _fp16_setup(torch.float16, OPTIMIZERS["sgd"], static_loss_scale=64.0)
+    sd = opt.state_dict()
+    model2, opt2 = _fp16_setup(torch.float16, OPTIMIZERS["sgd"], dynamic_loss_scale=True)
+    opt2.load_state_dict(sd)
+    assert opt2.dynamic_loss_scale is False and not opt2.loss_scaler.dynamic
+    assert opt2.loss_scale == 64.0
+    opt2.loss_scale = 32.0
+    assert opt2.loss_scale == 32.0
+
+
+# -- host reads ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make_opt,reads", [
+    (lambda p: FusedSGD(p, lr=0.1, momentum=0.9), []),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True), []),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), ["__bool__"]),
+], ids=["tritamp-fused", "torch-fused", "plain"])
+def test_step_reads_the_device_only_for_optimizers_that_cannot_skip_there(make_opt, reads):
+    model, opt = _fp16_setup(torch.float16, make_opt, dynamic_loss_scale=True)
+    (x, y), = _batches(1)
+
+    def step():
+        opt.zero_grad(set_grads_to_None=True)
+        opt.backward(nn.functional.mse_loss(model(x).float(), y))
+        opt.step()
+
+    step()
+    counter = HostReads()
+    with counter:
+        step()
+    assert counter.calls == reads
+
+
+# -- refusals -------------------------------------------------------------------------------
+
+def test_refusals_name_the_fix():
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        FP16_Optimizer(torch.optim.SGD(nn.Linear(2, 2).double().parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="scale_window"):
+        FP16_Optimizer(torch.optim.SGD(nn.Linear(2, 2).half().parameters(), lr=0.1),
+                       dynamic_loss_scale=True, dynamic_loss_args=dict(window=10))
+    with pytest.raises(ValueError, match="growth_factor"):
+        FP16_Optimizer(torch.optim.SGD(nn.Linear(2, 2).half().parameters(), lr=0.1),
+                       dynamic_loss_scale=True, dynamic_loss_args=dict(scale_factor=1.0))
+    lin = nn.Linear(2, 2)
+    _, used = amp.initialize(lin, torch.optim.SGD(lin.parameters(), lr=0.1), opt_level="O2",
+                             verbosity=0)
+    with pytest.raises(RuntimeError, match="already managed"):
+        FP16_Optimizer(used)
+    _, opt = _fp16_setup(torch.float16, OPTIMIZERS["sgd"])
+    with pytest.raises(RuntimeError, match="state_dict"):
+        copy.deepcopy(opt)
+    with pytest.raises(ValueError, match="master lists"):
+        opt.load_state_dict(dict(opt.state_dict(), fp32_from_fp16=[[]]))
+
+
+# -- the manual helpers ------------------------------------------------------------------------
+
+def test_network_to_half_and_FP16Model_keep_batchnorm_fp32():
+    net = network_to_half(_net(), dtype=torch.bfloat16)
+    assert isinstance(net[0], tofp16)
+    dtypes = [(type(m).__name__, p.dtype) for m in net.modules() for p in m.parameters(recurse=False)]
+    assert dtypes == [("Linear", torch.bfloat16)] * 2 + [("BatchNorm1d", torch.float32)] * 2 + \
+        [("Linear", torch.bfloat16)] * 2
+    assert net(torch.randn(4, 6)).dtype == torch.bfloat16
+
+    emb = FP16Model(nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2)), dtype=torch.float16)
+    out = emb(torch.tensor([[1, 2], [3, 4]]))  # integer inputs pass through uncast
+    assert out.dtype == torch.float16 and out.shape == (2, 2, 2)
+
+    bn = BN_convert_float(nn.Sequential(nn.BatchNorm2d(3), nn.BatchNorm2d(3, affine=False)).half())
+    assert bn[0].weight.dtype == torch.float32
+    assert bn[1].running_mean.dtype == torch.float16  # not affine: left as it was
+
+
+@pytest.mark.parametrize("flat_master", [False, True], ids=["lists", "flat"])
+@pytest.mark.parametrize("half", HALF, ids=HALF_IDS)
+def test_prep_param_lists_and_the_copies(half, flat_master):
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 3 * 3, 5))
+    model = model.to(half)
+    model[0].weight.data = model[0].weight.data.to(memory_format=torch.channels_last)
+    model[2].bias.requires_grad_(False)
+    model_params, masters = prep_param_lists(model, flat_master=flat_master)
+    assert len(model_params) == 3
+    if flat_master:
+        assert len(masters) == 1 and masters[0].numel() == sum(p.numel() for p in model_params)
+        assert torch.equal(masters[0].grad, torch.zeros_like(masters[0]))
+        views = torch.split(masters[0].detach(), [p.numel() for p in model_params])
+        assert all(torch.equal(v, p.detach().float().reshape(-1)) for v, p in zip(views, model_params))
+    else:
+        assert all(m.dtype == torch.float32 and m.requires_grad for m in masters)
+        assert all(torch.equal(m, p.float()) for m, p in zip(masters, model_params))
+        assert all(m.data_ptr() != p.data_ptr() for m, p in zip(masters, model_params))
+
+    model(torch.randn(2, 3, 5, 5, dtype=half)).sum().backward()
+    model_params[1].grad = None  # a parameter that received no gradient
+    model_grads_to_master_grads(model_params, masters, flat_master=flat_master)
+    if flat_master:
+        pieces = torch.split(masters[0].grad, [p.numel() for p in model_params])
+        for piece, p in zip(pieces, model_params):
+            expected = torch.zeros(p.numel()) if p.grad is None else p.grad.float().reshape(-1)
+            assert torch.equal(piece, expected)
+    else:
+        assert masters[1].grad is None
+        for m, p in zip(masters, model_params):
+            if p.grad is not None:
+                assert torch.equal(m.grad, p.grad.float())
+
+    with torch.no_grad():
+        for m in masters:
+            m.add_(torch.linspace(-1e-2, 1e-2, m.numel()).reshape(m.shape))
+    master_params_to_model_params(model_params, masters, flat_master=flat_master)
+    values = torch.split(masters[0].detach(), [p.numel() for p in model_params]) if flat_master \
+        else [m.detach() for m in masters]
+    for v, p in zip(values, model_params):
+        assert p.dtype == half
+        assert torch.equal(p.detach().float().reshape(-1), v.reshape(-1).to(half).float())
+
+
+def test_prep_param_lists_flat_refuses_mixed_dtypes():
+    model = nn.Sequential(nn.Linear(2, 2).half(), nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="flat_master=False"):
+        prep_param_lists(model, flat_master=True)
+    with pytest.raises(ValueError, match="prep_param_lists"):
+        master_params_to_model_params(list(model.parameters()), [torch.zeros(1)])
+
+
+def test_to_python_float_and_clip_grad_norm():
+    assert to_python_float(torch.tensor(2.5)) == 2.5
+    assert to_python_float([3.0]) == 3.0
+    torch.manual_seed(1)
+    a = [torch.randn(7, requires_grad=True), torch.randn(3, 5, requires_grad=True)]
+    b = [t.detach().clone().requires_grad_() for t in a]
+    for t, u in zip(a, b):
+        t.grad = torch.randn_like(t) * 3
+        u.grad = t.grad.clone()
+    norm = clip_grad_norm(a, 1.0)
+    ref = torch.nn.utils.clip_grad_norm_(b, 1.0)
+    torch.testing.assert_close(norm, ref, **TOL[torch.float32])
+    for t, u in zip(a, b):
+        torch.testing.assert_close(t.grad, u.grad, **TOL[torch.float32])
+
+
+# -- legacy scalers ----------------------------------------------------------------------------
+
+def _apex_legacy_dynamic(overflows, init_scale, factor, window):
+    """Apex's fp16_utils.DynamicLossScaler.update_scale, the reference trajectory."""
+    scale, cur_iter, last_overflow = init_scale, 0, -1
+    out = []
+    for overflow in overflows:
+        if overflow:
+            scale = max(scale / factor, 1)
+            last_overflow = cur_iter
+        elif (cur_iter - last_overflow) % window == 0:
+            scale *= factor
+        cur_iter += 1
+        out.append(scale)
+    return out
+
+
+def test_dynamic_loss_scaler_follows_apex_legacy_rule():
+    overflows = [False] * 3 + [True] + [False] * 7 + [True] * 12 + [False] * 5
+    expected = _apex_legacy_dynamic(overflows, 2.**8, 2., 3)
+    scaler = DynamicLossScaler(init_scale=2.**8, scale_factor=2., scale_window=3)
+    got = []
+    for i, overflow in enumerate(overflows):
+        # half the updates pass the flag as a device tensor, as a sync-free script would
+        scaler.update_scale(torch.tensor(float(overflow)) if i % 2 else overflow)
+        got.append(scaler.loss_scale)
+    assert got == expected
+    assert scaler.cur_iter == len(overflows)
+
+
+def test_legacy_scalers_check_and_scale():
+    p = torch.zeros(3, requires_grad=True)
+    for scaler in (LossScaler(4.0), DynamicLossScaler(init_scale=8.0)):
+        p.grad = None
+        loss = (p.half() * torch.tensor([1.0, 2.0, 3.0]).half()).sum()
+        scaler.backward(loss)
+        assert torch.equal(p.grad, torch.tensor([1.0, 2.0, 3.0]) * scaler.loss_scale)
+        assert scaler.has_overflow([p]) is False
+        p.grad[1] = float("inf")
+        assert scaler.has_overflow([p]) is True
+        assert DynamicLossScaler._has_inf_or_nan(torch.tensor([0.0, float("nan")]))
+    static = LossScaler(4.0)
+    static.update_scale(True)
+    assert static.loss_scale == 4.0
