@@ -1,0 +1,744 @@
+"""Batch-norm statistics, normalisation and gradients for SyncBatchNorm.
+
+Every launcher takes the input in one of two canonical views, both contiguous:
+
+    [M, C]      channels last: C contiguous channels per row (Apex's ``channel_last``,
+                torch's ``channels_last`` memory format, 2-D input)
+    [N, C, B]   channels first: B contiguous elements per (sample, channel) plane
+
+and reduces, per channel, over everything but C. Stages (``R`` = elements per channel):
+
+``syncbn_stats(x)``
+    rows ``[P, 2C + 1]`` fp32 of per-program partial statistics ``(mean[C], m2[C], count)``
+    with ``m2 = sum((x - mean)^2)``, the means relative to a per-channel ``shift`` (the
+    input's first value) so that merging them loses nothing to a large mean. The reduced dimension is split over many programs per
+    channel block (grid: channel blocks x chunks). Each program merges its tiles with
+    Chan's parallel formula, each tile's own mean and m2 taken in two passes over
+    registers, so nothing computes E[x^2] - E[x]^2 (which loses every digit when the mean
+    is large against the spread).
+``syncbn_combine(rows)``
+    one row ``[2C + 1]``: the statistics of all rows, merged with Chan's formula in fp32.
+    This row is what the ranks exchange (one all_gather of ``world x (2C + 1)`` values).
+``syncbn_finalize(rows, eps, ...)``
+    merges rows (a rank's partials or every rank's row; counts may differ and may be 0)
+    into ``mean``, ``invstd = 1 / sqrt(var + eps)`` and the total count, and updates the
+    running statistics in the same launch: ``r = (1 - f) * r + f * stat`` with the
+    unbiased variance and ``f = momentum`` or ``1 / num_batches_tracked`` (read on the
+    device: no host sync for the cumulative average).
+``syncbn_forward(x, mean, invstd, weight, bias, z, relu)``
+    ``y = (x - mean) * (invstd * weight) + bias (+ z)``, ReLU optional, in x's dtype.
+``syncbn_backward_reduce(dy, x, ...)``
+    local ``sum_dy`` and ``sum_dy_xmu = sum(dy * (x - mean))`` (one packed fp32 ``[2C]``
+    tensor, the one all_reduce of the backward) with the local ``grad_weight`` and
+    ``grad_bias``; with a fused ReLU, ``dy`` is masked where the recomputed output is <= 0.
+``syncbn_backward_input(dy, x, ..., sums, count)``
+    ``dx = (dy - sum_dy / n - (x - mean) * invstd^2 * sum_dy_xmu / n) * invstd * weight``
+    (``sums=None``: running statistics were used, ``dx = dy * invstd * weight``), and the
+    residual's gradient (the masked ``dy``) when asked.
+
+Inputs may be fp32, fp16 or bf16 with parameters and running statistics of any of those
+dtypes; arithmetic is fp32, statistics are fp32, outputs take the input's dtype and
+parameter gradients the parameter's. Reductions run in a fixed order: no atomics, so
+results do not depend on scheduling.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dispatch import use_triton
+from ._tl_utils import load_f32, store_cast
+
+
+# -- kernels -------------------------------------------------------------------------------
+@triton.jit
+def _syncbn_tile(seg, cols, col_mask, M, C, B, NBB, CHANNELS_LAST: tl.constexpr,
+                 BLOCK_R: tl.constexpr):
+    """Offsets, mask and element count per channel of tile ``seg``: BLOCK_R reduced
+    elements (rows of [M, C], or a run of one plane of [N, C, B]) x the channels ``cols``.
+
+    The reduced axis is axis 0 in both layouts; the offsets' int64 part is the tile's
+    base (one scalar), the per-element part fits in int32 (one row block or one sample)."""
+    r = tl.arange(0, BLOCK_R)
+    if CHANNELS_LAST:
+        start = seg * BLOCK_R
+        base = start * C
+        offs = r[:, None] * C + cols[None, :]
+        rmask = r < M - start
+        k = tl.minimum(M - start, BLOCK_R)
+    else:
+        n = seg // NBB
+        start = (seg - n * NBB) * BLOCK_R
+        base = n * C * B + start
+        offs = cols[None, :] * B + r[:, None]
+        rmask = r < B - start
+        k = tl.minimum(B - start, BLOCK_R)
+    return base, offs, rmask[:, None] & col_mask[None, :], k
+
+
+@triton.jit
+def _chan_merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
+    """Chan et al.'s pairwise merge of (count, mean, m2); counts are scalars, shared by
+    every channel. A side with count 0 leaves the other unchanged."""
+    n = n_a + n_b
+    w_b = tl.div_rn(n_b, tl.maximum(n, 1.0))
+    delta = mean_b - mean_a
+    mean = mean_a + delta * w_b
+    m2 = m2_a + m2_b + delta * delta * (n_a * w_b)
+    return n, mean, m2
+
+
+@triton.jit
+def _syncbn_stats_kernel(
+    x_ptr,           # input, [M, C] (CHANNELS_LAST) or [N, C, B], contiguous
+    part_ptr,        # fp32 [n_chunks, 2C + 1]: this program's (mean - shift, m2, count) row
+    shift_ptr,       # fp32 [C]: the pivot the partial means are relative to
+    M, C, B,         # rows (CHANNELS_LAST) / samples, channels, plane size (1 if CHANNELS_LAST)
+    NBB,             # tiles per plane (channels first)
+    n_segs,          # tiles along the reduced dimension
+    segs_per_chunk,  # tiles each program merges
+    CHANNELS_LAST: tl.constexpr,
+    EMULATE_BF16_ROUNDING: tl.constexpr,  # interpreter only: see _tl_utils
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid_c = tl.program_id(0)
+    chunk = tl.program_id(1).to(tl.int64)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < C
+    acc_n = 0.0
+    acc_mean = tl.zeros([BLOCK_C], dtype=tl.float32)
+    acc_m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    first = chunk * segs_per_chunk
+    last = tl.minimum(first + segs_per_chunk, n_segs)
+    # Work relative to a pivot, the input's first value per channel (the same in every
+    # program): deviations are of the order of the spread, so the means merged here and in
+    # the merge kernel keep their digits when |mean| >> std.
+    if CHANNELS_LAST:
+        pivot = load_f32(x_ptr + cols, col_mask, EMULATE_BF16_ROUNDING)
+    else:
+        pivot = load_f32(x_ptr + cols * B, col_mask, EMULATE_BF16_ROUNDING)
+    if chunk == 0:
+        tl.store(shift_ptr + cols, pivot, mask=col_mask)
+    for seg in range(first, last):
+        base, offs, mask, k = _syncbn_tile(seg, cols, col_mask, M, C, B, NBB, CHANNELS_LAST,
+                                           BLOCK_R)
+        x = load_f32(x_ptr + base + offs, mask, EMULATE_BF16_ROUNDING)
+        x = tl.where(mask, x - pivot[None, :], 0.0)
+        kf = k.to(tl.float32)
+        # The tile's mean and m2 in two passes over registers (no E[x^2] - E[x]^2).
+        t_mean = tl.div_rn(tl.sum(x, axis=0), tl.zeros([BLOCK_C], dtype=tl.float32) + kf)
+        d = tl.where(mask, x - t_mean[None, :], 0.0)
+        t_m2 = tl.sum(d * d, axis=0)
+        acc_n, acc_mean, acc_m2 = _chan_merge(acc_n, acc_mean, acc_m2, kf, t_mean, t_m2)
+    row = part_ptr + chunk * (2 * C + 1)
+    tl.store(row + cols, acc_mean, mask=col_mask)
+    tl.store(row + C + cols, acc_m2, mask=col_mask)
+    if pid_c == 0:
+        tl.store(row + 2 * C, acc_n)
+
+
+@triton.jit
+def _syncbn_merge_kernel(
+    rows_ptr,        # fp32 [P, 2C + 1]: (mean[C], m2[C], count) rows to merge
+    shift_ptr,       # fp32 [C]: the rows' means are relative to it (HAS_SHIFT)
+    P, C,
+    out_ptr,         # fp32 [2C + 1]: the merged row (not FINAL)
+    mean_ptr,        # fp32 [C]: merged mean (FINAL)
+    invstd_ptr,      # fp32 [C]: 1 / sqrt(m2 / count + eps) (FINAL)
+    count_ptr,       # fp32 [1]: total count (FINAL)
+    rmean_ptr,       # [C] running mean, updated in place (UPDATE_RUNNING)
+    rvar_ptr,        # [C] running variance (unbiased), updated in place (UPDATE_RUNNING)
+    nbt_ptr,         # int64 [1] num_batches_tracked: factor 1 / nbt (MOMENTUM_FROM_COUNT)
+    eps, momentum,
+    HAS_SHIFT: tl.constexpr, FINAL: tl.constexpr, UPDATE_RUNNING: tl.constexpr, MOMENTUM_FROM_COUNT: tl.constexpr,
+    EMULATE_BF16_ROUNDING: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid_c = tl.program_id(0)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < C
+    width = 2 * C + 1
+    acc_n = 0.0
+    acc_mean = tl.zeros([BLOCK_C], dtype=tl.float32)
+    acc_m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    # Row means relative to a pivot (see the stats kernel): the weighted sums stay small.
+    # Partials of one input share a shift; rows of different ranks use row 0's mean.
+    if HAS_SHIFT:
+        pivot = tl.load(shift_ptr + cols, mask=col_mask, other=0.0)
+        rel = tl.zeros([BLOCK_C], dtype=tl.float32)
+    else:
+        pivot = tl.load(rows_ptr + cols, mask=col_mask, other=0.0)
+        rel = pivot
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        p_mask = p < P
+        row = rows_ptr + p.to(tl.int64)[:, None] * width
+        mask = p_mask[:, None] & col_mask[None, :]
+        cnt = tl.load(rows_ptr + p.to(tl.int64) * width + 2 * C, mask=p_mask, other=0.0)
+        mean_i = tl.load(row + cols[None, :], mask=mask, other=0.0) - rel[None, :]
+        m2_i = tl.load(row + C + cols[None, :], mask=mask, other=0.0)
+        # This block of rows merged exactly: its mean first, then the spread of the row
+        # means around it. Rows of count 0 (empty ranks, padding) add nothing.
+        k = tl.sum(cnt, axis=0)
+        t_mean = tl.div_rn(tl.sum(cnt[:, None] * mean_i, axis=0),
+                           tl.zeros([BLOCK_C], dtype=tl.float32) + tl.maximum(k, 1.0))
+        d = mean_i - t_mean[None, :]
+        t_m2 = tl.sum(m2_i, axis=0) + tl.sum(cnt[:, None] * d * d, axis=0)
+        acc_n, acc_mean, acc_m2 = _chan_merge(acc_n, acc_mean, acc_m2, k, t_mean, t_m2)
+    acc_mean = pivot + acc_mean
+    if FINAL:
+        n_vec = tl.zeros([BLOCK_C], dtype=tl.float32) + acc_n
+        var = tl.div_rn(acc_m2, tl.maximum(n_vec, 1.0))
+        invstd = tl.div_rn(tl.zeros([BLOCK_C], dtype=tl.float32) + 1.0, tl.sqrt_rn(var + eps))
+        tl.store(mean_ptr + cols, acc_mean, mask=col_mask)
+        tl.store(invstd_ptr + cols, invstd, mask=col_mask)
+        if pid_c == 0:
+            tl.store(count_ptr, acc_n)
+        if UPDATE_RUNNING:
+            if MOMENTUM_FROM_COUNT:
+                f = 1.0 / tl.load(nbt_ptr).to(tl.float32)
+            else:
+                f = momentum
+            # Unbiased variance; a single value (n = 1) gives inf, as torch's kernels do.
+            var_u = tl.div_rn(acc_m2, n_vec - 1.0)
+            rm = load_f32(rmean_ptr + cols, col_mask, EMULATE_BF16_ROUNDING)
+            rv = load_f32(rvar_ptr + cols, col_mask, EMULATE_BF16_ROUNDING)
+            store_cast(rmean_ptr + cols, f * acc_mean + (1.0 - f) * rm, col_mask,
+                       EMULATE_BF16_ROUNDING)
+            store_cast(rvar_ptr + cols, f * var_u + (1.0 - f) * rv, col_mask,
+                       EMULATE_BF16_ROUNDING)
+    else:
+        tl.store(out_ptr + cols, acc_mean, mask=col_mask)
+        tl.store(out_ptr + C + cols, acc_m2, mask=col_mask)
+        if pid_c == 0:
+            tl.store(out_ptr + 2 * C, acc_n)
+
+
+@triton.jit
+def _syncbn_affine(x, z, cols, col_mask, mean_ptr, invstd_ptr, w_ptr, b_ptr,
+                   HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr,
+                   EMULATE_BF16_ROUNDING: tl.constexpr):
+    """(x - mean) * (invstd * w) + b (+ z) for a [BLOCK_R, BLOCK_C] tile, before any ReLU.
+    Centring first keeps large means exact; forward and backward share this arithmetic,
+    so the backward's ReLU mask is the forward's."""
+    mean = tl.load(mean_ptr + cols, mask=col_mask, other=0.0)
+    scale = tl.load(invstd_ptr + cols, mask=col_mask, other=0.0)
+    if HAS_WEIGHT:
+        scale = scale * load_f32(w_ptr + cols, col_mask, EMULATE_BF16_ROUNDING)
+    y = (x - mean[None, :]) * scale[None, :]
+    if HAS_BIAS:
+        y = y + load_f32(b_ptr + cols, col_mask, EMULATE_BF16_ROUNDING)[None, :]
+    if HAS_Z:
+        y = y + z
+    return y
+
+
+@triton.jit
+def _syncbn_forward_kernel(
+    x_ptr,           # input, canonical view (see _syncbn_tile)
+    z_ptr,           # residual added before the ReLU, same layout and dtype as x (HAS_Z)
+    y_ptr,           # output, same layout and dtype as x
+    mean_ptr, invstd_ptr,   # fp32 [C] statistics
+    w_ptr, b_ptr,    # [C] affine parameters (HAS_WEIGHT / HAS_BIAS)
+    M, C, B, NBB,
+    CHANNELS_LAST: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_Z: tl.constexpr, RELU: tl.constexpr, EMULATE_BF16_ROUNDING: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    seg = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < C
+    base, offs, mask, k = _syncbn_tile(seg, cols, col_mask, M, C, B, NBB, CHANNELS_LAST,
+                                       BLOCK_R)
+    x = load_f32(x_ptr + base + offs, mask, EMULATE_BF16_ROUNDING)
+    z = x
+    if HAS_Z:
+        z = load_f32(z_ptr + base + offs, mask, EMULATE_BF16_ROUNDING)
+    y = _syncbn_affine(x, z, cols, col_mask, mean_ptr, invstd_ptr, w_ptr, b_ptr, HAS_WEIGHT,
+                       HAS_BIAS, HAS_Z, EMULATE_BF16_ROUNDING)
+    if RELU:
+        y = tl.where(y < 0.0, 0.0, y)  # NaN stays NaN, as torch.relu
+    store_cast(y_ptr + base + offs, y, mask, EMULATE_BF16_ROUNDING)
+
+
+@triton.jit
+def _syncbn_backward_reduce_kernel(
+    dy_ptr,          # output gradient, same layout as x
+    x_ptr,           # forward input, canonical view
+    z_ptr,           # forward residual (RELU and HAS_Z)
+    part_ptr,        # fp32 [n_chunks, 2C]: this program's (sum_dy, sum_dy_xmu) row
+    mean_ptr, invstd_ptr, w_ptr, b_ptr,
+    M, C, B, NBB, n_segs, segs_per_chunk,
+    CHANNELS_LAST: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_Z: tl.constexpr, RELU: tl.constexpr, EMULATE_BF16_ROUNDING: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid_c = tl.program_id(0)
+    chunk = tl.program_id(1).to(tl.int64)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < C
+    mean = tl.load(mean_ptr + cols, mask=col_mask, other=0.0)
+    sum_dy = tl.zeros([BLOCK_C], dtype=tl.float32)
+    sum_dy_xmu = tl.zeros([BLOCK_C], dtype=tl.float32)
+    first = chunk * segs_per_chunk
+    last = tl.minimum(first + segs_per_chunk, n_segs)
+    for seg in range(first, last):
+        base, offs, mask, k = _syncbn_tile(seg, cols, col_mask, M, C, B, NBB, CHANNELS_LAST,
+                                           BLOCK_R)
+        dy = load_f32(dy_ptr + base + offs, mask, EMULATE_BF16_ROUNDING)
+        x = load_f32(x_ptr + base + offs, mask, EMULATE_BF16_ROUNDING)
+        if RELU:
+            z = x
+            if HAS_Z:
+                z = load_f32(z_ptr + base + offs, mask, EMULATE_BF16_ROUNDING)
+            y = _syncbn_affine(x, z, cols, col_mask, mean_ptr, invstd_ptr, w_ptr, b_ptr,
+                               HAS_WEIGHT, HAS_BIAS, HAS_Z, EMULATE_BF16_ROUNDING)
+            dy = tl.where(y > 0.0, dy, 0.0)
+        sum_dy += tl.sum(dy, axis=0)
+        sum_dy_xmu += tl.sum(tl.where(mask, dy * (x - mean[None, :]), 0.0), axis=0)
+    row = part_ptr + chunk * (2 * C)
+    tl.store(row + cols, sum_dy, mask=col_mask)
+    tl.store(row + C + cols, sum_dy_xmu, mask=col_mask)
+
+
+@triton.jit
+def _syncbn_reduce_merge_kernel(
+    part_ptr,        # fp32 [P, 2C]: per-chunk (sum_dy, sum_dy_xmu) rows
+    P, C,
+    sums_ptr,        # fp32 [2C]: (sum_dy, sum_dy_xmu), the backward's all_reduce buffer
+    invstd_ptr,      # fp32 [C]
+    gw_ptr,          # [C] grad_weight = sum_dy_xmu * invstd, weight's dtype (HAS_GW)
+    gb_ptr,          # [C] grad_bias = sum_dy, bias's dtype (HAS_GB)
+    HAS_GW: tl.constexpr, HAS_GB: tl.constexpr, EMULATE_BF16_ROUNDING: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < C
+    s_dy = tl.zeros([BLOCK_C], dtype=tl.float32)
+    s_xmu = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        row = part_ptr + p.to(tl.int64)[:, None] * (2 * C)
+        mask = (p < P)[:, None] & col_mask[None, :]
+        s_dy += tl.sum(tl.load(row + cols[None, :], mask=mask, other=0.0), axis=0)
+        s_xmu += tl.sum(tl.load(row + C + cols[None, :], mask=mask, other=0.0), axis=0)
+    tl.store(sums_ptr + cols, s_dy, mask=col_mask)
+    tl.store(sums_ptr + C + cols, s_xmu, mask=col_mask)
+    if HAS_GW:
+        invstd = tl.load(invstd_ptr + cols, mask=col_mask, other=0.0)
+        store_cast(gw_ptr + cols, s_xmu * invstd, col_mask, EMULATE_BF16_ROUNDING)
+    if HAS_GB:
+        store_cast(gb_ptr + cols, s_dy, col_mask, EMULATE_BF16_ROUNDING)
+
+
+@triton.jit
+def _syncbn_backward_input_kernel(
+    dy_ptr, x_ptr, z_ptr,
+    dx_ptr,          # input gradient, layout and dtype of x
+    dz_ptr,          # residual gradient, layout and dtype of z (HAS_DZ)
+    mean_ptr, invstd_ptr, w_ptr, b_ptr,
+    sums_ptr,        # fp32 [2C]: global (sum_dy, sum_dy_xmu) (HAS_SUMS)
+    count_ptr,       # fp32 [1]: global count of elements per channel (HAS_SUMS)
+    M, C, B, NBB,
+    CHANNELS_LAST: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_Z: tl.constexpr, RELU: tl.constexpr, HAS_DZ: tl.constexpr, HAS_SUMS: tl.constexpr,
+    EMULATE_BF16_ROUNDING: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    seg = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < C
+    base, offs, mask, k = _syncbn_tile(seg, cols, col_mask, M, C, B, NBB, CHANNELS_LAST,
+                                       BLOCK_R)
+    dy = load_f32(dy_ptr + base + offs, mask, EMULATE_BF16_ROUNDING)
+    x = load_f32(x_ptr + base + offs, mask, EMULATE_BF16_ROUNDING)
+    if RELU:
+        z = x
+        if HAS_Z:
+            z = load_f32(z_ptr + base + offs, mask, EMULATE_BF16_ROUNDING)
+        y = _syncbn_affine(x, z, cols, col_mask, mean_ptr, invstd_ptr, w_ptr, b_ptr,
+                           HAS_WEIGHT, HAS_BIAS, HAS_Z, EMULATE_BF16_ROUNDING)
+        dy = tl.where(y > 0.0, dy, 0.0)
+    if HAS_DZ:
+        store_cast(dz_ptr + base + offs, dy, mask, EMULATE_BF16_ROUNDING)
+    invstd = tl.load(invstd_ptr + cols, mask=col_mask, other=0.0)
+    scale = invstd
+    if HAS_WEIGHT:
+        scale = invstd * load_f32(w_ptr + cols, col_mask, EMULATE_BF16_ROUNDING)
+    if HAS_SUMS:
+        n = tl.zeros([BLOCK_C], dtype=tl.float32) + tl.load(count_ptr)
+        mean_dy = tl.div_rn(tl.load(sums_ptr + cols, mask=col_mask, other=0.0), n)
+        mean_dy_xmu = tl.div_rn(tl.load(sums_ptr + C + cols, mask=col_mask, other=0.0), n)
+        mean = tl.load(mean_ptr + cols, mask=col_mask, other=0.0)
+        proj = invstd * invstd * mean_dy_xmu
+        dx = (dy - mean_dy[None, :] - (x - mean[None, :]) * proj[None, :]) * scale[None, :]
+    else:
+        dx = dy * scale[None, :]
+    store_cast(dx_ptr + base + offs, dx, mask, EMULATE_BF16_ROUNDING)
+
+
+# -- launch geometry ---------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _target_programs(device):
+    """Programs a reduction should spread over: a few waves on the GPU; few, large ones in
+    the interpreter (each program costs ~30 us there whatever its size)."""
+    if device.type == "cuda":
+        return 8 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+class _Geometry:
+    """Tiles of one canonical view: BLOCK_R reduced elements x BLOCK_C channels."""
+
+    def __init__(self, x):
+        if x.dim() not in (2, 3) or not x.is_contiguous():
+            raise ValueError("syncbn kernels take a contiguous [M, C] (channels last) or "
+                             f"[N, C, B] (channels first) view; got shape {tuple(x.shape)} with "
+                             f"strides {x.stride()}")
+        self.channels_last = x.dim() == 2
+        gpu = x.device.type == "cuda"
+        tile = 4096 if gpu else 16384
+        if self.channels_last:
+            self.M, self.C = x.shape
+            self.B = 1
+            self.BLOCK_C = min(triton.next_power_of_2(max(self.C, 1)), 64 if gpu else 256)
+            self.BLOCK_R = max(1, min(tile // self.BLOCK_C, triton.next_power_of_2(max(self.M, 1))))
+            self.NBB = 1
+            self.n_segs = triton.cdiv(self.M, self.BLOCK_R)
+        else:
+            self.M, self.C, self.B = x.shape
+            self.BLOCK_R = min(triton.next_power_of_2(max(self.B, 1)), tile)
+            self.BLOCK_C = max(1, min(triton.next_power_of_2(max(self.C, 1)), tile // self.BLOCK_R))
+            self.NBB = triton.cdiv(self.B, self.BLOCK_R)
+            self.n_segs = self.M * self.NBB
+        self.n_cblocks = triton.cdiv(self.C, self.BLOCK_C)
+        self.warps = 8 if gpu and self.BLOCK_R * self.BLOCK_C >= 4096 else 4
+        self.emulate = not gpu
+
+    def chunks(self, device):
+        """(number of chunks, tiles per chunk) splitting the reduced dimension."""
+        want = max(1, triton.cdiv(_target_programs(device), self.n_cblocks))
+        chunks = max(1, min(want, self.n_segs))
+        per = triton.cdiv(self.n_segs, chunks)
+        return triton.cdiv(self.n_segs, per) if self.n_segs else 1, per
+
+    def args(self):
+        return self.M, self.C, self.B, self.NBB
+
+    def consts(self):
+        return dict(CHANNELS_LAST=self.channels_last, EMULATE_BF16_ROUNDING=self.emulate,
+                    BLOCK_R=self.BLOCK_R, BLOCK_C=self.BLOCK_C)
+
+
+def _channels(x):
+    return x.shape[-1] if x.dim() == 2 else x.shape[1]
+
+
+def _check_partner(name, t, x):
+    if t is not None and (t.shape != x.shape or t.device != x.device or not t.is_contiguous()):
+        raise ValueError(f"syncbn: {name} must be contiguous with the input's shape "
+                         f"{tuple(x.shape)} on {x.device}; got {tuple(t.shape)} on {t.device}")
+
+
+def _check_vector(name, t, c, device):
+    if t is not None and (t.dim() != 1 or t.numel() != c or t.device != device
+                          or not t.is_contiguous()):
+        raise ValueError(f"syncbn: {name} must be a contiguous vector of {c} channels on "
+                         f"{device}; got shape {tuple(t.shape)} on {t.device}")
+
+
+def _merge_settings(p, c, device):
+    block_c = min(triton.next_power_of_2(max(c, 1)), 128 if device.type == "cuda" else 1024)
+    block_p = min(triton.next_power_of_2(max(p, 1)), 32 if device.type == "cuda" else 256)
+    return block_p, block_c
+
+
+# -- launchers ------------------------------------------------------------------------------------
+def syncbn_stats(x):
+    """Per-chunk partial statistics of ``x``: ``(rows, shift)`` with fp32 rows
+    ``[P, 2C + 1]`` of ``(mean[C] - shift, m2[C], count)`` and ``shift`` fp32 ``[C]`` (or
+    None: absolute means). Merge them with :func:`syncbn_combine` or
+    :func:`syncbn_finalize`, passing ``shift`` along."""
+    geo = _Geometry(x)
+    if not use_triton(x):
+        return syncbn_stats_ref(x)
+    if x.numel() == 0:
+        return torch.zeros(1, 2 * geo.C + 1, dtype=torch.float32, device=x.device), None
+    chunks, per = geo.chunks(x.device)
+    part = torch.empty(chunks, 2 * geo.C + 1, dtype=torch.float32, device=x.device)
+    shift = torch.empty(geo.C, dtype=torch.float32, device=x.device)
+    _syncbn_stats_kernel[(geo.n_cblocks, chunks)](
+        x, part, shift, *geo.args(), geo.n_segs, per, **geo.consts(), num_warps=geo.warps)
+    return part, shift
+
+
+def _check_rows(rows, shift):
+    if rows.dim() != 2 or rows.dtype != torch.float32 or rows.shape[1] % 2 != 1 \
+            or not rows.is_contiguous():
+        raise ValueError("syncbn: statistics rows must be a contiguous fp32 [P, 2C + 1] tensor "
+                         f"(from syncbn_stats / syncbn_combine); got {rows.dtype} "
+                         f"{tuple(rows.shape)}")
+    c = rows.shape[1] // 2
+    _check_vector("shift", shift, c, rows.device)
+    return rows.shape[0], c
+
+
+def syncbn_combine(rows, shift=None):
+    """Merge statistics rows ``[P, 2C + 1]`` (means relative to ``shift`` when given) into
+    one row ``[2C + 1]`` of absolute ``(mean, m2, count)`` (Chan's formula)."""
+    p, c = _check_rows(rows, shift)
+    if not use_triton(rows):
+        return syncbn_combine_ref(rows, shift)
+    out = torch.empty(2 * c + 1, dtype=torch.float32, device=rows.device)
+    block_p, block_c = _merge_settings(p, c, rows.device)
+    _syncbn_merge_kernel[(triton.cdiv(c, block_c),)](
+        rows, shift if shift is not None else out, p, c, out, out, out, out, out, out, out,
+        0.0, 0.0, HAS_SHIFT=shift is not None, FINAL=False, UPDATE_RUNNING=False, MOMENTUM_FROM_COUNT=False,
+        EMULATE_BF16_ROUNDING=rows.device.type != "cuda", BLOCK_P=block_p, BLOCK_C=block_c)
+    return out
+
+
+def syncbn_finalize(rows, eps, running_mean=None, running_var=None, momentum=0.1,
+                    num_batches_tracked=None, shift=None):
+    """Merge statistics rows (means relative to ``shift`` when given) into ``(mean, invstd, count)`` (fp32 ``[C]``, ``[C]``, ``[1]``)
+    and, when ``running_mean`` / ``running_var`` are given, update them in place with
+    factor ``momentum`` (``None``: ``1 / num_batches_tracked``, read on the device)."""
+    p, c = _check_rows(rows, shift)
+    update = running_mean is not None
+    if update:
+        if running_var is None:
+            raise ValueError("syncbn_finalize: running_mean and running_var go together")
+        _check_vector("running_mean", running_mean, c, rows.device)
+        _check_vector("running_var", running_var, c, rows.device)
+        if momentum is None and num_batches_tracked is None:
+            raise ValueError("syncbn_finalize: momentum=None (cumulative average) needs "
+                             "num_batches_tracked")
+    if not use_triton(rows):
+        return syncbn_finalize_ref(rows, eps, running_mean, running_var, momentum,
+                                   num_batches_tracked, shift)
+    mean = torch.empty(c, dtype=torch.float32, device=rows.device)
+    invstd = torch.empty_like(mean)
+    count = torch.empty(1, dtype=torch.float32, device=rows.device)
+    block_p, block_c = _merge_settings(p, c, rows.device)
+    from_count = update and momentum is None
+    _syncbn_merge_kernel[(triton.cdiv(c, block_c),)](
+        rows, shift if shift is not None else mean, p, c, mean, mean, invstd, count,
+        running_mean if update else mean, running_var if update else mean,
+        num_batches_tracked if from_count else count,
+        float(eps), 0.0 if momentum is None else float(momentum),
+        HAS_SHIFT=shift is not None, FINAL=True, UPDATE_RUNNING=update, MOMENTUM_FROM_COUNT=from_count,
+        EMULATE_BF16_ROUNDING=rows.device.type != "cuda", BLOCK_P=block_p, BLOCK_C=block_c)
+    return mean, invstd, count
+
+
+def _params(x, c, mean, invstd, weight, bias):
+    for name, t in (("mean", mean), ("invstd", invstd), ("weight", weight), ("bias", bias)):
+        _check_vector(name, t, c, x.device)
+    for name, t in (("mean", mean), ("invstd", invstd)):
+        if t.dtype != torch.float32:
+            raise ValueError(f"syncbn: {name} must be fp32 (from syncbn_finalize); got {t.dtype}")
+
+
+def syncbn_forward(x, mean, invstd, weight=None, bias=None, z=None, relu=False, out=None):
+    """``y = (x - mean) * invstd * weight + bias (+ z)``, ReLU when ``relu``; x's dtype.
+    ``out`` (optional, shaped and typed like ``x``, contiguous) receives the result."""
+    c = _channels(x)
+    _params(x, c, mean, invstd, weight, bias)
+    _check_partner("z", z, x)
+    _check_partner("out", out, x)
+    if out is not None and out.dtype != x.dtype:
+        raise ValueError(f"syncbn_forward: out must be {x.dtype}, got {out.dtype}")
+    if not use_triton(x):
+        y = syncbn_forward_ref(x, mean, invstd, weight, bias, z, relu)
+        return y if out is None else out.copy_(y)
+    geo = _Geometry(x)
+    y = torch.empty_like(x) if out is None else out
+    if x.numel() == 0:
+        return y
+    _syncbn_forward_kernel[(geo.n_segs, geo.n_cblocks)](
+        x, z if z is not None else x, y, mean, invstd,
+        weight if weight is not None else mean, bias if bias is not None else mean,
+        *geo.args(), HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        HAS_Z=z is not None, RELU=relu, **geo.consts(), num_warps=geo.warps)
+    return y
+
+
+def syncbn_backward_reduce(dy, x, mean, invstd, weight=None, bias=None, z=None, relu=False,
+                           need_weight_grad=True, need_bias_grad=True):
+    """Local reductions of the backward: ``(sums, grad_weight, grad_bias)`` with ``sums``
+    the fp32 ``[2C]`` tensor ``(sum_dy, sum_dy_xmu)``. ``bias`` and ``z`` are needed only
+    to recompute the ReLU mask (``relu``)."""
+    c = _channels(x)
+    _params(x, c, mean, invstd, weight, bias)
+    _check_partner("dy", dy, x)
+    _check_partner("z", z, x)
+    if not use_triton(x):
+        return syncbn_backward_reduce_ref(dy, x, mean, invstd, weight, bias, z, relu,
+                                          need_weight_grad, need_bias_grad)
+    geo = _Geometry(x)
+    has_gw = weight is not None and need_weight_grad
+    has_gb = weight is not None and need_bias_grad
+    gw = torch.empty_like(weight) if has_gw else None
+    gb = torch.empty(c, dtype=(bias if bias is not None else weight).dtype,
+                     device=x.device) if has_gb else None
+    sums = torch.empty(2 * c, dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        part = torch.zeros(1, 2 * c, dtype=torch.float32, device=x.device)
+    else:
+        chunks, per = geo.chunks(x.device)
+        part = torch.empty(chunks, 2 * c, dtype=torch.float32, device=x.device)
+        _syncbn_backward_reduce_kernel[(geo.n_cblocks, chunks)](
+            dy, x, z if z is not None else x, part, mean, invstd,
+            weight if weight is not None else mean, bias if bias is not None else mean,
+            *geo.args(), geo.n_segs, per, HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None, HAS_Z=z is not None, RELU=relu, **geo.consts(),
+            num_warps=geo.warps)
+    block_p, block_c = _merge_settings(part.shape[0], c, x.device)
+    _syncbn_reduce_merge_kernel[(triton.cdiv(c, block_c),)](
+        part, part.shape[0], c, sums, invstd, gw if has_gw else sums, gb if has_gb else sums,
+        HAS_GW=has_gw, HAS_GB=has_gb, EMULATE_BF16_ROUNDING=geo.emulate,
+        BLOCK_P=block_p, BLOCK_C=block_c)
+    return sums, gw, gb
+
+
+def syncbn_backward_input(dy, x, mean, invstd, weight=None, sums=None, count=None, bias=None,
+                          z=None, relu=False, need_dz=False):
+    """``(dx, dz)``: the input gradient (``sums`` / ``count`` global, from the all_reduce
+    and :func:`syncbn_finalize`; ``sums=None`` when running statistics normalised) and,
+    when ``need_dz``, the residual's gradient (the ReLU-masked ``dy``), else None."""
+    c = _channels(x)
+    _params(x, c, mean, invstd, weight, bias)
+    _check_partner("dy", dy, x)
+    _check_partner("z", z, x)
+    if sums is not None and (sums.shape != (2 * c,) or sums.dtype != torch.float32
+                             or count is None):
+        raise ValueError(f"syncbn_backward_input: sums must be fp32 [{2 * c}] with a count")
+    if not use_triton(x):
+        return syncbn_backward_input_ref(dy, x, mean, invstd, weight, sums, count, bias, z,
+                                         relu, need_dz)
+    geo = _Geometry(x)
+    dx = torch.empty_like(x)
+    dz = torch.empty_like(z if z is not None else x) if need_dz else None
+    if x.numel() == 0:
+        return dx, dz
+    _syncbn_backward_input_kernel[(geo.n_segs, geo.n_cblocks)](
+        dy, x, z if z is not None else x, dx, dz if need_dz else dx, mean, invstd,
+        weight if weight is not None else mean, bias if bias is not None else mean,
+        sums if sums is not None else mean, count if sums is not None else mean,
+        *geo.args(), HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        HAS_Z=z is not None, RELU=relu, HAS_DZ=need_dz, HAS_SUMS=sums is not None,
+        **geo.consts(), num_warps=geo.warps)
+    return dx, dz
+
+
+# -- torch references (the CPU path without the interpreter) ------------------------------------
+def _reduce_dims(x):
+    return (0,) if x.dim() == 2 else (0, 2)
+
+
+def _per_channel(v, x):
+    """A [C] vector shaped to broadcast against the canonical view ``x``."""
+    return v.view(1, -1) if x.dim() == 2 else v.view(1, -1, 1)
+
+
+@torch.no_grad()
+def syncbn_stats_ref(x):
+    """Reference of :func:`syncbn_stats`: one row of absolute statistics for the whole
+    input (P = 1, no shift)."""
+    c = _channels(x)
+    n = x.numel() // c if c else 0
+    row = torch.zeros(1, 2 * c + 1, dtype=torch.float32, device=x.device)
+    if n:
+        var, mean = torch.var_mean(x.float(), dim=_reduce_dims(x), correction=0)
+        row[0, :c] = mean
+        row[0, c:2 * c] = var * n
+        row[0, 2 * c] = n
+    return row, None
+
+
+def _merge_ref(rows, shift):
+    c = rows.shape[1] // 2
+    cnt = rows[:, 2 * c:]
+    n = cnt.sum()
+    rel = rows[0, :c] if shift is None else torch.zeros_like(rows[0, :c])
+    means = rows[:, :c] - rel
+    mean = (cnt * means).sum(0) / n.clamp(min=1)
+    m2 = rows[:, c:2 * c].sum(0) + (cnt * (means - mean) ** 2).sum(0)
+    return n, mean + (rel if shift is None else shift), m2
+
+
+@torch.no_grad()
+def syncbn_combine_ref(rows, shift=None):
+    n, mean, m2 = _merge_ref(rows, shift)
+    return torch.cat([mean, m2, n.view(1)])
+
+
+@torch.no_grad()
+def syncbn_finalize_ref(rows, eps, running_mean=None, running_var=None, momentum=0.1,
+                        num_batches_tracked=None, shift=None):
+    n, mean, m2 = _merge_ref(rows, shift)
+    invstd = (m2 / n.clamp(min=1) + eps).sqrt().reciprocal()
+    if running_mean is not None:
+        f = momentum if momentum is not None else \
+            num_batches_tracked.to(torch.float32).reciprocal()
+        var_u = m2 / (n - 1)
+        running_mean.copy_(f * mean + (1 - f) * running_mean.float())
+        running_var.copy_(f * var_u + (1 - f) * running_var.float())
+    return mean, invstd, n.view(1)
+
+
+def _affine_ref(x, mean, invstd, weight, bias, z):
+    scale = invstd if weight is None else invstd * weight.float()
+    y = (x.float() - _per_channel(mean, x)) * _per_channel(scale, x)
+    if bias is not None:
+        y = y + _per_channel(bias.float(), x)
+    if z is not None:
+        y = y + z.float()
+    return y
+
+
+@torch.no_grad()
+def syncbn_forward_ref(x, mean, invstd, weight=None, bias=None, z=None, relu=False):
+    y = _affine_ref(x, mean, invstd, weight, bias, z)
+    if relu:
+        y = torch.relu(y)
+    return y.to(x.dtype)
+
+
+def _masked_dy(dy, x, mean, invstd, weight, bias, z, relu):
+    dy = dy.float()
+    if relu:
+        dy = torch.where(_affine_ref(x, mean, invstd, weight, bias, z) > 0, dy, 0.0)
+    return dy
+
+
+@torch.no_grad()
+def syncbn_backward_reduce_ref(dy, x, mean, invstd, weight=None, bias=None, z=None, relu=False,
+                               need_weight_grad=True, need_bias_grad=True):
+    dyf = _masked_dy(dy, x, mean, invstd, weight, bias, z, relu)
+    dims = _reduce_dims(x)
+    sum_dy = dyf.sum(dims)
+    sum_dy_xmu = (dyf * (x.float() - _per_channel(mean, x))).sum(dims)
+    gw = (sum_dy_xmu * invstd).to(weight.dtype) if weight is not None and need_weight_grad \
+        else None
+    gb = sum_dy.to((bias if bias is not None else weight).dtype) \
+        if weight is not None and need_bias_grad else None
+    return torch.cat([sum_dy, sum_dy_xmu]), gw, gb
+
+
+@torch.no_grad()
+def syncbn_backward_input_ref(dy, x, mean, invstd, weight=None, sums=None, count=None,
+                              bias=None, z=None, relu=False, need_dz=False):
+    dyf = _masked_dy(dy, x, mean, invstd, weight, bias, z, relu)
+    dz = dyf.to((z if z is not None else x).dtype) if need_dz else None
+    scale = invstd if weight is None else invstd * weight.float()
+    if sums is None:
+        return (dyf * _per_channel(scale, x)).to(x.dtype), dz
+    c = _channels(x)
+    mean_dy = sums[:c] / count
+    mean_dy_xmu = sums[c:] / count
+    proj = invstd * invstd * mean_dy_xmu
+    dx = (dyf - _per_channel(mean_dy, x) - (x.float() - _per_channel(mean, x))
+          * _per_channel(proj, x)) * _per_channel(scale, x)
+    return dx.to(x.dtype), dz

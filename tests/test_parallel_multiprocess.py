@@ -1,0 +1,244 @@
+"""SyncBatchNorm across 2 and 3 processes (gloo, CPU) against torch's BatchNorm on the
+concatenated batch in one process, and a converted torchvision ResNet-18 trained under
+``torch.distributed.run`` against the same ResNet trained on the whole batch.
+
+Each world is launched once per module (tests/scripts/syncbn_worker.py); ranks get
+uneven slices of one seeded batch (one rank may hold a single sample, or none), inputs
+have a mean far from 0 against their spread, and every case trains two steps so that
+running statistics and ``num_batches_tracked`` move twice. Cases marked ``interpret``
+run the Triton kernels in Triton's interpreter inside the workers; the others take the
+torch reference path, which is what CPU training uses.
+
+Comparisons: outputs and input gradients against torch in the input's dtype with the
+tolerance table; each rank's parameter gradients are local (DistributedDataParallel
+averages them), so their sum over ranks is compared with torch's full-batch gradient;
+and everything is also held to within 2x torch's own error against a float64 run, plus
+the table's atol.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import TOL
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "scripts", "syncbn_worker.py")
+sys.path.insert(0, os.path.join(HERE, "scripts"))
+import syncbn_worker  # noqa: E402
+
+CASES_2 = [
+    dict(name="w2_nchw_fp32", batches=[3, 5], channels=4, spatial=[3, 3], dtype="float32",
+         layout="nchw", steps=2, interpret=True),
+    dict(name="w2_channels_last_fp16", batches=[2, 5], channels=5, spatial=[2, 3],
+         dtype="float16", layout="channels_last", steps=2, interpret=True),
+    dict(name="w2_apex_channel_last_z_relu", batches=[3, 2], channels=3, spatial=[4],
+         dtype="float32", layout="apex_last", steps=2, interpret=True, z=True, fuse_relu=True),
+    # rank 0 holds one value per channel: allowed, the group's batch has six
+    dict(name="w2_2d_cumulative_momentum", batches=[1, 5], channels=6, spatial=[],
+         dtype="float32", layout="nchw", steps=2, interpret=True, momentum=None),
+]
+CASES_3 = [
+    dict(name="w3_nchw_fp32", batches=[1, 4, 2], channels=6, spatial=[2, 3], dtype="float32",
+         layout="nchw", steps=2),
+    dict(name="w3_channels_last_fp16", batches=[2, 3, 4], channels=4, spatial=[3, 2],
+         dtype="float16", layout="channels_last", steps=2, interpret=True),
+    dict(name="w3_channels_last_fp32", batches=[4, 1, 3], channels=5, spatial=[2, 2],
+         dtype="float32", layout="channels_last", steps=2),
+    dict(name="w3_empty_rank", batches=[0, 3, 2], channels=3, spatial=[2, 2], dtype="float32",
+         layout="nchw", steps=2, interpret=True),
+    dict(name="w3_5d_channels_last_bf16", batches=[2, 1, 1], channels=3, spatial=[2, 2, 2],
+         dtype="bfloat16", layout="channels_last", steps=2),
+    dict(name="w3_no_affine_fp16", batches=[3, 2, 2], channels=4, spatial=[5], dtype="float16",
+         layout="nchw", steps=2, affine=False),
+]
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)  # the worker decides per case
+    return env
+
+
+def _check(procs_output, rc):
+    assert rc == 0, "worker failed:\n" + procs_output[-6000:]
+
+
+def _torchrun(nproc, out, extra, timeout=240):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", WORKER, "--out", str(out), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+    _check(proc.stdout + proc.stderr, proc.returncode)
+
+
+def _spawn(nproc, out, extra, timeout=240):
+    """Start the ranks directly with a file:// rendezvous (no port to pick)."""
+    init = os.path.join(str(out), "rendezvous")
+    procs = [subprocess.Popen([sys.executable, WORKER, "--out", str(out), "--init-file", init,
+                               "--rank", str(r), "--world-size", str(nproc), *extra],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=_env()) for r in range(nproc)]
+    logs, rcs = [], []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        rcs.append(p.returncode)
+    _check("\n".join(logs), max(rcs))
+
+
+def _write_cases(path, cases):
+    with open(path, "w") as f:
+        json.dump(cases, f)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("syncbn_w2")
+    _torchrun(2, out, ["--cases", _write_cases(out / "cases.json", CASES_2), "--resnet"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def world3(tmp_path_factory):
+    out = tmp_path_factory.mktemp("syncbn_w3")
+    _spawn(3, out, ["--cases", _write_cases(out / "cases.json", CASES_3)])
+    return out
+
+
+# -- the single-process reference --------------------------------------------------------------
+def _torch_bn(case, dtype):
+    c, dims = case["channels"], len(case["spatial"])
+    cls = {0: torch.nn.BatchNorm1d, 1: torch.nn.BatchNorm1d, 2: torch.nn.BatchNorm2d,
+           3: torch.nn.BatchNorm3d}[dims]
+    return cls(c, momentum=case.get("momentum", 0.1), affine=case.get("affine", True),
+               dtype=torch.float64 if dtype == torch.float64 else None)
+
+
+def reference(case, dtype=None):
+    """torch's BatchNorm on the whole batch, step by step, in the case's dtype (or float64:
+    the yardstick) with fp32 (float64) parameters."""
+    data = syncbn_worker.make_data(case)
+    bn = _torch_bn(case, dtype)
+    if bn.affine:
+        with torch.no_grad():
+            bn.weight.copy_(data["weight"])
+            bn.bias.copy_(data["bias"])
+    out = dict(y=[], dx=[], dz=[], dw=[], db=[])
+    for step in data["steps"]:
+        cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+        x = cast(step["x"]).requires_grad_()
+        z = cast(step["z"]).requires_grad_() if step["z"] is not None else None
+        y = bn(x)
+        if z is not None:
+            y = y + z
+        if case.get("fuse_relu"):
+            y = torch.relu(y)
+        y.backward(cast(step["dy"]))
+        out["y"].append(y.detach())
+        out["dx"].append(x.grad)
+        out["dz"].append(z.grad if z is not None else None)
+        if bn.affine:
+            out["dw"].append(bn.weight.grad.clone())
+            out["db"].append(bn.bias.grad.clone())
+            bn.weight.grad = bn.bias.grad = None
+    out["running_mean"], out["running_var"] = bn.running_mean, bn.running_var
+    out["num_batches_tracked"] = int(bn.num_batches_tracked)
+    bn.eval()
+    with torch.no_grad():
+        last = data["steps"][-1]
+        x = (last["x"].to(dtype) if dtype is not None else last["x"])
+        y = bn(x)
+        if last["z"] is not None:
+            y = y + (last["z"].to(dtype) if dtype is not None else last["z"])
+        out["y_eval"] = torch.relu(y) if case.get("fuse_relu") else y
+    return out
+
+
+def gathered(out_dir, case):
+    """The ranks' results: per-sample tensors concatenated, parameter gradients summed."""
+    ranks = [torch.load(os.path.join(str(out_dir), f"{case['name']}.rank{r}.pt"))
+             for r in range(len(case["batches"]))]
+    res = {}
+    for key in ("y", "dx", "dz"):
+        res[key] = [None if ranks[0][key][s] is None else
+                    torch.cat([r[key][s] for r in ranks]) for s in range(case["steps"])]
+    for key in ("dw", "db"):
+        res[key] = [torch.stack([r[key][s] for r in ranks]).sum(0)
+                    for s in range(len(ranks[0][key]))]
+    res["y_eval"] = torch.cat([r["y_eval"] for r in ranks])
+    for key in ("running_mean", "running_var", "num_batches_tracked", "channels_last_out"):
+        res[key] = ranks[0][key]
+        for r in ranks[1:]:
+            if torch.is_tensor(r[key]):
+                assert torch.equal(r[key], res[key]), f"ranks disagree on {key}"
+            else:
+                assert r[key] == res[key], f"ranks disagree on {key}"
+    return res
+
+
+def _pairs(case, got, ref, exact):
+    """(name, ours, torch's, float64's, dtype of the tolerance) for every compared tensor."""
+    dtype = getattr(torch, case["dtype"])
+    for s in range(case["steps"]):
+        for key in ("y", "dx", "dz"):
+            if got[key][s] is not None:
+                yield f"{key}[{s}]", got[key][s], ref[key][s], exact[key][s], dtype
+        for key in ("dw", "db"):
+            if got[key]:
+                yield f"{key}[{s}]", got[key][s], ref[key][s], exact[key][s], torch.float32
+    yield "y_eval", got["y_eval"], ref["y_eval"], exact["y_eval"], dtype
+    for key in ("running_mean", "running_var"):
+        yield key, got[key], ref[key], exact[key], torch.float32
+
+
+def check_case(out_dir, case):
+    got = gathered(out_dir, case)
+    ref = reference(case)
+    exact = reference(case, torch.float64)
+    assert got["num_batches_tracked"] == ref["num_batches_tracked"] == case["steps"]
+    if case["layout"] == "channels_last":
+        assert got["channels_last_out"], "the output lost the channels-last memory format"
+    for name, ours, theirs, truth, dtype in _pairs(case, got, ref, exact):
+        assert ours.dtype == theirs.dtype, name
+        torch.testing.assert_close(ours, theirs, **TOL[dtype], msg=lambda m: f"{name}: {m}")
+        err = (ours.double() - truth).abs().max().item()
+        torch_err = (theirs.double() - truth).abs().max().item()
+        assert err <= 2 * torch_err + TOL[dtype]["atol"], (name, err, torch_err)
+
+
+@pytest.mark.parametrize("case", CASES_2, ids=lambda c: c["name"])
+def test_two_processes_match_batchnorm_on_the_whole_batch(world2, case):
+    check_case(world2, case)
+
+
+@pytest.mark.parametrize("case", CASES_3, ids=lambda c: c["name"])
+def test_three_processes_match_batchnorm_on_the_whole_batch(world3, case):
+    check_case(world3, case)
+
+
+def test_converted_resnet18_under_torchrun_matches_one_process(world2):
+    """DDP(convert_syncbn_model(resnet18)), 2 ranks x 4 images of 16x16, two SGD steps,
+    against resnet18 with BatchNorm on the 8 images in one process: losses, weights and
+    running statistics, held to 2x the single fp32 run's own error against float64."""
+    r0 = torch.load(os.path.join(str(world2), "resnet.rank0.pt"))
+    r1 = torch.load(os.path.join(str(world2), "resnet.rank1.pt"))
+    assert r0["n_syncbn"] == 20
+    torch.testing.assert_close(r0["sync_losses"], r0["single_losses"], **TOL[torch.float32])
+    sync, single, exact = r0["sync_state"], r0["single_state"], r0["exact_state"]
+    assert sync.keys() == single.keys()
+    for key, value in sync.items():
+        assert torch.equal(value, r1["sync_state"][key]), f"ranks disagree on {key}"
+        if not value.is_floating_point():
+            assert torch.equal(value, single[key]), key
+            continue
+        err = (value.double() - exact[key]).abs().max().item()
+        single_err = (single[key].double() - exact[key]).abs().max().item()
+        assert err <= 2 * single_err + 1e-6, (key, err, single_err)

@@ -1,0 +1,229 @@
+"""SyncBatchNorm: batch statistics over every process of a group, on Triton kernels.
+
+One training forward: local statistics (per-channel mean, m2, count) from the statistics
+kernels, one ``all_gather`` of a packed ``2C + 1`` fp32 row per rank, Chan's merge (so
+ranks may hold different batch sizes, even none), then one elementwise launch. One
+backward: local ``(sum_dy, sum_dy_xmu)`` with the parameter gradients, one ``all_reduce``
+of that packed ``2C`` tensor, then one elementwise launch for the input gradient.
+Parameter gradients stay local, as in torch: DistributedDataParallel averages them.
+Without an initialised process group, or with a group of one, nothing is communicated
+and the layer is a BatchNorm.
+"""
+import torch
+import torch.distributed as dist
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from tritamp.kernels.syncbn import (syncbn_backward_input, syncbn_backward_reduce,
+                                    syncbn_combine, syncbn_finalize, syncbn_forward,
+                                    syncbn_stats)
+
+
+class _Layout:
+    """How an input maps onto the kernels' canonical views, and back.
+
+    ``last``   channel is the last dimension (Apex's ``channel_last``, 2-D input): [M, C]
+    ``dense``  channel is dimension 1 and memory is channels-last (torch's
+               ``channels_last`` / ``channels_last_3d``, or any such permutation): [M, C]
+               without a copy; outputs keep that memory format
+    ``first``  channel is dimension 1, anything else: [N, C, B] (contiguous copy if needed)
+    """
+
+    def __init__(self, x, channel_last):
+        self.shape = x.shape
+        nd = x.dim()
+        if channel_last or nd == 2:
+            self.kind, self.C = "last", x.shape[-1]
+            return
+        self.C = x.shape[1]
+        self.perm = (0, *range(2, nd), 1)
+        if not x.is_contiguous() and x.permute(self.perm).is_contiguous():
+            self.kind = "dense"
+            self.inv = tuple(self.perm.index(i) for i in range(nd))
+            self.perm_shape = x.permute(self.perm).shape
+        else:
+            self.kind = "first"
+
+    def view(self, t):
+        """``t`` (shaped like the input) as the canonical view; copies only if its memory
+        is not already laid out that way."""
+        if self.kind == "last":
+            return t.contiguous().view(-1, self.C)
+        if self.kind == "dense":
+            return t.permute(self.perm).contiguous().view(-1, self.C)
+        return t.contiguous().view(self.shape[0], self.C, self.shape[2:].numel())
+
+    def empty(self, t):
+        """A fresh tensor shaped like the input, laid out so that ``view`` of it is free."""
+        if self.kind == "dense":
+            return torch.empty_like(t)  # keeps the dense channels-last strides
+        return torch.empty(self.shape, dtype=t.dtype, device=t.device)
+
+    def restore(self, v):
+        if self.kind == "dense":
+            return v.view(self.perm_shape).permute(self.inv)
+        return v.view(self.shape)
+
+
+def _all_gather_rows(row, group, world_size):
+    """Every rank's packed statistics row, stacked [world, 2C + 1]: one collective."""
+    out = torch.empty(world_size, row.numel(), dtype=row.dtype, device=row.device)
+    if dist.get_backend(group) == "gloo":  # gloo has no all_gather_into_tensor
+        dist.all_gather(list(out.unbind(0)), row, group=group)
+    else:
+        dist.all_gather_into_tensor(out, row, group=group)
+    return out
+
+
+class SyncBatchnormFunction(torch.autograd.Function):
+    """Autograd of one SyncBatchNorm call (see the module docstring for the data flow)."""
+
+    @staticmethod
+    def forward(ctx, input, z, weight, bias, running_mean, running_var, num_batches_tracked,
+                eps, momentum, batch_stats, process_group, world_size, channel_last,
+                fuse_relu):
+        layout = _Layout(input, channel_last)
+        x = layout.view(input)
+        zv = layout.view(z) if z is not None else None
+        if batch_stats:
+            rows, shift = syncbn_stats(x)
+            if world_size > 1:
+                rows = _all_gather_rows(syncbn_combine(rows, shift), process_group, world_size)
+                shift = None
+            update = running_mean is not None
+            mean, invstd, count = syncbn_finalize(
+                rows, eps, running_mean if update else None, running_var if update else None,
+                momentum, num_batches_tracked if update and momentum is None else None,
+                shift=shift)
+        else:
+            mean = running_mean.float()
+            invstd = (running_var.float() + eps).sqrt().reciprocal()
+            count = None
+        # Written through a view of the returned tensor: the output is no view itself, so
+        # in-place ops after the layer (ReLU(inplace=True)) are allowed.
+        y = layout.empty(input)
+        syncbn_forward(x, mean, invstd, weight, bias, zv, fuse_relu, out=layout.view(y))
+        ctx.save_for_backward(x, zv, weight, bias, mean, invstd, count)
+        ctx.layout = layout
+        ctx.batch_stats = batch_stats
+        ctx.group = process_group
+        ctx.world_size = world_size
+        ctx.fuse_relu = fuse_relu
+        ctx.has_z = z is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, zv, weight, bias, mean, invstd, count = ctx.saved_tensors
+        layout = ctx.layout
+        dy = layout.view(grad_output)
+        need_x, need_z, need_w, need_b = ctx.needs_input_grad[:4]
+        need_z = need_z and ctx.has_z
+        sums, grad_weight, grad_bias = syncbn_backward_reduce(
+            dy, x, mean, invstd, weight, bias, zv, ctx.fuse_relu,
+            need_weight_grad=need_w, need_bias_grad=need_b)
+        if need_x and ctx.batch_stats and ctx.world_size > 1:
+            # Only the input gradient needs the group's sums (every rank of a replicated
+            # model agrees on needing it, so all of them enter this collective or none).
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=ctx.group)
+        grad_input = grad_z = None
+        if need_z and not ctx.fuse_relu:
+            grad_z = grad_output  # z was added after the normalisation: its gradient is dy
+        if need_x or (need_z and ctx.fuse_relu):
+            dx, dz = syncbn_backward_input(
+                dy, x, mean, invstd, weight, sums if ctx.batch_stats else None, count, bias,
+                zv, ctx.fuse_relu, need_dz=need_z and ctx.fuse_relu)
+            grad_input = layout.restore(dx) if need_x else None
+            if dz is not None:
+                grad_z = layout.restore(dz)
+        return (grad_input, grad_z, grad_weight, grad_bias,
+                None, None, None, None, None, None, None, None, None, None)
+
+
+class SyncBatchNorm(_BatchNorm):
+    """Batch normalisation with statistics reduced over the processes of a group.
+
+    Apex's ``apex.parallel.SyncBatchNorm``: same arguments, ``forward(input, z=None)``
+    adds the residual ``z`` before the optional fused ReLU. Subclasses torch's
+    ``_BatchNorm``, so ``state_dict`` keys, ``repr`` and amp's ``keep_batchnorm_fp32``
+    treat it as a BatchNorm.
+
+    Args:
+        num_features: C, the channels of an input ``(N, C, ...)`` (``(N, ..., C)`` with
+            ``channel_last``).
+        eps, momentum, affine, track_running_stats: as in ``torch.nn.BatchNorm2d``;
+            ``momentum=None`` gives the cumulative average.
+        process_group: the group whose statistics are combined; ``None``: the default group.
+        channel_last: the channel is the input's last dimension (Apex's meaning). Inputs in
+            torch's ``channels_last`` memory format need no flag: they are detected.
+        fuse_relu: apply ReLU to the output (after adding ``z``).
+
+    Training mode normalises with the statistics of the whole group's batch and updates
+    the running statistics with its unbiased variance; evaluation mode uses the running
+    statistics (or, with ``track_running_stats=False``, the local batch's).
+    """
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
+                 track_running_stats=True, process_group=None, channel_last=False,
+                 fuse_relu=False, device=None, dtype=None):
+        super().__init__(num_features, eps=eps, momentum=momentum, affine=affine,
+                         track_running_stats=track_running_stats, device=device, dtype=dtype)
+        self.process_group = process_group
+        self.channel_last = channel_last
+        self.fuse_relu = fuse_relu
+
+    def _specify_process_group(self, process_group):
+        self.process_group = process_group
+
+    def _specify_channel_last(self, channel_last):
+        self.channel_last = channel_last
+
+    def _check_input_dim(self, input):
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def extra_repr(self):
+        return (super().extra_repr() + f", channel_last={self.channel_last}"
+                f", fuse_relu={self.fuse_relu}")
+
+    def _check(self, input, z):
+        self._check_input_dim(input)
+        last = self.channel_last or input.dim() == 2
+        dim = input.dim() - 1 if last else 1
+        if input.shape[dim] != self.num_features:
+            hint = (" (channel_last=True reads channels from the last dimension)" if last
+                    else " (for (N, ..., C) input pass channel_last=True)")
+            raise ValueError(f"SyncBatchNorm({self.num_features}): input of shape "
+                             f"{tuple(input.shape)} has {input.shape[dim]} channels in "
+                             f"dimension {dim}{hint}")
+        if z is not None and (z.shape != input.shape or z.dtype != input.dtype
+                              or z.device != input.device):
+            raise ValueError(f"SyncBatchNorm: z must match the input ({tuple(input.shape)}, "
+                             f"{input.dtype}, {input.device}); got ({tuple(z.shape)}, "
+                             f"{z.dtype}, {z.device})")
+
+    def forward(self, input, z=None):
+        self._check(input, z)
+        factor = self.momentum
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        world_size, group = 1, None
+        if bn_training and self.training and dist.is_available() and dist.is_initialized():
+            group = self.process_group if self.process_group is not None else dist.group.WORLD
+            world_size = dist.get_world_size(group)
+        if bn_training and world_size < 2:
+            size = 1
+            for i, n in enumerate(input.shape):
+                if i != (input.dim() - 1 if self.channel_last or input.dim() == 2 else 1):
+                    size *= n
+            if size == 1:
+                raise ValueError("Expected more than 1 value per channel when training, got "
+                                 f"input size {input.size()}")
+        track = self.training and self.track_running_stats
+        return SyncBatchnormFunction.apply(
+            input, z, self.weight, self.bias,
+            self.running_mean if (track or not bn_training) else None,
+            self.running_var if (track or not bn_training) else None,
+            self.num_batches_tracked if track else None,
+            self.eps, factor, bn_training, group, world_size, self.channel_last,
+            self.fuse_relu)
