@@ -18,6 +18,7 @@ from tritamp.fp16_utils import (BN_convert_float, DynamicLossScaler, FP16_Optimi
 from tritamp.optimizers import FusedAdam, FusedSGD
 
 HALF = [torch.bfloat16, torch.float16]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 HALF_IDS = ["bf16", "fp16"]
 
 OPTIMIZERS = {
@@ -33,13 +34,14 @@ def _net():
     return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
 
 
-def _batches(n_steps, n=8):
+def _batches(n_steps, n=8, device="cpu"):
     g = torch.Generator().manual_seed(5)
-    return [(torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)) for _ in range(n_steps)]
+    return [(torch.randn(n, 6, generator=g).to(device), torch.randn(n, 3, generator=g).to(device))
+            for _ in range(n_steps)]
 
 
-def _fp16_setup(half, make_opt, **kwargs):
-    model = FP16Model(_net(), dtype=half)
+def _fp16_setup(half, make_opt, device="cpu", **kwargs):
+    model = FP16Model(_net().to(device), dtype=half)
     kwargs.setdefault("verbose", False)
     return model, FP16_Optimizer(make_opt(model.parameters()), **kwargs)
 
@@ -81,20 +83,23 @@ MATCH_CASES = [  # (half dtype, optimizer, kernels in the interpreter or their t
 ]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("half,opt_name,path", MATCH_CASES,
                          ids=[f"{str(h)[6:]}-{o}-{k}" for h, o, k in MATCH_CASES])
-def test_fp16_optimizer_matches_amp_O2_step_for_step(half, opt_name, path, monkeypatch):
+def test_fp16_optimizer_matches_amp_O2_step_for_step(half, opt_name, path, device, monkeypatch):
     """Same model, data and dynamic scale: masters, half weights, optimizer state and
     scale are bit for bit amp O2's, through an overflowing (skipped) step."""
     if path == "refs":
         monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if device == "cuda" and path == "refs":
+        pytest.skip("on a GPU every case runs the compiled kernels; the kernel cases cover it")
     make_opt = OPTIMIZERS[opt_name]
-    ref = _net()
+    ref = _net().to(device)
     ref_opt = make_opt(ref.parameters())
     ref, ref_opt = amp.initialize(ref, ref_opt, opt_level="O2", half_dtype=half,
                                   loss_scale="dynamic", verbosity=0)
-    model, opt = _fp16_setup(half, make_opt, dynamic_loss_scale=True)
-    for step, (x, y) in enumerate(_batches(3)):
+    model, opt = _fp16_setup(half, make_opt, device, dynamic_loss_scale=True)
+    for step, (x, y) in enumerate(_batches(3, device=device)):
         blowup = float("inf") if step == 1 else 1.0
         loss = nn.functional.mse_loss(ref(x), y) * blowup
         ref_opt.zero_grad()
@@ -332,14 +337,16 @@ def test_loading_a_static_checkpoint_into_a_dynamic_optimizer_takes_its_mode():
 
 # -- host reads ----------------------------------------------------------------------------
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("make_opt,reads", [
     (lambda p: FusedSGD(p, lr=0.1, momentum=0.9), []),
     (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True), []),
     (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), ["__bool__"]),
 ], ids=["tritamp-fused", "torch-fused", "plain"])
-def test_step_reads_the_device_only_for_optimizers_that_cannot_skip_there(make_opt, reads):
-    model, opt = _fp16_setup(torch.float16, make_opt, dynamic_loss_scale=True)
-    (x, y), = _batches(1)
+def test_step_reads_the_device_only_for_optimizers_that_cannot_skip_there(make_opt, reads,
+                                                                         device):
+    model, opt = _fp16_setup(torch.float16, make_opt, device, dynamic_loss_scale=True)
+    (x, y), = _batches(1, device=device)
 
     def step():
         opt.zero_grad(set_grads_to_None=True)
