@@ -335,6 +335,20 @@ def test_loading_a_static_checkpoint_into_a_dynamic_optimizer_takes_its_mode():
     assert opt2.loss_scale == 32.0
 
 
+def test_an_apex_checkpoint_with_a_pickled_scaler_object_loads():
+    class ApexAmpLossScaler:  # the attributes Apex's pickled amp LossScaler carries
+        _loss_scale, _unskipped = 512.0, 3
+
+        def loss_scale(self):
+            return self._loss_scale
+
+    model, opt = _fp16_setup(torch.float16, OPTIMIZERS["sgd"], dynamic_loss_scale=True)
+    sd = dict(opt.state_dict(), loss_scaler=ApexAmpLossScaler())
+    opt.load_state_dict(sd)
+    assert opt.loss_scale == 512.0
+    assert opt.loss_scaler.state_dict()["unskipped"] == 3
+
+
 # -- host reads ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
