@@ -197,7 +197,7 @@ def _syncbn_merge_kernel(
             tl.store(count_ptr, acc_n)
         if UPDATE_RUNNING:
             if MOMENTUM_FROM_COUNT:
-                f = 1.0 / tl.load(nbt_ptr).to(tl.float32)
+                f = tl.div_rn(1.0, tl.load(nbt_ptr).to(tl.float32))
             else:
                 f = momentum
             # Unbiased variance; a single value (n = 1) gives inf, as torch's kernels do.

@@ -78,6 +78,7 @@ def main():
             report[f"sgd/{p},{g},{c}/lr_tensor={lr_t}"] = _ok(ptx)
     report.update(optimizer_family_variants())
     report.update(norm_variants())
+    report.update(syncbn_variants())
     json.dump(report, sys.stdout)
 
 
@@ -196,6 +197,67 @@ def norm_variants():
                                                      BLOCK_N=128), 4))
     return out
 
+
+def syncbn_variants():
+    """SyncBatchNorm: each kernel for fp32 / fp16 / bf16 input, both layouts, and the mode
+    flags that change the code (residual, fused ReLU, shift, running-stat updates), spread
+    over a few combinations rather than their product (each compile costs about 0.5 s)."""
+    from tritamp.kernels.syncbn import (_syncbn_backward_input_kernel,
+                                        _syncbn_backward_reduce_kernel, _syncbn_forward_kernel,
+                                        _syncbn_merge_kernel, _syncbn_reduce_merge_kernel,
+                                        _syncbn_stats_kernel)
+    out = {}
+    dims = {"M": "i32", "C": "i32", "B": "i32", "NBB": "i32"}
+
+    def tiles(cl):
+        return dict(CHANNELS_LAST=cl, EMULATE_BF16_ROUNDING=False, BLOCK_R=64 if cl else 1024,
+                    BLOCK_C=64 if cl else 4)
+
+    for x in ("*fp32", "*fp16", "*bf16"):
+        for cl in (False, True):
+            sig = dict({"x_ptr": x, "part_ptr": "*fp32", "shift_ptr": "*fp32"}, **dims,
+                       n_segs="i32", segs_per_chunk="i32")
+            out[f"syncbn_stats/{x}/channels_last={cl}"] = _ok(compile_one(
+                _syncbn_stats_kernel, sig, tiles(cl), 8))
+    for x, w, cl, z in (("*fp32", "*fp32", False, False), ("*fp16", "*fp32", True, True),
+                        ("*bf16", "*fp32", False, True), ("*bf16", "*bf16", True, False)):
+        key = f"{x},{w}/channels_last={cl}/z_relu={z}"
+        flags = dict(tiles(cl), HAS_WEIGHT=True, HAS_BIAS=True, HAS_Z=z, RELU=z)
+        params = {"mean_ptr": "*fp32", "invstd_ptr": "*fp32", "w_ptr": w, "b_ptr": w}
+        sig = dict({"x_ptr": x, "z_ptr": x, "y_ptr": x}, **params, **dims)
+        out[f"syncbn_forward/{key}"] = _ok(compile_one(_syncbn_forward_kernel, sig, flags, 8))
+        sig = dict({"dy_ptr": x, "x_ptr": x, "z_ptr": x, "part_ptr": "*fp32"}, **params, **dims,
+                   n_segs="i32", segs_per_chunk="i32")
+        out[f"syncbn_backward_reduce/{key}"] = _ok(compile_one(
+            _syncbn_backward_reduce_kernel, sig, flags, 8))
+        for sums in (True, False) if x == "*fp32" else (True,):
+            sig = dict({"dy_ptr": x, "x_ptr": x, "z_ptr": x, "dx_ptr": x, "dz_ptr": x},
+                       **params, sums_ptr="*fp32", count_ptr="*fp32", **dims)
+            out[f"syncbn_backward_input/{key}/sums={sums}"] = _ok(compile_one(
+                _syncbn_backward_input_kernel, sig, dict(flags, HAS_DZ=z, HAS_SUMS=sums), 8))
+    for w in ("*fp32", "*bf16"):
+        sig = {"part_ptr": "*fp32", "P": "i32", "C": "i32", "sums_ptr": "*fp32",
+               "invstd_ptr": "*fp32", "gw_ptr": w, "gb_ptr": w}
+        out[f"syncbn_reduce_merge/{w}"] = _ok(compile_one(
+            _syncbn_reduce_merge_kernel, sig, dict(HAS_GW=True, HAS_GB=True,
+                                                   EMULATE_BF16_ROUNDING=False, BLOCK_P=32,
+                                                   BLOCK_C=128), 4))
+    for running, final, update, from_count, shift in (
+            ("*fp32", False, False, False, True), ("*fp32", False, False, False, False),
+            ("*fp32", True, False, False, True), ("*fp32", True, True, False, True),
+            ("*fp32", True, True, True, False), ("*bf16", True, True, False, False)):
+        sig = {"rows_ptr": "*fp32", "shift_ptr": "*fp32", "P": "i32", "C": "i32",
+               "out_ptr": "*fp32", "mean_ptr": "*fp32", "invstd_ptr": "*fp32",
+               "count_ptr": "*fp32", "rmean_ptr": running, "rvar_ptr": running,
+               "nbt_ptr": "*i64", "eps": "fp32", "momentum": "fp32"}
+        out[f"syncbn_merge/{running}/final={final}/update={update}/from_count={from_count}/"
+            f"shift={shift}"] = _ok(compile_one(
+                _syncbn_merge_kernel, sig, dict(HAS_SHIFT=shift, FINAL=final,
+                                                UPDATE_RUNNING=update,
+                                                MOMENTUM_FROM_COUNT=from_count,
+                                                EMULATE_BF16_ROUNDING=False, BLOCK_P=32,
+                                                BLOCK_C=128), 4))
+    return out
 
 if __name__ == "__main__":
     main()
