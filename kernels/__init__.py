@@ -19,3 +19,15 @@ __all__ = [
     "SCALE", "UNSKIPPED", "HYSTERESIS", "FOUND_INF", "USED_SCALE", "SKIPPED", "FLOOR_STREAK",
     "STATE_SIZE",
 ]
+
+from .syncbn import (syncbn_backward_input, syncbn_backward_input_ref,  # noqa: E402
+                     syncbn_backward_reduce, syncbn_backward_reduce_ref, syncbn_combine,
+                     syncbn_combine_ref, syncbn_finalize, syncbn_finalize_ref, syncbn_forward,
+                     syncbn_forward_ref, syncbn_stats, syncbn_stats_ref)
+
+__all__ += [
+    "syncbn_stats", "syncbn_stats_ref", "syncbn_combine", "syncbn_combine_ref",
+    "syncbn_finalize", "syncbn_finalize_ref", "syncbn_forward", "syncbn_forward_ref",
+    "syncbn_backward_reduce", "syncbn_backward_reduce_ref",
+    "syncbn_backward_input", "syncbn_backward_input_ref",
+]
