@@ -55,26 +55,28 @@ from ._tl_utils import load_f32, store_cast
 @triton.jit
 def _syncbn_tile(seg, cols, col_mask, M, C, B, NBB, CHANNELS_LAST: tl.constexpr,
                  BLOCK_R: tl.constexpr):
-    """Offsets, mask and element count per channel of tile ``seg``: BLOCK_R reduced
-    elements (rows of [M, C], or a run of one plane of [N, C, B]) x the channels ``cols``.
+    """Offsets, mask and element count per channel of tile ``seg``: the channels ``cols``
+    x BLOCK_R reduced elements (rows of [M, C], or a run of one plane of [N, C, B]).
 
-    The reduced axis is axis 0 in both layouts; the offsets' int64 part is the tile's
-    base (one scalar), the per-element part fits in int32 (one row block or one sample)."""
+    The reduced axis is axis 1 in both layouts (the interpreter then sums pairwise, as
+    numpy does along the last axis, rather than row after row); the offsets' int64 part is
+    the tile's base (one scalar), the per-element part fits in int32 (one row block or one
+    sample)."""
     r = tl.arange(0, BLOCK_R)
     if CHANNELS_LAST:
         start = seg * BLOCK_R
         base = start * C
-        offs = r[:, None] * C + cols[None, :]
+        offs = cols[:, None] + r[None, :] * C
         rmask = r < M - start
         k = tl.minimum(M - start, BLOCK_R)
     else:
         n = seg // NBB
         start = (seg - n * NBB) * BLOCK_R
         base = n * C * B + start
-        offs = cols[None, :] * B + r[:, None]
+        offs = cols[:, None] * B + r[None, :]
         rmask = r < B - start
         k = tl.minimum(B - start, BLOCK_R)
-    return base, offs, rmask[:, None] & col_mask[None, :], k
+    return base, offs, col_mask[:, None] & rmask[None, :], k
 
 
 @triton.jit
@@ -124,12 +126,12 @@ def _syncbn_stats_kernel(
         base, offs, mask, k = _syncbn_tile(seg, cols, col_mask, M, C, B, NBB, CHANNELS_LAST,
                                            BLOCK_R)
         x = load_f32(x_ptr + base + offs, mask, EMULATE_BF16_ROUNDING)
-        x = tl.where(mask, x - pivot[None, :], 0.0)
+        x = tl.where(mask, x - pivot[:, None], 0.0)
         kf = k.to(tl.float32)
         # The tile's mean and m2 in two passes over registers (no E[x^2] - E[x]^2).
-        t_mean = tl.div_rn(tl.sum(x, axis=0), tl.zeros([BLOCK_C], dtype=tl.float32) + kf)
-        d = tl.where(mask, x - t_mean[None, :], 0.0)
-        t_m2 = tl.sum(d * d, axis=0)
+        t_mean = tl.div_rn(tl.sum(x, axis=1), tl.zeros([BLOCK_C], dtype=tl.float32) + kf)
+        d = tl.where(mask, x - t_mean[:, None], 0.0)
+        t_m2 = tl.sum(d * d, axis=1)
         acc_n, acc_mean, acc_m2 = _chan_merge(acc_n, acc_mean, acc_m2, kf, t_mean, t_m2)
     row = part_ptr + chunk * (2 * C + 1)
     tl.store(row + cols, acc_mean, mask=col_mask)
@@ -190,7 +192,9 @@ def _syncbn_merge_kernel(
     if FINAL:
         n_vec = tl.zeros([BLOCK_C], dtype=tl.float32) + acc_n
         var = tl.div_rn(acc_m2, tl.maximum(n_vec, 1.0))
-        invstd = tl.div_rn(tl.zeros([BLOCK_C], dtype=tl.float32) + 1.0, tl.sqrt_rn(var + eps))
+        # (lanes past C divide by 1, not by sqrt(eps), which may be 0)
+        invstd = tl.div_rn(tl.zeros([BLOCK_C], dtype=tl.float32) + 1.0,
+                           tl.sqrt_rn(tl.where(col_mask, var + eps, 1.0)))
         tl.store(mean_ptr + cols, acc_mean, mask=col_mask)
         tl.store(invstd_ptr + cols, invstd, mask=col_mask)
         if pid_c == 0:
@@ -226,9 +230,9 @@ def _syncbn_affine(x, z, cols, col_mask, mean_ptr, invstd_ptr, w_ptr, b_ptr,
     scale = tl.load(invstd_ptr + cols, mask=col_mask, other=0.0)
     if HAS_WEIGHT:
         scale = scale * load_f32(w_ptr + cols, col_mask, EMULATE_BF16_ROUNDING)
-    y = (x - mean[None, :]) * scale[None, :]
+    y = (x - mean[:, None]) * scale[:, None]
     if HAS_BIAS:
-        y = y + load_f32(b_ptr + cols, col_mask, EMULATE_BF16_ROUNDING)[None, :]
+        y = y + load_f32(b_ptr + cols, col_mask, EMULATE_BF16_ROUNDING)[:, None]
     if HAS_Z:
         y = y + z
     return y
@@ -281,6 +285,10 @@ def _syncbn_backward_reduce_kernel(
     mean = tl.load(mean_ptr + cols, mask=col_mask, other=0.0)
     sum_dy = tl.zeros([BLOCK_C], dtype=tl.float32)
     sum_dy_xmu = tl.zeros([BLOCK_C], dtype=tl.float32)
+    # Kahan compensation of the running sums: a chunk adds up many tile sums of similar
+    # size, and each plain addition would round at the scale of the whole chunk.
+    c_dy = tl.zeros([BLOCK_C], dtype=tl.float32)
+    c_xmu = tl.zeros([BLOCK_C], dtype=tl.float32)
     first = chunk * segs_per_chunk
     last = tl.minimum(first + segs_per_chunk, n_segs)
     for seg in range(first, last):
@@ -295,11 +303,17 @@ def _syncbn_backward_reduce_kernel(
             y = _syncbn_affine(x, z, cols, col_mask, mean_ptr, invstd_ptr, w_ptr, b_ptr,
                                HAS_WEIGHT, HAS_BIAS, HAS_Z, EMULATE_BF16_ROUNDING)
             dy = tl.where(y > 0.0, dy, 0.0)
-        sum_dy += tl.sum(dy, axis=0)
-        sum_dy_xmu += tl.sum(tl.where(mask, dy * (x - mean[None, :]), 0.0), axis=0)
+        t_dy = tl.sum(dy, axis=1) - c_dy
+        new = sum_dy + t_dy
+        c_dy = (new - sum_dy) - t_dy
+        sum_dy = new
+        t_xmu = tl.sum(tl.where(mask, dy * (x - mean[:, None]), 0.0), axis=1) - c_xmu
+        new = sum_dy_xmu + t_xmu
+        c_xmu = (new - sum_dy_xmu) - t_xmu
+        sum_dy_xmu = new
     row = part_ptr + chunk * (2 * C)
-    tl.store(row + cols, sum_dy, mask=col_mask)
-    tl.store(row + C + cols, sum_dy_xmu, mask=col_mask)
+    tl.store(row + cols, sum_dy - c_dy, mask=col_mask)
+    tl.store(row + C + cols, sum_dy_xmu - c_xmu, mask=col_mask)
 
 
 @triton.jit
@@ -315,14 +329,18 @@ def _syncbn_reduce_merge_kernel(
 ):
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
-    s_dy = tl.zeros([BLOCK_C], dtype=tl.float32)
-    s_xmu = tl.zeros([BLOCK_C], dtype=tl.float32)
+    # fp64 over the few partial rows: the result is rounded to fp32 once.
+    s_dy = tl.zeros([BLOCK_C], dtype=tl.float64)
+    s_xmu = tl.zeros([BLOCK_C], dtype=tl.float64)
     for p0 in range(0, P, BLOCK_P):
         p = p0 + tl.arange(0, BLOCK_P)
         row = part_ptr + p.to(tl.int64)[:, None] * (2 * C)
         mask = (p < P)[:, None] & col_mask[None, :]
-        s_dy += tl.sum(tl.load(row + cols[None, :], mask=mask, other=0.0), axis=0)
-        s_xmu += tl.sum(tl.load(row + C + cols[None, :], mask=mask, other=0.0), axis=0)
+        s_dy += tl.sum(tl.load(row + cols[None, :], mask=mask, other=0.0).to(tl.float64), axis=0)
+        s_xmu += tl.sum(tl.load(row + C + cols[None, :], mask=mask, other=0.0).to(tl.float64),
+                        axis=0)
+    s_dy = s_dy.to(tl.float32)
+    s_xmu = s_xmu.to(tl.float32)
     tl.store(sums_ptr + cols, s_dy, mask=col_mask)
     tl.store(sums_ptr + C + cols, s_xmu, mask=col_mask)
     if HAS_GW:
@@ -372,9 +390,9 @@ def _syncbn_backward_input_kernel(
         mean_dy_xmu = tl.div_rn(tl.load(sums_ptr + C + cols, mask=col_mask, other=0.0), n)
         mean = tl.load(mean_ptr + cols, mask=col_mask, other=0.0)
         proj = invstd * invstd * mean_dy_xmu
-        dx = (dy - mean_dy[None, :] - (x - mean[None, :]) * proj[None, :]) * scale[None, :]
+        dx = (dy - mean_dy[:, None] - (x - mean[:, None]) * proj[:, None]) * scale[:, None]
     else:
-        dx = dy * scale[None, :]
+        dx = dy * scale[:, None]
     store_cast(dx_ptr + base + offs, dx, mask, EMULATE_BF16_ROUNDING)
 
 

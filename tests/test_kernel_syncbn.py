@@ -1,0 +1,357 @@
+"""SyncBatchNorm kernels (tritamp.kernels.syncbn) against float64 and their torch refs.
+
+Without a GPU the kernels run in Triton's interpreter (tests/conftest.py), where a
+program costs ~30 us whatever its size, so the tiles are large there (16384 elements) and
+a reduction spreads over 4 programs per channel block: the shapes below are picked to
+give several chunks per channel block, several tiles per chunk, ragged last tiles and
+channel blocks, in both canonical views ([M, C] channels last, [N, C, B] channels first).
+"""
+import pytest
+import torch
+
+from conftest import TOL
+from tritamp.kernels import syncbn as K
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# (shape of the canonical view): [M, C] or [N, C, B]
+VIEWS = [
+    (2, 1),            # two values, one channel
+    (7, 3),            # one small tile
+    (20000, 3),        # 5 tiles of 4096 rows -> 3 chunks of 2 tiles (interpreter geometry)
+    (37, 300),         # two channel blocks of 256, ragged
+    (3, 5, 7),         # channels first, tiny planes
+    (6, 3, 1000),      # 6 tiles of one plane each -> 3 chunks
+    (2, 2, 17000),     # planes wider than a tile: 2 tiles per plane, ragged
+]
+
+
+def _x(shape, dtype, mean=0.0, std=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    c = shape[1]
+    offset = torch.linspace(-2.0, 3.0, c).view([1, c] + [1] * (len(shape) - 2))
+    x = torch.randn(shape, generator=g) * std + mean + offset
+    return x.to(dtype).to(DEVICE)
+
+
+def _dims(x):
+    return (0,) if x.dim() == 2 else (0, 2)
+
+
+def _channels(x):
+    return x.shape[1]
+
+
+def _per_channel(v, x):
+    return v.view(1, -1) if x.dim() == 2 else v.view(1, -1, 1)
+
+
+# (view shape, dtype) for the elementwise and backward tests: ragged channel blocks, several
+# chunks, and planes wider than one tile, over the three input dtypes.
+CASES = [((37, 300), d) for d in DTYPES] + [((6, 3, 1000), d) for d in DTYPES] + \
+    [((1, 2, 17000), torch.float16)]
+
+
+def _case_id(case):
+    return f"{case[0]}-{str(case[1]).replace('torch.', '')}"
+
+
+def _exact_stats(x):
+    var, mean = torch.var_mean(x.double(), dim=_dims(x), correction=0)
+    return mean, var, x.numel() // _channels(x)
+
+
+@pytest.mark.parametrize("shape", VIEWS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_statistics_match_float64(shape, dtype):
+    x = _x(shape, dtype, mean=1.0, std=2.0)
+    rows, shift = K.syncbn_stats(x)
+    mean, invstd, count = K.syncbn_finalize(rows, 1e-5, shift=shift)
+    m64, v64, n = _exact_stats(x)
+    assert count.item() == n and mean.dtype == invstd.dtype == torch.float32
+    # fp32 accumulation of exactly representable inputs: a few fp32 ulps
+    torch.testing.assert_close(mean.double(), m64, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(invstd.double(), (v64 + 1e-5).rsqrt(), rtol=2e-6, atol=0)
+    row = K.syncbn_combine(rows, shift)
+    c = _channels(x)
+    assert row.shape == (2 * c + 1,) and row[2 * c].item() == n
+    torch.testing.assert_close(row[:c].double(), m64, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(row[c:2 * c].double() / n, v64, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("shape", [(20000, 3), (6, 3, 1000)], ids=str)
+def test_large_mean_keeps_its_digits(shape):
+    """mean / std = 1e4: E[x^2] - E[x]^2 in fp32 loses every digit of the variance; the
+    shifted, blockwise two-pass statistics and Chan's merge keep fp32 accuracy."""
+    x = _x(shape, torch.float32, mean=1e4, std=1.0, seed=1)
+    m64, v64, n = _exact_stats(x)
+    xf = x.float()
+    naive = (xf * xf).mean(_dims(x)) - xf.mean(_dims(x)) ** 2
+    assert ((naive.double() - v64).abs() / v64).max() > 1e-2  # the failure being guarded
+    rows, shift = K.syncbn_stats(x)
+    mean, invstd, _ = K.syncbn_finalize(rows, 0.0, shift=shift)
+    torch.testing.assert_close(mean.double(), m64, rtol=2e-7, atol=0)  # ~2 ulps at 1e4
+    torch.testing.assert_close(invstd.double(), v64.rsqrt(), rtol=2e-6, atol=0)
+
+
+def _rank_rows(parts):
+    """Each part as one rank's packed row (syncbn_combine), stacked [world, 2C + 1]."""
+    return torch.stack([K.syncbn_combine(*K.syncbn_stats(p)) for p in parts])
+
+
+@pytest.mark.parametrize("counts", [(1, 6, 3), (0, 5, 2), (40000, 1)], ids=str)
+def test_merge_of_uneven_ranks_matches_the_whole_batch(counts):
+    """Rows of different counts (one empty) merge into the whole batch's statistics and
+    update the running statistics with its unbiased variance."""
+    x = _x((sum(counts), 5), torch.float32, mean=50.0, std=3.0, seed=2)
+    parts = list(torch.split(x, list(counts)))
+    rows = _rank_rows(parts)
+    assert rows[:, -1].tolist() == [float(c) for c in counts]
+    rm = torch.full((5,), 0.5, device=DEVICE)
+    rv = torch.full((5,), 2.0, device=DEVICE)
+    mean, invstd, count = K.syncbn_finalize(rows, 1e-3, rm, rv, momentum=0.25)
+    m64, v64, n = _exact_stats(x)
+    assert count.item() == n
+    torch.testing.assert_close(mean.double(), m64, rtol=2e-7, atol=0)
+    torch.testing.assert_close(invstd.double(), (v64 + 1e-3).rsqrt(), rtol=2e-6, atol=0)
+    torch.testing.assert_close(rm.double(), 0.75 * 0.5 + 0.25 * m64, rtol=2e-7, atol=0)
+    torch.testing.assert_close(rv.double(), 0.75 * 2.0 + 0.25 * v64 * n / (n - 1), rtol=2e-6,
+                               atol=0)
+
+
+@pytest.mark.parametrize("running_dtype", DTYPES, ids=str)
+def test_cumulative_momentum_reads_num_batches_tracked_on_the_device(running_dtype):
+    x = _x((30, 4), torch.float32, seed=3)
+    rows, shift = K.syncbn_stats(x)
+    for nbt in (1, 3):
+        rm = torch.ones(4, dtype=running_dtype, device=DEVICE)
+        rv = torch.ones(4, dtype=running_dtype, device=DEVICE)
+        tracked = torch.tensor(nbt, dtype=torch.long, device=DEVICE)
+        K.syncbn_finalize(rows, 1e-5, rm, rv, None, tracked, shift=shift)
+        m64, v64, n = _exact_stats(x)
+        f = 1.0 / nbt
+        expect_m = (f * m64 + (1 - f) * 1.0).to(running_dtype)
+        expect_v = (f * v64 * n / (n - 1) + (1 - f) * 1.0).to(running_dtype)
+        assert rm.dtype == running_dtype
+        torch.testing.assert_close(rm, expect_m, **TOL[running_dtype])
+        torch.testing.assert_close(rv, expect_v, **TOL[running_dtype])
+
+
+def test_statistics_of_an_empty_input_count_zero():
+    x = torch.empty(0, 3, device=DEVICE)
+    rows, shift = K.syncbn_stats(x)
+    assert rows.shape == (1, 7) and rows.abs().sum().item() == 0
+    other = _x((4, 3), torch.float32)
+    merged = torch.stack([K.syncbn_combine(rows, shift), K.syncbn_combine(*K.syncbn_stats(other))])
+    mean, _, count = K.syncbn_finalize(merged, 1e-5)
+    assert count.item() == 4
+    torch.testing.assert_close(mean.double(), _exact_stats(other)[0], rtol=2e-7, atol=1e-7)
+
+
+def _params(c, dtype=torch.float32, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.rand(c, generator=g) + 0.5).to(dtype).to(DEVICE)
+    b = torch.randn(c, generator=g).to(dtype).to(DEVICE)
+    return w, b
+
+
+def _forward64(x, mean, invstd, w, b, z, relu):
+    y = (x.double() - _per_channel(mean.double(), x)) * _per_channel(invstd.double(), x)
+    if w is not None:
+        y = y * _per_channel(w.double(), x) + _per_channel(b.double(), x)
+    if z is not None:
+        y = y + z.double()
+    return torch.relu(y) if relu else y
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("mode", ["affine", "z_relu"])
+def test_forward_is_one_rounding_from_float64(case, mode):
+    shape, dtype = case
+    x = _x(shape, dtype)
+    c = _channels(x)
+    rows, shift = K.syncbn_stats(x)
+    mean, invstd, _ = K.syncbn_finalize(rows, 1e-5, shift=shift)
+    w, b = _params(c)
+    z = _x(shape, dtype, seed=5) if mode == "z_relu" else None
+    relu = mode == "z_relu"
+    y = K.syncbn_forward(x, mean, invstd, w, b, z, relu)
+    assert y.dtype == dtype and y.shape == x.shape
+    torch.testing.assert_close(y, _forward64(x, mean, invstd, w, b, z, relu).to(dtype),
+                               **TOL[dtype])
+    torch.testing.assert_close(y, K.syncbn_forward_ref(x, mean, invstd, w, b, z, relu),
+                               **TOL[dtype])
+    if relu:
+        assert (y >= 0).all()
+    out = torch.empty_like(x)
+    assert K.syncbn_forward(x, mean, invstd, w, b, z, relu, out=out) is out
+    assert torch.equal(out, y)
+
+
+def _batchnorm64(x, w, b, z, relu, dy):
+    """The whole layer in float64 with autograd: (dx, dz, dw, db)."""
+    x64 = x.double().requires_grad_()
+    w64 = w.double().requires_grad_()
+    b64 = b.double().requires_grad_()
+    z64 = z.double().requires_grad_() if z is not None else None
+    var, mean = torch.var_mean(x64, dim=_dims(x), correction=0, keepdim=True)
+    y = (x64 - mean) * (var + 1e-5).rsqrt() * _per_channel(w64, x) + _per_channel(b64, x)
+    if z64 is not None:
+        y = y + z64
+    if relu:
+        y = torch.relu(y)
+    y.backward(dy.double())
+    return x64.grad, (z64.grad if z64 is not None else None), w64.grad, b64.grad
+
+
+def _torch_in_dtype(x, w, b, z, relu, dy):
+    """torch's own batch_norm in x's dtype (fp32 parameters): the error yardstick."""
+    xt = x.clone().requires_grad_()
+    wt, bt = w.clone().requires_grad_(), b.clone().requires_grad_()
+    zt = z.clone().requires_grad_() if z is not None else None
+    nchw = xt if x.dim() == 3 else xt.unsqueeze(-1)
+    y = torch.nn.functional.batch_norm(nchw, None, None, wt, bt, True, 0.0, 1e-5).view_as(x)
+    if zt is not None:
+        y = y + zt
+    if relu:
+        y = torch.relu(y)
+    y.backward(dy)
+    return xt.grad, (zt.grad if zt is not None else None), wt.grad, bt.grad
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("z_relu", [False, True], ids=["affine", "z_relu"])
+def test_backward_matches_float64_autograd(case, z_relu):
+    """Local reductions + input gradient of a single process against float64 autograd:
+    within 2x torch's own error in the same dtype, plus the table's atol."""
+    shape, dtype = case
+    x = _x(shape, dtype, mean=3.0)
+    c = _channels(x)
+    w, b = _params(c)
+    z = _x(shape, dtype, seed=6) if z_relu else None
+    dy = _x(shape, dtype, seed=7)
+    rows, shift = K.syncbn_stats(x)
+    mean, invstd, count = K.syncbn_finalize(rows, 1e-5, shift=shift)
+    sums, gw, gb = K.syncbn_backward_reduce(dy, x, mean, invstd, w, b, z, z_relu)
+    dx, dz = K.syncbn_backward_input(dy, x, mean, invstd, w, sums, count, b, z, z_relu,
+                                     need_dz=z_relu)
+    exact = _batchnorm64(x, w, b, z, z_relu, dy)
+    theirs = _torch_in_dtype(x, w, b, z, z_relu, dy)
+    for name, ours, t, e in zip(("dx", "dz", "dw", "db"), (dx, dz, gw, gb), theirs, exact):
+        if e is None:
+            assert ours is None
+            continue
+        assert ours.dtype == t.dtype, name
+        err = (ours.double() - e).abs().max().item()
+        torch_err = (t.double() - e).abs().max().item()
+        assert err <= 2 * torch_err + TOL[ours.dtype]["atol"], (name, err, torch_err)
+
+
+@pytest.mark.parametrize("shape", [(37, 300), (6, 3, 1000)], ids=str)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_kernels_agree_with_their_refs(shape, dtype):
+    x = _x(shape, dtype, mean=2.0)
+    c = _channels(x)
+    w, b = _params(c, dtype)
+    z = _x(shape, dtype, seed=8)
+    dy = _x(shape, dtype, seed=9)
+    rows, shift = K.syncbn_stats(x)
+    r_rows, r_shift = K.syncbn_stats_ref(x)
+    assert r_shift is None
+    got = K.syncbn_combine(rows, shift)
+    ref = K.syncbn_combine_ref(r_rows)
+    torch.testing.assert_close(got[:c], ref[:c], **TOL[torch.float32])
+    torch.testing.assert_close(got[c:], ref[c:], rtol=2e-6, atol=1e-5)
+    rm, rv = torch.zeros(c, dtype=dtype, device=DEVICE), torch.ones(c, dtype=dtype, device=DEVICE)
+    rm2, rv2 = rm.clone(), rv.clone()
+    mean, invstd, count = K.syncbn_finalize(rows, 1e-5, rm, rv, 0.1, shift=shift)
+    r_mean, r_invstd, r_count = K.syncbn_finalize_ref(r_rows, 1e-5, rm2, rv2, 0.1)
+    torch.testing.assert_close(mean, r_mean, **TOL[torch.float32])
+    torch.testing.assert_close(invstd, r_invstd, rtol=2e-6, atol=0)
+    assert torch.equal(count, r_count)
+    torch.testing.assert_close(rm, rm2, **TOL[dtype])
+    torch.testing.assert_close(rv, rv2, **TOL[dtype])
+    # from here on both sides use the same statistics
+    for relu in (False, True):
+        y = K.syncbn_forward(x, mean, invstd, w, b, z, relu)
+        torch.testing.assert_close(y, K.syncbn_forward_ref(x, mean, invstd, w, b, z, relu),
+                                   **TOL[dtype])
+        sums, gw, gb = K.syncbn_backward_reduce(dy, x, mean, invstd, w, b, z, relu)
+        r_sums, r_gw, r_gb = K.syncbn_backward_reduce_ref(dy, x, mean, invstd, w, b, z, relu)
+        scale = K.syncbn_backward_reduce_ref(dy.abs(), x, mean, invstd)[0].abs().max().item()
+        torch.testing.assert_close(sums, r_sums, rtol=0, atol=1e-6 * scale)  # fp32 sums, order
+        assert gw.dtype == gb.dtype == dtype
+        for ours, theirs in ((gw, r_gw), (gb, r_gb)):
+            torch.testing.assert_close(ours.float(), theirs.float(),
+                                       rtol=TOL[dtype]["rtol"], atol=1e-6 * scale)
+        for with_sums in (True, False):
+            s = sums if with_sums else None
+            dx, dz = K.syncbn_backward_input(dy, x, mean, invstd, w, s, count, b, z, relu,
+                                             need_dz=True)
+            r_dx, r_dz = K.syncbn_backward_input_ref(dy, x, mean, invstd, w, s, count, b, z,
+                                                     relu, need_dz=True)
+            torch.testing.assert_close(dx, r_dx, **TOL[dtype])
+            assert torch.equal(dz, r_dz)
+
+
+def test_without_affine_parameters():
+    x = _x((50, 4), torch.float32)
+    rows, shift = K.syncbn_stats(x)
+    mean, invstd, count = K.syncbn_finalize(rows, 1e-5, shift=shift)
+    y = K.syncbn_forward(x, mean, invstd)
+    torch.testing.assert_close(y, _forward64(x, mean, invstd, None, None, None, False).float(),
+                               **TOL[torch.float32])
+    dy = _x((50, 4), torch.float32, seed=1)
+    sums, gw, gb = K.syncbn_backward_reduce(dy, x, mean, invstd)
+    assert gw is None and gb is None
+    dx, dz = K.syncbn_backward_input(dy, x, mean, invstd, None, sums, count)
+    assert dz is None
+    r_dx, _ = K.syncbn_backward_input_ref(dy, x, mean, invstd, None, sums, count)
+    torch.testing.assert_close(dx, r_dx, **TOL[torch.float32])
+
+
+def test_results_are_deterministic():
+    x = _x((6, 3, 1000), torch.float16)
+    dy = _x((6, 3, 1000), torch.float16, seed=3)
+    w, b = _params(3)
+
+    def run():
+        rows, shift = K.syncbn_stats(x)
+        mean, invstd, count = K.syncbn_finalize(rows, 1e-5, shift=shift)
+        sums, gw, gb = K.syncbn_backward_reduce(dy, x, mean, invstd, w, b)
+        dx, _ = K.syncbn_backward_input(dy, x, mean, invstd, w, sums, count)
+        return rows, mean, invstd, sums, gw, dx
+
+    for a, b_ in zip(run(), run()):
+        assert torch.equal(a, b_)
+
+
+def test_nan_input_propagates_to_its_channel_only():
+    x = _x((10, 3), torch.float32)
+    x[4, 1] = float("nan")
+    rows, shift = K.syncbn_stats(x)
+    mean, invstd, _ = K.syncbn_finalize(rows, 1e-5, shift=shift)
+    assert torch.isnan(mean[1]) and torch.isfinite(mean[[0, 2]]).all()
+    y = K.syncbn_forward(x, mean, invstd, relu=True)
+    assert torch.isnan(y[:, 1]).all() and torch.isfinite(y[:, [0, 2]]).all()
+
+
+def test_bad_arguments_name_the_fix():
+    x = _x((4, 3, 5), torch.float32)
+    with pytest.raises(ValueError, match="contiguous"):
+        K.syncbn_stats(x.transpose(0, 2))
+    with pytest.raises(ValueError, match="contiguous"):
+        K.syncbn_stats(x.view(4, 3, 5, 1))
+    rows, shift = K.syncbn_stats(x)
+    mean, invstd, count = K.syncbn_finalize(rows, 1e-5, shift=shift)
+    with pytest.raises(ValueError, match="3 channels"):
+        K.syncbn_forward(x, mean, invstd, torch.ones(4, device=DEVICE))
+    with pytest.raises(ValueError, match="fp32"):
+        K.syncbn_forward(x, mean.half(), invstd)
+    with pytest.raises(ValueError, match="z must be contiguous"):
+        K.syncbn_forward(x, mean, invstd, z=torch.ones(4, 3, 6, device=DEVICE))
+    with pytest.raises(ValueError, match="fp32 \\[P, 2C \\+ 1\\]"):
+        K.syncbn_finalize(rows.double(), 1e-5)
+    with pytest.raises(ValueError, match="num_batches_tracked"):
+        K.syncbn_finalize(rows, 1e-5, torch.zeros(3, device=DEVICE),
+                          torch.ones(3, device=DEVICE), momentum=None)
