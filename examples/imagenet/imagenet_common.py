@@ -104,6 +104,17 @@ def base_parser(description):
     return p
 
 
+def add_legacy_fp16_args(p):
+    """The older scripts' precision options (Apex's main.py / main_fp16_optimizer.py)."""
+    p.add_argument("--fp16", action="store_true",
+                   help="Run model fp16 mode (half model, fp32 BatchNorm, fp32 master weights).")
+    p.add_argument("--static-loss-scale", type=float, default=1,
+                   help="Static loss scale, positive power of 2 values can improve fp16 "
+                        "convergence.")
+    p.add_argument("--half-dtype", default="fp16", choices=sorted(HALF_DTYPES),
+                   help="what --fp16 converts the model to (default: fp16)")
+
+
 def check_args(args):
     if args.print_freq < 1:
         sys.exit(f"--print-freq must be >= 1, got {args.print_freq}")
@@ -207,9 +218,9 @@ def build_model(args, num_classes):
     if args.arch in ("googlenet", "inception_v3"):
         extra["aux_logits"] = False      # one output tensor, as the loss expects
     if args.pretrained:
-        print("=> using pre-trained model '{}'".format(args.arch))
+        log(args, "=> using pre-trained model '{}'".format(args.arch))
         return load_pretrained(args.arch, **extra)
-    print("=> creating model '{}'".format(args.arch))
+    log(args, "=> creating model '{}'".format(args.arch))
     return models.get_model(args.arch, num_classes=num_classes, **extra)
 
 
