@@ -18,7 +18,8 @@ class LARC:
 
     Differences from Apex: the norms are computed in fp32 (one launch per dtype group for
     all of a group's parameters) and the zero-norm test runs on the device, so a step makes
-    no host sync; ``step`` accepts a closure.
+    no host sync; ``step`` accepts a closure; a LARC pickles and deep-copies with its
+    optimizer (Apex's forwarded ``__getstate__`` made the copy lose it).
 
     ``param_groups``, ``state``, ``defaults``, ``state_dict``, ``load_state_dict``,
     ``zero_grad`` and ``add_param_group`` are the wrapped optimizer's, which is ``.optim``.
@@ -42,12 +43,6 @@ class LARC:
         self.trust_coefficient = trust_coefficient
         self.eps = eps
         self.clip = clip
-
-    def __getstate__(self):
-        return self.optim.__getstate__()
-
-    def __setstate__(self, state):
-        self.optim.__setstate__(state)
 
     def __repr__(self):
         return self.optim.__repr__()

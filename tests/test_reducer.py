@@ -1,0 +1,64 @@
+"""tritamp.parallel.Reducer: rank 0's weights at construction, gradients averaged over the
+ranks on ``reduce()``, equal to DistributedDataParallel's (2 gloo processes on CPU,
+uneven batches, two dtypes, an unused parameter)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import TOL
+from tritamp.parallel import Reducer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "scripts", "parallel_reducer.py")
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reducer")
+    init = str(out / "rendezvous")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="0")
+    procs = [subprocess.Popen([sys.executable, WORKER, "--out", str(out), "--init-file", init,
+                               "--rank", str(r), "--world-size", str(WORLD)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env) for r in range(WORLD)]
+    logs = []
+    try:
+        logs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-6000:]
+    return [torch.load(out / f"reducer.rank{r}.pt") for r in range(WORLD)]
+
+
+def test_construction_broadcasts_rank0s_weights(ranks):
+    r0, r1 = ranks
+    assert any(not torch.equal(r0["own"][k], r1["own"][k]) for k in r0["own"])
+    for k, v in r0["own"].items():
+        assert torch.equal(r0["broadcast"][k], v)
+        assert torch.equal(r1["broadcast"][k], v)
+
+
+@pytest.mark.parametrize("mode", ["reducer", "listed"])
+def test_reduce_averages_gradients_like_ddp(ranks, mode):
+    for step in range(2):
+        ours = [r["steps"][step][mode] for r in ranks]
+        ddp = ranks[0]["steps"][step]["ddp"]
+        assert set(ours[0]) == set(ddp) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+        for name, g in ddp.items():
+            assert ours[0][name].dtype == g.dtype
+            assert torch.equal(ours[0][name], ours[1][name]), f"ranks disagree on {name}"
+            torch.testing.assert_close(ours[0][name], g, **TOL[torch.float32])
+
+
+def test_parameters_without_gradients_are_left_alone(ranks):
+    assert all(r["unused_grad"] is None for r in ranks)
+
+
+def test_reducer_needs_torch_distributed():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        Reducer(torch.nn.Linear(2, 2))

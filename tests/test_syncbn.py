@@ -1,0 +1,344 @@
+"""tritamp.parallel.SyncBatchNorm in one process: a BatchNorm, checked against torch's.
+
+Two paths: "kernels" runs the Triton kernels (compiled on a GPU, in the interpreter on a
+CPU), "ref" the torch reference path CPU training takes without the interpreter. The
+multi-process behaviour is in test_parallel_multiprocess.py.
+"""
+import pytest
+import torch
+from torch import nn
+
+from conftest import TOL
+from tritamp import amp
+from tritamp.parallel import (SyncBatchNorm, convert_syncbn_model, create_syncbn_process_group)
+
+GPU = torch.device("cuda") if torch.cuda.is_available() else None
+
+
+@pytest.fixture(params=["kernels", "ref"])
+def device(request, monkeypatch):
+    if request.param == "ref":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        return torch.device("cpu")
+    return GPU or torch.device("cpu")
+
+
+def _torch_bn(c, dims, **kw):
+    cls = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}[dims]
+    return cls(c, **kw)
+
+
+def _pair(c, dims, device, **kw):
+    ref = _torch_bn(c, dims, **kw).to(device)
+    if ref.affine:
+        with torch.no_grad():
+            ref.weight.uniform_(0.5, 1.5)
+            ref.bias.uniform_(-1.0, 1.0)
+    sync = SyncBatchNorm(c, **kw).to(device)
+    sync.load_state_dict(ref.state_dict())
+    return sync, ref
+
+
+def _data(shape, dtype, device, seed=0, mean=4.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 2.0 + mean).to(dtype).to(device)
+
+
+def _close_to_exact(ours, theirs, exact, dtype, name):
+    """Within 2x torch's own error against float64, plus the table's atol."""
+    err = (ours.double() - exact).abs().max().item()
+    torch_err = (theirs.double() - exact).abs().max().item()
+    assert err <= 2 * torch_err + TOL[dtype]["atol"], (name, err, torch_err)
+
+
+def _train_steps(sync, ref, exact, xs, dys, memory_format=None, check_exact=True):
+    for x, dy in zip(xs, dys):
+        if memory_format is not None:
+            x = x.contiguous(memory_format=memory_format)
+        # torch on the contiguous copy: its CPU channels-last half path is less accurate
+        # (about 2.5x the error of its contiguous path against float64)
+        xa = x.clone().requires_grad_()
+        xb = x.contiguous().clone().requires_grad_()
+        xe = x.double().requires_grad_()
+        ya, yb, ye = sync(xa), ref(xb), exact(xe)
+        for y in (ya, yb, ye):
+            y.backward(dy.to(y.dtype))
+        assert ya.dtype == x.dtype and ya.shape == x.shape
+        if memory_format is not None:
+            assert ya.is_contiguous(memory_format=memory_format)
+        torch.testing.assert_close(ya, yb, **TOL[x.dtype])
+        torch.testing.assert_close(xa.grad, xb.grad, **TOL[x.dtype])
+        if check_exact:
+            _close_to_exact(ya, yb, ye, x.dtype, "y")
+            _close_to_exact(xa.grad, xb.grad, xe.grad, x.dtype, "dx")
+        if sync.affine:
+            for name in ("weight", "bias"):
+                gs, gr = getattr(sync, name).grad, getattr(ref, name).grad
+                ge = getattr(exact, name).grad
+                assert gs.dtype == gr.dtype
+                torch.testing.assert_close(gs, gr, **TOL[torch.float32])
+                _close_to_exact(gs, gr, ge, torch.float32, name)
+                for m in (sync, ref, exact):
+                    getattr(m, name).grad = None
+    if sync.track_running_stats:
+        torch.testing.assert_close(sync.running_mean, ref.running_mean, **TOL[torch.float32])
+        torch.testing.assert_close(sync.running_var, ref.running_var, **TOL[torch.float32])
+        assert torch.equal(sync.num_batches_tracked, ref.num_batches_tracked)
+
+
+SHAPES = [(6, 5), (4, 3, 7), (3, 4, 5, 6), (2, 3, 2, 3, 4)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{len(s)}d")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_training_matches_torch_batchnorm(device, shape, dtype):
+    c = shape[1]
+    sync, ref = _pair(c, len(shape), device)
+    exact = _torch_bn(c, len(shape)).to(device).double()
+    exact.load_state_dict(ref.state_dict())
+    xs = [_data(shape, dtype, device, seed=s) for s in range(2)]
+    dys = [_data(shape, dtype, device, seed=10 + s, mean=0.0) for s in range(2)]
+    _train_steps(sync, ref, exact, xs, dys)
+    sync.eval()
+    ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(sync(xs[0]), ref(xs[0]), **TOL[dtype])
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 5, 6), (2, 3, 2, 3, 4), (4, 6, 5)],
+                         ids=lambda s: f"{len(s)}d")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_channels_last_memory_format_is_kept(device, shape, dtype):
+    """torch's channels_last / channels_last_3d inputs (and the same layout for 3-D input)
+    need no flag: statistics come from strides, the output keeps the format."""
+    c = shape[1]
+    sync, ref = _pair(c, len(shape), device)
+    exact = _torch_bn(c, len(shape)).to(device).double()
+    exact.load_state_dict(ref.state_dict())
+    xs = [_data(shape, dtype, device, seed=s) for s in range(2)]
+    dys = [_data(shape, dtype, device, seed=10 + s, mean=0.0) for s in range(2)]
+    if len(shape) == 3:  # (N, C, L) stored as (N, L, C)
+        xs = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in xs]
+        _train_steps(sync, ref, exact, xs, dys)
+        y = sync(xs[0])
+        assert y.stride(1) == 1
+    else:
+        fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+        _train_steps(sync, ref, exact, xs, dys, memory_format=fmt)
+
+
+def test_apex_channel_last_takes_channels_from_the_last_dimension(device):
+    sync, ref = _pair(5, 4, device)
+    sync.channel_last = True
+    x = _data((3, 4, 2, 5), torch.float32, device).requires_grad_()      # N, H, W, C
+    dy = _data((3, 4, 2, 5), torch.float32, device, seed=1, mean=0.0)
+    y = sync(x)
+    y.backward(dy)
+    x2 = x.detach().permute(0, 3, 1, 2).clone().requires_grad_()
+    y2 = ref(x2)
+    y2.backward(dy.permute(0, 3, 1, 2))
+    torch.testing.assert_close(y, y2.permute(0, 2, 3, 1), **TOL[torch.float32])
+    torch.testing.assert_close(x.grad, x2.grad.permute(0, 2, 3, 1), **TOL[torch.float32])
+    torch.testing.assert_close(sync.weight.grad, ref.weight.grad, **TOL[torch.float32])
+    torch.testing.assert_close(sync.running_var, ref.running_var, **TOL[torch.float32])
+    with pytest.raises(ValueError, match="channels in dimension 3"):
+        sync(_data((3, 5, 2, 4), torch.float32, device))
+
+
+@pytest.mark.parametrize("kw", [dict(momentum=None), dict(affine=False),
+                                dict(track_running_stats=False), dict(momentum=0.3, eps=1e-3)],
+                         ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_constructor_options_match_torch(device, kw):
+    sync, ref = _pair(4, 4, device, **kw)
+    exact = _torch_bn(4, 4, **kw).to(device).double()
+    exact.load_state_dict(ref.state_dict())
+    xs = [_data((3, 4, 3, 2), torch.float32, device, seed=s) for s in range(3)]
+    dys = [_data((3, 4, 3, 2), torch.float32, device, seed=7 + s, mean=0.0) for s in range(3)]
+    _train_steps(sync, ref, exact, xs, dys)
+    sync.eval()
+    ref.eval()
+    with torch.no_grad():  # without running statistics eval mode uses the batch's, as torch
+        torch.testing.assert_close(sync(xs[1]), ref(xs[1]), **TOL[torch.float32])
+
+
+def test_eval_mode_uses_and_keeps_the_running_statistics(device):
+    sync, ref = _pair(3, 4, device)
+    with torch.no_grad():
+        for m in (sync, ref):
+            m.running_mean.copy_(torch.tensor([1.0, -2.0, 0.5]))
+            m.running_var.copy_(torch.tensor([4.0, 0.25, 1.0]))
+    sync.eval()
+    ref.eval()
+    x = _data((2, 3, 4, 4), torch.float16, device).requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    dy = _data((2, 3, 4, 4), torch.float16, device, seed=3, mean=0.0)
+    y, y2 = sync(x), ref(x2)
+    y.backward(dy)
+    y2.backward(dy)
+    torch.testing.assert_close(y, y2, **TOL[torch.float16])
+    torch.testing.assert_close(x.grad, x2.grad, **TOL[torch.float16])
+    torch.testing.assert_close(sync.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(sync.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-4)
+    assert sync.running_mean.tolist() == [1.0, -2.0, 0.5]
+    assert sync.num_batches_tracked.item() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_residual_and_fused_relu(device, dtype):
+    """forward(x, z) with fuse_relu is relu(bn(x) + z), rounded once; z gets dy masked."""
+    sync, ref = _pair(4, 4, device)
+    sync.fuse_relu = True
+    exact = _torch_bn(4, 4).to(device).double()
+    exact.load_state_dict(ref.state_dict())
+    x = _data((3, 4, 3, 3), dtype, device, mean=0.5)
+    z = _data((3, 4, 3, 3), dtype, device, seed=4, mean=0.0)
+    dy = _data((3, 4, 3, 3), dtype, device, seed=5, mean=0.0)
+    xa, za = x.clone().requires_grad_(), z.clone().requires_grad_()
+    ya = sync(xa, za)
+    ya.backward(dy)
+    xe, ze = x.double().requires_grad_(), z.double().requires_grad_()
+    ye = torch.relu(exact(xe) + ze)
+    ye.backward(dy.double())
+    assert ya.dtype == dtype and (ya >= 0).all()
+    torch.testing.assert_close(ya, ye.to(dtype), **TOL[dtype])
+    torch.testing.assert_close(xa.grad, xe.grad.to(dtype), **TOL[dtype])
+    torch.testing.assert_close(za.grad, ze.grad.to(dtype), **TOL[dtype])
+    torch.testing.assert_close(sync.weight.grad.double(), exact.weight.grad, rtol=1e-5,
+                               atol=1e-5)
+    # without the ReLU, z's gradient is dy itself
+    sync.fuse_relu = False
+    za.grad = None
+    sync(xa, za).backward(dy)
+    assert torch.equal(za.grad, dy)
+
+
+def test_one_value_per_channel_raises_torchs_error(device):
+    for shape in ((1, 3), (1, 3, 1, 1)):
+        sync, ref = _pair(3, len(shape), device)
+        x = torch.ones(shape, device=device)
+        with pytest.raises(ValueError) as theirs:
+            ref(x)
+        with pytest.raises(ValueError) as ours:
+            sync(x)
+        assert str(ours.value) == str(theirs.value)
+        sync.eval()
+        assert sync(x).shape == x.shape  # running statistics: fine in eval mode
+
+
+def test_output_may_be_modified_in_place(device):
+    """ReLU(inplace=True) after the layer, as in torchvision's ResNets."""
+    sync, ref = _pair(3, 4, device)
+    x = _data((2, 3, 2, 2), torch.float32, device).requires_grad_()
+    y = torch.relu_(sync(x))
+    y.sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    torch.relu_(ref(x2)).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, **TOL[torch.float32])
+
+
+def test_frozen_input_still_gives_parameter_gradients(device):
+    sync, ref = _pair(3, 4, device)
+    x = _data((2, 3, 2, 2), torch.float32, device)
+    sync(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    torch.testing.assert_close(sync.weight.grad, ref.weight.grad, **TOL[torch.float32])
+    torch.testing.assert_close(sync.bias.grad, ref.bias.grad, **TOL[torch.float32])
+
+
+def test_state_dict_and_repr_are_batchnorms():
+    sync, ref = SyncBatchNorm(8), nn.BatchNorm2d(8)
+    assert list(sync.state_dict()) == list(ref.state_dict())
+    sync.load_state_dict(ref.state_dict())
+    assert repr(sync).startswith("SyncBatchNorm(8, eps=1e-05, momentum=0.1, affine=True")
+    assert "channel_last=False" in repr(sync) and "fuse_relu=False" in repr(sync)
+    assert isinstance(sync, nn.modules.batchnorm._BatchNorm)
+
+
+def test_bad_input_names_the_fix():
+    sync = SyncBatchNorm(4)
+    with pytest.raises(ValueError, match="expected at least 2D input"):
+        sync(torch.ones(4))
+    with pytest.raises(ValueError, match=r"has 3 channels in dimension 1 \(for \(N, \.\.\., C\) "
+                                         "input pass channel_last=True\\)"):
+        sync(torch.ones(2, 3, 4))
+    with pytest.raises(ValueError, match="z must match the input"):
+        sync(torch.ones(2, 4, 3), torch.ones(2, 4, 3, dtype=torch.float16))
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.block = nn.Sequential(nn.Conv2d(4, 4, 1), nn.SyncBatchNorm(4, momentum=0.2),
+                                   nn.ReLU(), nn.InstanceNorm2d(4, affine=True))
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(4 * 4 * 4, 6),
+                                  nn.BatchNorm1d(6, affine=False))
+
+    def forward(self, x):
+        return self.head(self.block(self.bn(self.conv(x))))
+
+
+def test_convert_syncbn_model_keeps_weights_buffers_and_flags(device):
+    torch.manual_seed(0)
+    net = _Net().to(device)
+    with torch.no_grad():
+        net.bn.weight.uniform_(0.5, 1.5)
+        net.bn.running_mean.fill_(0.25)
+    net.bn.bias.requires_grad_(False)
+    net.block[1].eval()
+    x = _data((3, 3, 4, 4), torch.float32, device, mean=0.0)
+    net2 = _Net().to(device)
+    net2.load_state_dict(net.state_dict())
+    net2.bn.bias.requires_grad_(False)
+    net2.block[1].eval()
+    expected = [net(x) for _ in range(2)]
+    state_before = {k: v.clone() for k, v in net2.state_dict().items()}
+    running_mean = net2.bn.running_mean
+    conv = convert_syncbn_model(net2, channel_last=False)
+    assert conv is net2
+    assert type(conv.bn) is SyncBatchNorm and type(conv.block[1]) is SyncBatchNorm
+    assert type(conv.head[2]) is SyncBatchNorm and not conv.head[2].affine
+    assert type(conv.block[3]) is nn.InstanceNorm2d
+    assert conv.bn.running_mean is running_mean  # the same buffer, as in Apex
+    assert conv.block[1].momentum == 0.2 and not conv.block[1].training
+    assert not conv.bn.bias.requires_grad and conv.bn.weight.requires_grad
+    assert list(conv.state_dict()) == list(state_before)
+    for k, v in conv.state_dict().items():
+        assert torch.equal(v, state_before[k]), k
+    got = [conv(x) for _ in range(2)]
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, **TOL[torch.float32])
+    for k, v in conv.state_dict().items():
+        torch.testing.assert_close(v, net.state_dict()[k], **TOL[torch.float32])
+
+
+def test_convert_a_bare_batchnorm():
+    bn = nn.BatchNorm3d(5, eps=1e-3).to(torch.float64)
+    sync = convert_syncbn_model(bn, channel_last=True)
+    assert type(sync) is SyncBatchNorm and sync.eps == 1e-3 and sync.channel_last
+    assert sync.weight.dtype == torch.float64
+
+
+def test_process_group_helpers_without_torch_distributed():
+    assert create_syncbn_process_group(0) is None
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        create_syncbn_process_group(2)
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=str)
+def test_amp_o2_keeps_syncbatchnorm_in_fp32(half):
+    device = GPU or torch.device("cpu")
+    model = convert_syncbn_model(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4),
+                                               nn.ReLU())).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=half, verbosity=0)
+    assert model[0].weight.dtype == half
+    assert model[1].weight.dtype == torch.float32 and model[1].running_var.dtype == torch.float32
+    x = _data((4, 3, 5, 5), torch.float32, device, mean=0.0)
+    loss = model(x).float().pow(2).mean()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert model[1].weight.grad is not None and model[1].weight.grad.dtype == torch.float32
+    assert torch.isfinite(model[1].running_var).all()
