@@ -1,8 +1,8 @@
 """The ImageNet examples (examples/imagenet) end to end on a tiny generated ImageFolder, on CPU.
 
 Most runs call the scripts' ``main(argv)`` in this process (importing torch and
-torchvision once keeps the file quick); one run goes through ``python main_amp.py`` and
-two through ``torchrun`` with two gloo processes. The examples train on torch's CPU
+torchvision once keeps the file quick); two go through ``torchrun`` with two gloo
+processes. The examples train on torch's CPU
 reference path (TRITON_INTERPRET=0): a ResNet step under Triton's interpreter takes tens
 of seconds, and the kernels themselves are tested under the interpreter elsewhere.
 """
@@ -56,8 +56,8 @@ def _example_process_state():
            torch.is_deterministic_algorithms_warn_only_enabled())
     cudnn = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
     threads = torch.get_num_threads()
-    # One intra-op thread: OpenMP's spinning barriers turn a busy shared CPU into
-    # ten-fold slowdowns, and the subprocess runs (compared bitwise) use one too.
+    # One intra-op thread, as in the torchrun workers: OpenMP's spinning barriers turn a
+    # busy shared CPU into ten-fold slowdowns.
     torch.set_num_threads(1)
     os.environ["TRITON_INTERPRET"] = "0"
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
@@ -268,15 +268,9 @@ def test_resume_continues_bitwise_identically(o2_runs):
 
 
 def test_deterministic_runs_are_bitwise_identical(o2_runs, data, tmp_path):
-    """The same --deterministic run in a separate process, through the script's command line."""
-    cmd = [sys.executable, os.path.join(EXAMPLES, "main_amp.py")] + \
-        [str(a) for a in O2_DET + ["--epochs", 1, data]]
-    p = subprocess.run(cmd, cwd=tmp_path, env=_subprocess_env(), capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert _facts(LINE_RE.findall(p.stdout)) == _facts(LINE_RE.findall(o2_runs["out_first"]))
-    assert "\x1b" not in p.stdout and "\r" not in p.stdout      # no progress bar off a terminal
-    # Written to the working directory by default, as in Apex.
+    """A second run of the 1-epoch --deterministic O2 run of the resume test."""
+    _, out = run("main_amp", O2_DET + ["--epochs", 1, "--output-dir", tmp_path, data])
+    assert _facts(LINE_RE.findall(out)) == _facts(LINE_RE.findall(o2_runs["out_first"]))
     assert_same(load(tmp_path / "checkpoint.pth.tar"), o2_runs["first"])
 
 
