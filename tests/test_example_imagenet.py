@@ -410,8 +410,12 @@ def test_channels_last_is_an_on_off_flag():
     assert parse(base + ["--channels-last"]).channels_last is True
     assert parse(["--channels-last", "True"] + base).channels_last is True
     assert parse(["--channels-last", "False"] + base).channels_last is False
+    assert parse(["--channels-last=no"] + base).channels_last is False
+    # Alone before the data folder, it does not take the folder for its value.
+    args = parse(["--opt-level", "O2", "--channels-last", "/data/imagenet"])
+    assert args.channels_last is True and args.data == "/data/imagenet"
     with contextlib.redirect_stderr(io.StringIO()) as err, pytest.raises(SystemExit):
-        parse(["--channels-last", "maybe"] + base)
+        parse(["--channels-last=maybe"] + base)
     assert "expected True or False, got 'maybe'" in err.getvalue()
     args = parse(base)          # Apex's defaults
     assert (args.crop_size, args.val_resize, args.batch_size, args.lr, args.momentum,

@@ -49,6 +49,29 @@ def str2bool(value):
         f"expected True or False, got {value!r} (give --channels-last alone to turn it on)")
 
 
+def on_off_flag(argv, flag):
+    """Let ``flag`` be given alone (on) or followed by True/False (Apex's spelling) without
+    swallowing the next positional argument: ``--channels-last DIR`` keeps DIR."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out = []
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == flag:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            try:
+                str2bool(nxt)
+            except argparse.ArgumentTypeError:
+                out.append(flag + "=True")
+            else:
+                out.append(f"{flag}={nxt}")
+                i += 1
+        else:
+            out.append(tok)
+        i += 1
+    return out
+
+
 def base_parser(description):
     """Apex's ImageNet command line plus the options that let a CPU run use small images."""
     names = model_names()

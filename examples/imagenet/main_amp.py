@@ -32,13 +32,12 @@ def parse(argv=None):
                    help="override the opt level's choice: True or False")
     p.add_argument("--loss-scale", type=str, default=None,
                    help='override the opt level\'s loss scale: a number or "dynamic"')
-    p.add_argument("--channels-last", type=common.str2bool, nargs="?", const=True,
-                   default=False, metavar="BOOL",
+    p.add_argument("--channels-last", type=common.str2bool, default=False, metavar="BOOL",
                    help="train in channels-last memory format (--channels-last alone turns "
                         "it on; --channels-last False turns it off)")
     p.add_argument("--half-dtype", default="fp16", choices=sorted(common.HALF_DTYPES),
                    help="the half type of O1-O3 (default: fp16; bf16 needs no loss scaling)")
-    return p.parse_args(argv)
+    return p.parse_args(common.on_off_flag(argv, "--channels-last"))
 
 
 def main(argv=None):
