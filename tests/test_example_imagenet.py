@@ -36,11 +36,20 @@ _modules = {}
 
 
 def _example(name):
+    """A script of examples/imagenet as a module (under a name of its own: ``main`` is
+    common). Its folder is on sys.path only while it loads, as it is for a script."""
     if name not in _modules:
-        spec = importlib.util.spec_from_file_location(f"imagenet_example_{name}",
-                                                      os.path.join(EXAMPLES, name + ".py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        sys.path.insert(0, EXAMPLES)
+        try:
+            if name == "imagenet_common":
+                module = importlib.import_module(name)       # the scripts' shared copy
+            else:
+                spec = importlib.util.spec_from_file_location(
+                    f"imagenet_example_{name}", os.path.join(EXAMPLES, name + ".py"))
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+        finally:
+            sys.path.remove(EXAMPLES)
         _modules[name] = module
     return _modules[name]
 

@@ -9,16 +9,12 @@ every parameter is kept, and each step is: scaled loss -> backward into the half
 gradients -> copy them to the fp32 masters and unscale -> SGD on the masters -> copy the
 masters back into the half model. ``main_amp.py`` does all of this for you.
 """
-import os
-import sys
-
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import imagenet_common as common  # noqa: E402
+import imagenet_common as common  # the shared parts, next to this script
 
-from tritamp.fp16_utils import (master_params_to_model_params,  # noqa: E402
+from tritamp.fp16_utils import (master_params_to_model_params,
                                 model_grads_to_master_grads, network_to_half, prep_param_lists)
 
 

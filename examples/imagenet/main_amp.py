@@ -12,16 +12,12 @@ Three lines enable amp: the import, ``amp.initialize`` after the model and optim
 built, and ``amp.scale_loss`` around the backward pass. The model and its inputs are never
 converted to half by hand.
 """
-import os
-import sys
-
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import imagenet_common as common  # noqa: E402
+import imagenet_common as common  # the shared parts, next to this script
 
-from tritamp import amp  # noqa: E402  (was: from apex import amp)
+from tritamp import amp  # was: from apex import amp
 
 
 def parse(argv=None):

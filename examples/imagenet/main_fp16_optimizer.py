@@ -9,16 +9,12 @@ and the loss scale (Apex's older examples/imagenet/main_fp16_optimizer.py).
 ``optimizer.backward(loss)`` replaces ``loss.backward()``; an overflowing step is skipped
 and, with ``--dynamic-loss-scale``, the scale is halved.
 """
-import os
-import sys
-
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import imagenet_common as common  # noqa: E402
+import imagenet_common as common  # the shared parts, next to this script
 
-from tritamp.fp16_utils import FP16_Optimizer, network_to_half  # noqa: E402
+from tritamp.fp16_utils import FP16_Optimizer, network_to_half
 
 
 def parse(argv=None):

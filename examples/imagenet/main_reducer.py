@@ -7,18 +7,14 @@ examples/imagenet/main_reducer.py).
 gradients over all processes when called, here once per step after the backward pass
 (DistributedDataParallel overlaps that with the backward pass instead).
 """
-import os
-import sys
-
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import imagenet_common as common  # noqa: E402
+import imagenet_common as common  # the shared parts, next to this script
 
-from tritamp.fp16_utils import (master_params_to_model_params,  # noqa: E402
+from tritamp.fp16_utils import (master_params_to_model_params,
                                 model_grads_to_master_grads, network_to_half, prep_param_lists)
-from tritamp.parallel import Reducer  # noqa: E402
+from tritamp.parallel import Reducer
 
 
 def parse(argv=None):
