@@ -21,6 +21,9 @@ import urllib.request
 import pytest
 import torch
 
+pytest.importorskip("torchvision", reason="the ImageNet examples need torchvision "
+                                          "(pip install -e '.[examples]')")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples", "imagenet")
 SMALL = ["-a", "resnet18", "-b", "4", "--crop-size", "32", "--val-resize", "36", "--workers", "0",
