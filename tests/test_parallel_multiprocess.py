@@ -2,7 +2,7 @@
 concatenated batch in one process, and a converted torchvision ResNet-18 trained under
 ``torch.distributed.run`` against the same ResNet trained on the whole batch.
 
-Each world is launched once per module (tests/scripts/syncbn_worker.py); ranks get
+Each world is launched once per session (tests/scripts/parallel_launch.py); ranks get
 uneven slices of one seeded batch (one rank may hold a single sample, or none), inputs
 have a mean far from 0 against their spread, and every case trains two steps so that
 running statistics and ``num_batches_tracked`` move twice. Cases marked ``interpret``
@@ -15,9 +15,7 @@ averages them), so their sum over ranks is compared with torch's full-batch grad
 and everything is also held to within 2x torch's own error against a float64 run, plus
 the table's atol.
 """
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -25,92 +23,20 @@ import torch
 
 from conftest import TOL
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "scripts", "syncbn_worker.py")
-sys.path.insert(0, os.path.join(HERE, "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
+import parallel_launch  # noqa: E402
 import syncbn_worker  # noqa: E402
-
-CASES_2 = [
-    dict(name="w2_nchw_fp32", batches=[3, 5], channels=4, spatial=[3, 3], dtype="float32",
-         layout="nchw", steps=2, interpret=True),
-    dict(name="w2_channels_last_fp16", batches=[2, 5], channels=5, spatial=[2, 3],
-         dtype="float16", layout="channels_last", steps=2, interpret=True),
-    dict(name="w2_apex_channel_last_z_relu", batches=[3, 2], channels=3, spatial=[4],
-         dtype="float32", layout="apex_last", steps=2, interpret=True, z=True, fuse_relu=True),
-    # rank 0 holds one value per channel: allowed, the group's batch has six
-    dict(name="w2_2d_cumulative_momentum", batches=[1, 5], channels=6, spatial=[],
-         dtype="float32", layout="nchw", steps=2, interpret=True, momentum=None),
-]
-CASES_3 = [
-    dict(name="w3_nchw_fp32", batches=[1, 4, 2], channels=6, spatial=[2, 3], dtype="float32",
-         layout="nchw", steps=2),
-    dict(name="w3_channels_last_fp16", batches=[2, 3, 4], channels=4, spatial=[3, 2],
-         dtype="float16", layout="channels_last", steps=2, interpret=True),
-    dict(name="w3_channels_last_fp32", batches=[4, 1, 3], channels=5, spatial=[2, 2],
-         dtype="float32", layout="channels_last", steps=2),
-    dict(name="w3_empty_rank", batches=[0, 3, 2], channels=3, spatial=[2, 2], dtype="float32",
-         layout="nchw", steps=2, interpret=True),
-    dict(name="w3_5d_channels_last_bf16", batches=[2, 1, 1], channels=3, spatial=[2, 2, 2],
-         dtype="bfloat16", layout="channels_last", steps=2),
-    dict(name="w3_no_affine_fp16", batches=[3, 2, 2], channels=4, spatial=[5], dtype="float16",
-         layout="nchw", steps=2, affine=False),
-]
-
-
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("TRITON_INTERPRET", None)  # the worker decides per case
-    return env
-
-
-def _check(procs_output, rc):
-    assert rc == 0, "worker failed:\n" + procs_output[-6000:]
-
-
-def _torchrun(nproc, out, extra, timeout=240):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", WORKER, "--out", str(out), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
-    _check(proc.stdout + proc.stderr, proc.returncode)
-
-
-def _spawn(nproc, out, extra, timeout=240):
-    """Start the ranks directly with a file:// rendezvous (no port to pick)."""
-    init = os.path.join(str(out), "rendezvous")
-    procs = [subprocess.Popen([sys.executable, WORKER, "--out", str(out), "--init-file", init,
-                               "--rank", str(r), "--world-size", str(nproc), *extra],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=_env()) for r in range(nproc)]
-    logs, rcs = [], []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        rcs.append(p.returncode)
-    _check("\n".join(logs), max(rcs))
-
-
-def _write_cases(path, cases):
-    with open(path, "w") as f:
-        json.dump(cases, f)
-    return str(path)
+from parallel_launch import CASES_2, CASES_3  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("syncbn_w2")
-    _torchrun(2, out, ["--cases", _write_cases(out / "cases.json", CASES_2), "--resnet"])
-    return out
+    return parallel_launch.world2(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def world3(tmp_path_factory):
-    out = tmp_path_factory.mktemp("syncbn_w3")
-    _spawn(3, out, ["--cases", _write_cases(out / "cases.json", CASES_3)])
-    return out
+    return parallel_launch.world3(tmp_path_factory)
 
 
 # -- the single-process reference --------------------------------------------------------------
@@ -227,11 +153,15 @@ def test_three_processes_match_batchnorm_on_the_whole_batch(world3, case):
 def test_converted_resnet18_under_torchrun_matches_one_process(world2):
     """DDP(convert_syncbn_model(resnet18)), 2 ranks x 4 images of 16x16, two SGD steps,
     against resnet18 with BatchNorm on the 8 images in one process: losses, weights and
-    running statistics, held to 2x the single fp32 run's own error against float64."""
+    running statistics, held to 2x the single fp32 run's own error against float64 (plus
+    the table's atol)."""
     r0 = torch.load(os.path.join(str(world2), "resnet.rank0.pt"))
     r1 = torch.load(os.path.join(str(world2), "resnet.rank1.pt"))
     assert r0["n_syncbn"] == 20
-    torch.testing.assert_close(r0["sync_losses"], r0["single_losses"], **TOL[torch.float32])
+    err = (r0["sync_losses"].double() - r0["exact_losses"]).abs().max().item()
+    single_err = (r0["single_losses"].double() - r0["exact_losses"]).abs().max().item()
+    atol = TOL[torch.float32]["atol"]
+    assert err <= 2 * single_err + atol, ("losses", err, single_err)
     sync, single, exact = r0["sync_state"], r0["single_state"], r0["exact_state"]
     assert sync.keys() == single.keys()
     for key, value in sync.items():
@@ -241,4 +171,4 @@ def test_converted_resnet18_under_torchrun_matches_one_process(world2):
             continue
         err = (value.double() - exact[key]).abs().max().item()
         single_err = (single[key].double() - exact[key]).abs().max().item()
-        assert err <= 2 * single_err + 1e-6, (key, err, single_err)
+        assert err <= 2 * single_err + atol, (key, err, single_err)

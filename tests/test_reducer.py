@@ -2,7 +2,6 @@
 ranks on ``reduce()``, equal to DistributedDataParallel's (2 gloo processes on CPU,
 uneven batches, two dtypes, an unused parameter)."""
 import os
-import subprocess
 import sys
 
 import pytest
@@ -11,27 +10,17 @@ import torch
 from conftest import TOL
 from tritamp.parallel import Reducer
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "scripts", "parallel_reducer.py")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts"))
+import parallel_launch  # noqa: E402
+
 WORLD = 2
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reducer")
-    init = str(out / "rendezvous")
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="0")
-    procs = [subprocess.Popen([sys.executable, WORKER, "--out", str(out), "--init-file", init,
-                               "--rank", str(r), "--world-size", str(WORLD)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env) for r in range(WORLD)]
-    logs = []
-    try:
-        logs = [p.communicate(timeout=180)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-6000:]
+    """The 2-rank world of the SyncBatchNorm tests runs tests/scripts/parallel_reducer.py's
+    checks too (one launch for both)."""
+    out = parallel_launch.world2(tmp_path_factory)
     return [torch.load(out / f"reducer.rank{r}.pt") for r in range(WORLD)]
 
 

@@ -9,7 +9,8 @@ with the slice of a fixed output gradient) and saves what it got to
 ``<out>/<case>.rank<r>.pt``; the test compares the slices with torch's BatchNorm run on
 the whole batch in one process. ``--resnet`` then trains a converted torchvision
 ResNet-18 under DistributedDataParallel and, on rank 0, the unconverted model on the
-concatenated batch in one process, and saves both.
+concatenated batch in one process, and saves both. ``--reducer`` runs
+tests/scripts/parallel_reducer.py's checks in the same processes.
 """
 import argparse
 import json
@@ -168,6 +169,8 @@ def main(argv=None):
     p.add_argument("--resnet", action="store_true")
     p.add_argument("--resnet-interpret", action="store_true",
                    help="run the ResNet's SyncBatchNorm kernels in Triton's interpreter")
+    p.add_argument("--reducer", action="store_true",
+                   help="also run tests/scripts/parallel_reducer.py's checks")
     p.add_argument("--init-file", help="file:// rendezvous (else torchrun's environment)")
     p.add_argument("--rank", type=int)
     p.add_argument("--world-size", type=int)
@@ -186,6 +189,10 @@ def main(argv=None):
         if args.resnet:
             os.environ["TRITON_INTERPRET"] = "1" if args.resnet_interpret else "0"
             torch.save(resnet_case(rank, world), os.path.join(args.out, f"resnet.rank{rank}.pt"))
+        if args.reducer:  # tests/test_reducer.py's checks, sharing this launch
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import parallel_reducer
+            parallel_reducer.run(args.out)
         dist.barrier()
     finally:
         dist.destroy_process_group()
