@@ -48,10 +48,11 @@ def _torch_bn(case, dtype):
                dtype=torch.float64 if dtype == torch.float64 else None)
 
 
-def reference(case, dtype=None):
-    """torch's BatchNorm on the whole batch, step by step, in the case's dtype (or float64:
-    the yardstick) with fp32 (float64) parameters."""
+def reference(case, dtype=None, rows=None):
+    """torch's BatchNorm on the whole batch (or its samples ``rows = (lo, hi)``), step by
+    step, in the case's dtype (or float64: the yardstick) with fp32 (float64) parameters."""
     data = syncbn_worker.make_data(case)
+    lo, hi = rows if rows is not None else (0, sum(case["batches"]))
     bn = _torch_bn(case, dtype)
     if bn.affine:
         with torch.no_grad():
@@ -59,7 +60,7 @@ def reference(case, dtype=None):
             bn.bias.copy_(data["bias"])
     out = dict(y=[], dx=[], dz=[], dw=[], db=[])
     for step in data["steps"]:
-        cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+        cast = (lambda t: t[lo:hi].to(dtype)) if dtype is not None else (lambda t: t[lo:hi])
         x = cast(step["x"]).requires_grad_()
         z = cast(step["z"]).requires_grad_() if step["z"] is not None else None
         y = bn(x)
@@ -80,18 +81,20 @@ def reference(case, dtype=None):
     bn.eval()
     with torch.no_grad():
         last = data["steps"][-1]
-        x = (last["x"].to(dtype) if dtype is not None else last["x"])
-        y = bn(x)
+        x = last["x"][lo:hi]
+        y = bn(x.to(dtype) if dtype is not None else x)
         if last["z"] is not None:
-            y = y + (last["z"].to(dtype) if dtype is not None else last["z"])
+            z = last["z"][lo:hi]
+            y = y + (z.to(dtype) if dtype is not None else z)
         out["y_eval"] = torch.relu(y) if case.get("fuse_relu") else y
     return out
 
 
-def gathered(out_dir, case):
-    """The ranks' results: per-sample tensors concatenated, parameter gradients summed."""
+def gathered(out_dir, case, group):
+    """The results of the ranks in ``group``: per-sample tensors concatenated, parameter
+    gradients summed."""
     ranks = [torch.load(os.path.join(str(out_dir), f"{case['name']}.rank{r}.pt"))
-             for r in range(len(case["batches"]))]
+             for r in group]
     res = {}
     for key in ("y", "dx", "dz"):
         res[key] = [None if ranks[0][key][s] is None else
@@ -126,9 +129,19 @@ def _pairs(case, got, ref, exact):
 
 
 def check_case(out_dir, case):
-    got = gathered(out_dir, case)
-    ref = reference(case)
-    exact = reference(case, torch.float64)
+    """Every group of ranks (``group_size``, default all) against torch on its samples."""
+    world = len(case["batches"])
+    size = case.get("group_size") or world
+    for first in range(0, world, size):
+        group = range(first, first + size)
+        rows = (sum(case["batches"][:first]), sum(case["batches"][:first + size]))
+        _check_group(out_dir, case, group, rows)
+
+
+def _check_group(out_dir, case, group, rows):
+    got = gathered(out_dir, case, group)
+    ref = reference(case, rows=rows)
+    exact = reference(case, torch.float64, rows=rows)
     assert got["num_batches_tracked"] == ref["num_batches_tracked"] == case["steps"]
     if case["layout"] == "channels_last":
         assert got["channels_last_out"], "the output lost the channels-last memory format"
@@ -148,6 +161,12 @@ def test_two_processes_match_batchnorm_on_the_whole_batch(world2, case):
 @pytest.mark.parametrize("case", CASES_3, ids=lambda c: c["name"])
 def test_three_processes_match_batchnorm_on_the_whole_batch(world3, case):
     check_case(world3, case)
+
+
+def test_create_syncbn_process_group_refuses_a_size_that_does_not_divide_the_world(world2):
+    r = torch.load(os.path.join(str(world2), "w2_group_of_two.rank0.pt"))
+    assert r["bad_group_size_error"] == ("create_syncbn_process_group: group_size 3 must divide "
+                                         "the world size 2 (or be 0 for the whole world)")
 
 
 def test_converted_resnet18_under_torchrun_matches_one_process(world2):

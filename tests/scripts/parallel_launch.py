@@ -28,6 +28,11 @@ CASES_2 = [
     # rank 0 holds one value per channel: allowed, the group's batch has six
     dict(name="w2_2d_cumulative_momentum", batches=[1, 5], channels=6, spatial=[],
          dtype="float32", layout="nchw", steps=2, interpret=True, momentum=None),
+    # process groups from create_syncbn_process_group: the world, then one group per rank
+    dict(name="w2_group_of_two", batches=[2, 3], channels=3, spatial=[2, 2], dtype="float32",
+         layout="nchw", steps=2, group_size=2),
+    dict(name="w2_groups_of_one", batches=[2, 3], channels=3, spatial=[2, 2], dtype="float32",
+         layout="channels_last", steps=2, group_size=1),
 ]
 CASES_3 = [
     dict(name="w3_nchw_fp32", batches=[1, 4, 2], channels=6, spatial=[2, 3], dtype="float32",

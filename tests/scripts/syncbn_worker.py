@@ -31,7 +31,8 @@ def make_data(case):
     case keys: name, batches (per rank), channels, spatial (list), dtype ("float32",
     "float16", "bfloat16"), layout ("nchw", "channels_last": torch's memory format,
     "apex_last": channel as the last dimension), steps, momentum (None: cumulative),
-    fuse_relu, z, affine, interpret."""
+    fuse_relu, z, affine, interpret, group_size (SyncBatchNorm's process group from
+    ``create_syncbn_process_group``)."""
     g = torch.Generator().manual_seed(case.get("seed", 0))
     dtype = getattr(torch, case["dtype"])
     n, c, sp = sum(case["batches"]), case["channels"], list(case["spatial"])
@@ -73,20 +74,27 @@ def from_layout(t, layout):
 
 # -- one case on this rank ---------------------------------------------------------------------
 def run_case(case, rank):
-    from tritamp.parallel import SyncBatchNorm
+    from tritamp.parallel import SyncBatchNorm, create_syncbn_process_group
 
     os.environ["TRITON_INTERPRET"] = "1" if case.get("interpret") else "0"
     data = make_data(case)
     lo, hi = rank_slice(case, rank)
     layout = case["layout"]
+    group = create_syncbn_process_group(case["group_size"]) if "group_size" in case else None
     bn = SyncBatchNorm(case["channels"], momentum=case.get("momentum", 0.1),
-                       affine=case.get("affine", True), channel_last=layout == "apex_last",
+                       affine=case.get("affine", True), process_group=group,
+                       channel_last=layout == "apex_last",
                        fuse_relu=case.get("fuse_relu", False))
     if bn.affine:
         with torch.no_grad():
             bn.weight.copy_(data["weight"])
             bn.bias.copy_(data["bias"])
     out = dict(y=[], dx=[], dz=[], dw=[], db=[])
+    if group is not None:
+        try:  # refused before any collective: every rank raises alike
+            create_syncbn_process_group(dist.get_world_size() + 1)
+        except ValueError as exc:
+            out["bad_group_size_error"] = str(exc)
     for step in data["steps"]:
         x = to_layout(step["x"][lo:hi], layout).requires_grad_()
         z = step["z"]
