@@ -6,32 +6,34 @@ Every launcher takes the input in one of two canonical views, both contiguous:
                 torch's ``channels_last`` memory format, 2-D input)
     [N, C, B]   channels first: B contiguous elements per (sample, channel) plane
 
-and reduces, per channel, over everything but C. Stages (``R`` = elements per channel):
+and reduces, per channel, over everything but C. The stages:
 
-``syncbn_stats(x)``
-    rows ``[P, 2C + 1]`` fp32 of per-program partial statistics ``(mean[C], m2[C], count)``
-    with ``m2 = sum((x - mean)^2)``, the means relative to a per-channel ``shift`` (the
-    input's first value) so that merging them loses nothing to a large mean. The reduced dimension is split over many programs per
-    channel block (grid: channel blocks x chunks). Each program merges its tiles with
-    Chan's parallel formula, each tile's own mean and m2 taken in two passes over
-    registers, so nothing computes E[x^2] - E[x]^2 (which loses every digit when the mean
-    is large against the spread).
-``syncbn_combine(rows)``
-    one row ``[2C + 1]``: the statistics of all rows, merged with Chan's formula in fp32.
-    This row is what the ranks exchange (one all_gather of ``world x (2C + 1)`` values).
-``syncbn_finalize(rows, eps, ...)``
+``syncbn_stats(x) -> (rows, shift)``
+    fp32 rows ``[P, 2C + 1]`` of per-program partial statistics ``(mean[C], m2[C], count)``,
+    ``m2 = sum((x - mean)^2)``. The reduced dimension is split over many programs per
+    channel block (grid: channel blocks x chunks). Each program takes its tiles' means and
+    m2 in two passes over registers and merges them with Chan's parallel formula, relative
+    to ``shift`` (the input's first value per channel, the same in every program), so
+    nothing computes E[x^2] - E[x]^2 (which loses every digit when the mean is large
+    against the spread) and merged means keep their digits.
+``syncbn_combine(rows, shift) -> row``
+    one row ``[2C + 1]`` of absolute statistics: what the ranks exchange (one all_gather of
+    ``world x (2C + 1)`` values).
+``syncbn_finalize(rows, eps, running_mean, running_var, momentum, num_batches_tracked,
+shift) -> (mean, invstd, count)``
     merges rows (a rank's partials or every rank's row; counts may differ and may be 0)
     into ``mean``, ``invstd = 1 / sqrt(var + eps)`` and the total count, and updates the
-    running statistics in the same launch: ``r = (1 - f) * r + f * stat`` with the
-    unbiased variance and ``f = momentum`` or ``1 / num_batches_tracked`` (read on the
-    device: no host sync for the cumulative average).
-``syncbn_forward(x, mean, invstd, weight, bias, z, relu)``
+    running statistics in the same launch: ``r = f * stat + (1 - f) * r`` with the
+    unbiased variance and ``f = momentum``, or ``1 / num_batches_tracked`` read on the
+    device (no host sync for the cumulative average).
+``syncbn_forward(x, mean, invstd, weight, bias, z, relu) -> y``
     ``y = (x - mean) * (invstd * weight) + bias (+ z)``, ReLU optional, in x's dtype.
-``syncbn_backward_reduce(dy, x, ...)``
+``syncbn_backward_reduce(dy, x, ...) -> (sums, grad_weight, grad_bias)``
     local ``sum_dy`` and ``sum_dy_xmu = sum(dy * (x - mean))`` (one packed fp32 ``[2C]``
     tensor, the one all_reduce of the backward) with the local ``grad_weight`` and
     ``grad_bias``; with a fused ReLU, ``dy`` is masked where the recomputed output is <= 0.
-``syncbn_backward_input(dy, x, ..., sums, count)``
+    Per-chunk sums are Kahan-compensated and the chunks are added in fp64.
+``syncbn_backward_input(dy, x, ..., sums, count) -> (dx, dz)``
     ``dx = (dy - sum_dy / n - (x - mean) * invstd^2 * sum_dy_xmu / n) * invstd * weight``
     (``sums=None``: running statistics were used, ``dx = dy * invstd * weight``), and the
     residual's gradient (the masked ``dy``) when asked.
@@ -39,7 +41,7 @@ and reduces, per channel, over everything but C. Stages (``R`` = elements per ch
 Inputs may be fp32, fp16 or bf16 with parameters and running statistics of any of those
 dtypes; arithmetic is fp32, statistics are fp32, outputs take the input's dtype and
 parameter gradients the parameter's. Reductions run in a fixed order: no atomics, so
-results do not depend on scheduling.
+results do not depend on scheduling. Divisions and square roots are IEEE-rounded.
 """
 import functools
 
@@ -153,7 +155,8 @@ def _syncbn_merge_kernel(
     rvar_ptr,        # [C] running variance (unbiased), updated in place (UPDATE_RUNNING)
     nbt_ptr,         # int64 [1] num_batches_tracked: factor 1 / nbt (MOMENTUM_FROM_COUNT)
     eps, momentum,
-    HAS_SHIFT: tl.constexpr, FINAL: tl.constexpr, UPDATE_RUNNING: tl.constexpr, MOMENTUM_FROM_COUNT: tl.constexpr,
+    HAS_SHIFT: tl.constexpr, FINAL: tl.constexpr, UPDATE_RUNNING: tl.constexpr,
+    MOMENTUM_FROM_COUNT: tl.constexpr,
     EMULATE_BF16_ROUNDING: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -512,14 +515,16 @@ def syncbn_combine(rows, shift=None):
     block_p, block_c = _merge_settings(p, c, rows.device)
     _syncbn_merge_kernel[(triton.cdiv(c, block_c),)](
         rows, shift if shift is not None else out, p, c, out, out, out, out, out, out, out,
-        0.0, 0.0, HAS_SHIFT=shift is not None, FINAL=False, UPDATE_RUNNING=False, MOMENTUM_FROM_COUNT=False,
+        0.0, 0.0, HAS_SHIFT=shift is not None, FINAL=False, UPDATE_RUNNING=False,
+        MOMENTUM_FROM_COUNT=False,
         EMULATE_BF16_ROUNDING=rows.device.type != "cuda", BLOCK_P=block_p, BLOCK_C=block_c)
     return out
 
 
 def syncbn_finalize(rows, eps, running_mean=None, running_var=None, momentum=0.1,
                     num_batches_tracked=None, shift=None):
-    """Merge statistics rows (means relative to ``shift`` when given) into ``(mean, invstd, count)`` (fp32 ``[C]``, ``[C]``, ``[1]``)
+    """Merge statistics rows (means relative to ``shift`` when given) into
+    ``(mean, invstd, count)`` (fp32 ``[C]``, ``[C]``, ``[1]``)
     and, when ``running_mean`` / ``running_var`` are given, update them in place with
     factor ``momentum`` (``None``: ``1 / num_batches_tracked``, read on the device)."""
     p, c = _check_rows(rows, shift)
@@ -545,7 +550,8 @@ def syncbn_finalize(rows, eps, running_mean=None, running_var=None, momentum=0.1
         running_mean if update else mean, running_var if update else mean,
         num_batches_tracked if from_count else count,
         float(eps), 0.0 if momentum is None else float(momentum),
-        HAS_SHIFT=shift is not None, FINAL=True, UPDATE_RUNNING=update, MOMENTUM_FROM_COUNT=from_count,
+        HAS_SHIFT=shift is not None, FINAL=True, UPDATE_RUNNING=update,
+        MOMENTUM_FROM_COUNT=from_count,
         EMULATE_BF16_ROUNDING=rows.device.type != "cuda", BLOCK_P=block_p, BLOCK_C=block_c)
     return mean, invstd, count
 

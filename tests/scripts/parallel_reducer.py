@@ -2,11 +2,11 @@
 
 Used by tests/test_reducer.py: ``run`` is called inside the 2-rank launch of
 tests/scripts/syncbn_worker.py (``--reducer``); ``main`` runs it alone with
-``--init-file`` (a file:// rendezvous). Each rank builds the model from its own seed (so ranks start different), hands it to
-``Reducer`` (which broadcasts rank 0's weights), copies the result into a DDP model, runs
-two steps on its own batch with both, and saves what the test compares to
-``<out>/reducer.rank<r>.pt``: the weights after the broadcast, Reducer's averaged
-gradients (module mode and gradient-list mode) and DDP's.
+``--init-file`` (a file:// rendezvous). Each rank builds the model from its own seed (so
+ranks start different), hands it to ``Reducer`` (which broadcasts rank 0's weights),
+copies the result into a DDP model, runs two steps on its own batch with both, and saves
+what the test compares to ``<out>/reducer.rank<r>.pt``: the weights after the broadcast,
+Reducer's averaged gradients (module mode and gradient-list mode) and DDP's.
 """
 import argparse
 import copy

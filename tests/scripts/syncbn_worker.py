@@ -193,7 +193,8 @@ def main(argv=None):
     try:
         cases = json.load(open(args.cases)) if args.cases else []
         for case in cases:
-            torch.save(run_case(case, rank), os.path.join(args.out, f"{case['name']}.rank{rank}.pt"))
+            torch.save(run_case(case, rank),
+                       os.path.join(args.out, f"{case['name']}.rank{rank}.pt"))
         if args.resnet:
             os.environ["TRITON_INTERPRET"] = "1" if args.resnet_interpret else "0"
             torch.save(resnet_case(rank, world), os.path.join(args.out, f"resnet.rank{rank}.pt"))
