@@ -342,3 +342,32 @@ def test_amp_o2_keeps_syncbatchnorm_in_fp32(half):
     opt.step()
     assert model[1].weight.grad is not None and model[1].weight.grad.dtype == torch.float32
     assert torch.isfinite(model[1].running_var).all()
+
+
+def test_benchmark_smoke_run(tmp_path, capsys):
+    """benchmarks/syncbn.py on the CPU: one line says so, rows in benchmarks/kernels.py's
+    format, torch's CUDA-only sync path reported as skipped rather than crashing."""
+    import os
+    import sys
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "benchmarks")
+    sys.path.insert(0, bench)
+    import syncbn as sb
+
+    rc = sb.main(["--device", "cpu", "--batch", "2", "--configs", "fp16-nhwc",
+                  "--shapes", "4x3x3", "--cpu-reps", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "No GPU in use" in out and "syncbn fwd+bwd" in out
+    import json
+    data = json.loads((tmp_path / "syncbn_cpu.json").read_text())
+    assert len(data["rows"]) == 3
+    impls = {r["impl"] for r in data["rows"]}
+    assert impls == {"tritamp", "torch sync", "torch BatchNorm2d"}
+    for r in data["rows"]:
+        assert r["device"] == data["device"] and "torch" in r and "tritamp" in r
+        if r["impl"] == "torch sync":
+            assert r["note"].startswith("skipped: torch's SyncBatchNorm kernels are CUDA-only")
+        else:
+            assert r["time_ms"] > 0 and r["bytes"] == 8 * r["params"] * 2
+            assert r["ratio_to_torch"] is not None
