@@ -183,6 +183,20 @@ def test_eval_mode_uses_and_keeps_the_running_statistics(device):
     assert sync.num_batches_tracked.item() == 0
 
 
+def test_eval_graph_survives_a_training_forward_before_its_backward(device):
+    sync, ref = _pair(3, 4, device)
+    x = _data((2, 3, 2, 2), torch.float32, device).requires_grad_()
+    sync.eval()
+    y_eval = sync(x)
+    sync.train()
+    sync(x.detach())  # updates the running statistics in place
+    y_eval.sum().backward()
+    ref.eval()
+    x2 = x.detach().clone().requires_grad_()
+    ref(x2).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_residual_and_fused_relu(device, dtype):
     """forward(x, z) with fuse_relu is relu(bn(x) + z), rounded once; z gets dy masked."""

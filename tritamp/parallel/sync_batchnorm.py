@@ -95,7 +95,8 @@ class SyncBatchnormFunction(torch.autograd.Function):
                 momentum, num_batches_tracked if update and momentum is None else None,
                 shift=shift)
         else:
-            mean = running_mean.float()
+            # copies: a later training forward updates the buffers in place
+            mean = running_mean.to(torch.float32, copy=True)
             invstd = (running_var.float() + eps).sqrt().reciprocal()
             count = None
         # Written through a view of the returned tensor: the output is no view itself, so
