@@ -8,7 +8,8 @@ Rows: amp's end-of-backward kernels (the overflow check alone, and check + unsca
 fp16 gradients into fp32 master gradients) against torch's
 ``_amp_foreach_non_finite_check_and_unscale_`` (what GradScaler runs), the multi-tensor
 l2-norm against ``torch._foreach_norm``, LayerNorm / RMSNorm forward and forward+backward
-against torch's (benchmarks/norms.py), then every fused optimizer step from
+against torch's (benchmarks/norms.py), SyncBatchNorm forward+backward at ResNet-50 shapes
+against torch's SyncBatchNorm and cudnn (benchmarks/syncbn.py), then every fused optimizer step from
 benchmarks/optimizers.py. Each row: time (median, p20-p80), bytes moved, GB/s, the
 share of the device's measured copy bandwidth and the ratio to the torch baseline. Timing
 as in optimizers.py: ``triton.testing.do_bench`` on the GPU, a short wall-clock median of
@@ -108,6 +109,7 @@ def parse_args(argv=None):
     p.add_argument("--layouts", default=",".join(ob.LAYOUTS))
     p.add_argument("--no-optimizers", action="store_true", help="only amp's and the norm kernels")
     p.add_argument("--no-norms", action="store_true", help="leave out the LayerNorm/RMSNorm rows")
+    p.add_argument("--no-syncbn", action="store_true", help="leave out SyncBatchNorm")
     p.add_argument("--cpu-reps", type=int, default=5)
     p.add_argument("--out", default="benchmarks/out")
     args = p.parse_args(argv)
@@ -153,6 +155,10 @@ def main(argv=None):
                         rows.append(ob.run_one(spec, impl, factory, layout, n, device, timed,
                                                copy_gbps, meta))
     ob.add_ratios(rows)
+    if not args.no_syncbn:
+        import syncbn as sbn  # benchmarks/syncbn.py (its rows carry their own ratios)
+        rows += sbn.syncbn_rows(device, timed, copy_gbps, meta,
+                                shapes=None if device.type == "cuda" else sbn.cpu_shapes()[:2])
     print(ob.format_table(rows).replace("optimizer", "kernel   ", 1))
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"kernels_{device.type}.json")

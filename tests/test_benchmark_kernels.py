@@ -18,6 +18,7 @@ def test_smoke_run_writes_one_table(tmp_path, capsys):
     names = {r["optimizer"] for r in data["rows"]}
     assert {"amp check", "amp unscale->fp32", "l2norm", "adam", "sgd", "layer_norm fwd",
             "layer_norm fwd+bwd", "rms_norm fwd", "rms_norm fwd+bwd"} <= names
+    assert any(n.startswith("syncbn") for n in names), names
     for r in data["rows"]:
         assert r["device"] == data["device"] and "torch" in r and "tritamp" in r
         if "time_ms" in r:

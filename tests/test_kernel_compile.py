@@ -79,3 +79,10 @@ def test_norm_kernels_compile_for_sm90_with_ieee_rounding(report):
     assert len(variants) == 5 * 2 * 2 * 3 + 3  # fwd, bwd from input and output; reduce per dtype
     for key, v in variants.items():
         assert v["sm90"] and not v["approx"], key
+
+
+def test_syncbn_kernels_compile_for_sm90_with_ieee_math(report):
+    variants = {k: v for k, v in report.items() if k.startswith("syncbn_")}
+    assert len(variants) == 27
+    assert all(v["sm90"] for v in variants.values())
+    assert [k for k, v in variants.items() if v["approx"]] == []

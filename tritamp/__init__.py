@@ -1,9 +1,11 @@
 """tritamp: mixed-precision training for PyTorch on Triton kernels.
 
 Apex's ``amp`` API without a build step: ``from tritamp import amp`` where a script had
-``from apex import amp``. Importing tritamp compiles nothing and makes no CUDA call.
+``from apex import amp``; ``tritamp.optimizers``, ``tritamp.normalization``,
+``tritamp.parallel`` and ``tritamp.fp16_utils`` stand for Apex's namesakes. Importing
+tritamp compiles nothing and makes no CUDA call.
 """
-from . import amp
+from . import amp, fp16_utils, normalization, optimizers, parallel
 from .amp import (disable_casts, float_function, half_function, initialize, load_state_dict,
                   master_params, promote_function, register_float_function,
                   register_half_function, register_promote_function, scale_loss, state_dict)
@@ -12,7 +14,7 @@ from .convert import convert_to_amp
 __version__ = "0.1.0"
 
 __all__ = [
-    "amp", "initialize", "scale_loss", "state_dict", "load_state_dict", "master_params",
+    "amp", "optimizers", "normalization", "parallel", "fp16_utils", "initialize", "scale_loss", "state_dict", "load_state_dict", "master_params",
     "disable_casts", "register_half_function", "register_float_function",
     "register_promote_function", "half_function", "float_function", "promote_function",
     "convert_to_amp", "__version__",
