@@ -16,7 +16,6 @@ as in optimizers.py: ``triton.testing.do_bench`` on the GPU, a short wall-clock 
 the reference path on a CPU (which says nothing about GPU speed).
 """
 import argparse
-import json
 import os
 import sys
 
@@ -82,22 +81,7 @@ def run_kernel(name, impl, make, layout, n, device, timed, copy_gbps, meta):
     shapes = ob.layout_shapes(layout, n)
     row = dict(meta, optimizer=name, impl=impl, layout=layout, size=ob.size_label(n),
                params=ob.numel(shapes), tensors=len(shapes))
-    try:
-        step, nbytes, keep = make()
-        med, p20, p80 = timed(step)
-    except torch.cuda.OutOfMemoryError:
-        row["note"] = "skipped: out of device memory"
-        return row
-    except Exception as exc:  # reported, the run goes on
-        row["note"] = f"failed: {type(exc).__name__}: {exc}"[:300]
-        return row
-    finally:
-        keep = None  # noqa: F841
-        ob._release(device)
-    gbps = nbytes / (med * 1e-3) / 1e9
-    row.update(time_ms=med, time_ms_p20=p20, time_ms_p80=p80, bytes=nbytes, gbps=gbps,
-               copy_bw_fraction=gbps / copy_gbps if copy_gbps else None)
-    return row
+    return ob.time_row(row, make, device, timed, copy_gbps)
 
 
 def parse_args(argv=None):
@@ -131,14 +115,9 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
-    if device.type != "cuda":
-        print("No GPU in use: these are CPU figures of small sizes (torch reference paths); "
-              "they say nothing about GPU speed.")
-    timed = ob.make_timer(device, args.cpu_reps)
-    meta = dict(device=ob.device_name(device), **ob.versions())
-    copy_gbps = ob.copy_bandwidth(device, timed)
-    print(f"{meta['device']} | torch {meta['torch']}, triton {meta['triton']}, "
-          f"tritamp {meta['tritamp']} | measured copy bandwidth {copy_gbps:.1f} GB/s")
+    timed, meta, copy_gbps = ob.start_report(
+        device, args.cpu_reps, "No GPU in use: these are CPU figures of small sizes (torch "
+        "reference paths); they say nothing about GPU speed.")
     rows = []
     for n in args.sizes:
         for layout in args.layouts:
@@ -159,14 +138,7 @@ def main(argv=None):
         import syncbn as sbn  # benchmarks/syncbn.py (its rows carry their own ratios)
         rows += sbn.syncbn_rows(device, timed, copy_gbps, meta,
                                 shapes=None if device.type == "cuda" else sbn.cpu_shapes()[:2])
-    print(ob.format_table(rows).replace("optimizer", "kernel   ", 1))
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"kernels_{device.type}.json")
-    with open(path, "w") as f:
-        json.dump(dict(meta, copy_bandwidth_gbps=copy_gbps, rows=rows), f, indent=2)
-    print(f"wrote {path}")
-    return 0 if all("time_ms" in r or r.get("note", "").startswith("skipped") for r in rows) \
-        else 1
+    return ob.finish_report(rows, meta, copy_gbps, args.out, "kernels", device, "kernel")
 
 
 if __name__ == "__main__":

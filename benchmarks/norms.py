@@ -12,7 +12,6 @@ the parameter gradients. torch's baseline is its own fused op (``F.layer_norm`` 
 ``F.rms_norm``), under autograd for forward+backward.
 """
 import argparse
-import json
 import os
 import sys
 
@@ -81,22 +80,7 @@ def norm_cases(rows, n, dtype, device):
 def run_case(name, impl, make, rows, n, dtype_name, device, timed, copy_gbps, meta):
     row = dict(meta, optimizer=name, impl=impl, layout=f"{rows}x{n} {dtype_name}",
                size=f"{rows}x{n}/{dtype_name}", params=rows * n, tensors=1)
-    try:
-        step, nbytes, keep = make()
-        med, p20, p80 = timed(step)
-    except torch.cuda.OutOfMemoryError:
-        row["note"] = "skipped: out of device memory"
-        return row
-    except Exception as exc:  # reported, the run goes on
-        row["note"] = f"failed: {type(exc).__name__}: {exc}"[:300]
-        return row
-    finally:
-        keep = None  # noqa: F841
-        ob._release(device)
-    gbps = nbytes / (med * 1e-3) / 1e9
-    row.update(time_ms=med, time_ms_p20=p20, time_ms_p80=p80, bytes=nbytes, gbps=gbps,
-               copy_bw_fraction=gbps / copy_gbps if copy_gbps else None)
-    return row
+    return ob.time_row(row, make, device, timed, copy_gbps)
 
 
 def norm_rows(device, timed, copy_gbps, meta, rows=None, widths=None, dtypes=None):
@@ -126,23 +110,13 @@ def main(argv=None):
     for dt in dtypes or []:
         if dt not in DTYPES:
             p.error(f"unknown dtype {dt!r}; choose from {list(DTYPES)}")
-    if device.type != "cuda":
-        print("No GPU in use: these are CPU figures of small sizes (torch reference paths); "
-              "they say nothing about GPU speed.")
-    timed = ob.make_timer(device, args.cpu_reps)
-    meta = dict(device=ob.device_name(device), **ob.versions())
-    copy_gbps = ob.copy_bandwidth(device, timed)
+    timed, meta, copy_gbps = ob.start_report(
+        device, args.cpu_reps, "No GPU in use: these are CPU figures of small sizes (torch "
+        "reference paths); they say nothing about GPU speed.")
     widths = [int(w) for w in args.widths.split(",")] if args.widths else None
     rows = norm_rows(device, timed, copy_gbps, meta, args.rows, widths, dtypes)
     ob.add_ratios(rows)
-    print(ob.format_table(rows).replace("optimizer", "kernel   ", 1))
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"norms_{device.type}.json")
-    with open(path, "w") as f:
-        json.dump(dict(meta, copy_bandwidth_gbps=copy_gbps, rows=rows), f, indent=2)
-    print(f"wrote {path}")
-    return 0 if all("time_ms" in r or r.get("note", "").startswith("skipped") for r in rows) \
-        else 1
+    return ob.finish_report(rows, meta, copy_gbps, args.out, "norms", device, "kernel")
 
 
 if __name__ == "__main__":

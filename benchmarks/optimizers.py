@@ -298,6 +298,65 @@ def _release(device):
         torch.cuda.empty_cache()
 
 
+class SkipRow(Exception):
+    """Raised by a measurement that cannot run here; the row says ``skipped: <reason>``."""
+
+
+def time_row(row, make, device, timed, copy_gbps):
+    """Fill ``row`` with the timing of the step from ``make() -> (step, bytes moved,
+    tensors kept alive while it is timed)`` (every benchmark's row format): quantiles,
+    bytes moved, GB/s and the share of the copy bandwidth. A failure is reported in
+    ``note`` and the run goes on; the tensors are released before the next configuration."""
+    step = keep = None
+    try:
+        step, nbytes, keep = make()
+        med, p20, p80 = timed(step)
+    except SkipRow as why:
+        row["note"] = f"skipped: {why}"
+        return row
+    except torch.cuda.OutOfMemoryError:
+        row["note"] = "skipped: out of device memory"
+        return row
+    except Exception as exc:  # a failing configuration is reported, the run goes on
+        row["note"] = f"failed: {type(exc).__name__}: {exc}"[:300]
+        return row
+    finally:
+        step = keep = None  # noqa: F841
+        _release(device)
+    gbps = nbytes / (med * 1e-3) / 1e9
+    row.update(time_ms=med, time_ms_p20=p20, time_ms_p80=p80, bytes=nbytes, gbps=gbps,
+               copy_bw_fraction=gbps / copy_gbps if copy_gbps else None)
+    return row
+
+
+def start_report(device, cpu_reps, cpu_notice):
+    """Print what runs where; return the timer, the facts every row carries and the
+    measured copy bandwidth."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        print(cpu_notice)
+    timed = make_timer(device, cpu_reps)
+    meta = dict(device=device_name(device), **versions())
+    copy_gbps = copy_bandwidth(device, timed)
+    print(f"{meta['device']} | torch {meta['torch']}, triton {meta['triton']}, "
+          f"tritamp {meta['tritamp']} | measured copy bandwidth {copy_gbps:.1f} GB/s")
+    return timed, meta, copy_gbps
+
+
+def finish_report(rows, meta, copy_gbps, out_dir, name, device, first_column="optimizer",
+                  **extra):
+    """Print the table, write ``<out_dir>/<name>_<device>.json``; 0 unless a row failed."""
+    print(format_table(rows).replace("optimizer", first_column.ljust(len("optimizer")), 1))
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}_{device.type}.json")
+    with open(path, "w") as f:
+        json.dump(dict(meta, copy_bandwidth_gbps=copy_gbps, **extra, rows=rows), f, indent=2)
+    print(f"wrote {path}")
+    return 0 if all("time_ms" in r or r.get("note", "").startswith("skipped") for r in rows) \
+        else 1
+
+
 def run_one(spec, impl, factory, layout, n, device, timed, copy_gbps, meta):
     shapes = layout_shapes(layout, n)
     count = numel(shapes)
@@ -308,30 +367,15 @@ def run_one(spec, impl, factory, layout, n, device, timed, copy_gbps, meta):
         row["note"] = (f"skipped: needs about {need / 2**30:.1f} GiB, "
                        f"{free_bytes(device) / 2**30:.1f} GiB free")
         return row
-    step = keep = None
-    try:
-        if impl == "tritamp":
-            step, keep = tritamp_step(spec, shapes, device)
-        else:
-            step, keep = torch_step(factory, shapes, device)
-            if step is None:
-                row["note"] = f"skipped: no {impl} implementation on {device.type}"
-                return row
-        med, p20, p80 = timed(step)
-    except torch.cuda.OutOfMemoryError:
-        row["note"] = "skipped: out of device memory"
-        return row
-    except Exception as exc:  # a failing configuration is reported, the run goes on
-        row["note"] = f"failed: {type(exc).__name__}: {exc}"[:300]
-        return row
-    finally:
-        step = keep = None  # noqa: F841 - drop the tensors before the next configuration
-        _release(device)
     nbytes = bytes_per_element(impl, spec.states) * count
-    gbps = nbytes / (med * 1e-3) / 1e9
-    row.update(time_ms=med, time_ms_p20=p20, time_ms_p80=p80, bytes=nbytes, gbps=gbps,
-               copy_bw_fraction=gbps / copy_gbps if copy_gbps else None)
-    return row
+
+    def make():
+        step, keep = (tritamp_step(spec, shapes, device) if impl == "tritamp"
+                      else torch_step(factory, shapes, device))
+        if step is None:
+            raise SkipRow(f"no {impl} implementation on {device.type}")
+        return step, nbytes, keep
+    return time_row(row, make, device, timed, copy_gbps)
 
 
 def add_ratios(rows):
@@ -414,16 +458,9 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        print("No GPU in use: these are CPU figures of small sizes (torch reference paths, or "
-              "Triton's interpreter); they say nothing about GPU speed.")
-    timed = make_timer(device, args.cpu_reps)
-    meta = dict(device=device_name(device), **versions())
-    copy_gbps = copy_bandwidth(device, timed)
-    print(f"{meta['device']} | torch {meta['torch']}, triton {meta['triton']}, "
-          f"tritamp {meta['tritamp']} | measured copy bandwidth {copy_gbps:.1f} GB/s")
+    timed, meta, copy_gbps = start_report(
+        device, args.cpu_reps, "No GPU in use: these are CPU figures of small sizes (torch "
+        "reference paths, or Triton's interpreter); they say nothing about GPU speed.")
     rows = []
     for n in args.sizes:
         for layout in args.layouts:
@@ -433,15 +470,8 @@ def main(argv=None):
                     rows.append(run_one(spec, impl, factory, layout, n, device, timed,
                                         copy_gbps, meta))
     add_ratios(rows)
-    print(format_table(rows))
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"optimizers_{device.type}.json")
-    with open(path, "w") as f:
-        json.dump(dict(meta, copy_bandwidth_gbps=copy_gbps, grad_dtype=str(GRAD_DTYPE),
-                       rows=rows), f, indent=2)
-    print(f"wrote {path}")
-    return 0 if all("time_ms" in r or r.get("note", "").startswith("skipped") for r in rows) \
-        else 1
+    return finish_report(rows, meta, copy_gbps, args.out, "optimizers", device,
+                         grad_dtype=str(GRAD_DTYPE))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ interpreter under ``TRITON_INTERPRET=1``) and the figures say nothing about GPU 
 ``syncbn_rows`` returns the rows in benchmarks/kernels.py's format for inclusion there.
 """
 import argparse
-import json
 import os
 import sys
 
@@ -90,9 +89,9 @@ def _layer_step(impl, shape, dtype, channels_last, device, group):
     inputs = (x, layer.weight, layer.bias)
     if impl == "torch sync":
         if device.type != "cuda":
-            raise _Skip("torch's SyncBatchNorm kernels are CUDA-only")
+            raise ob.SkipRow("torch's SyncBatchNorm kernels are CUDA-only")
         if group is None:
-            raise _Skip("no 1-rank process group could be created")
+            raise ob.SkipRow("no 1-rank process group could be created")
         from torch.nn.modules._functions import SyncBatchNorm as TorchSyncFunction
 
         def forward():
@@ -107,16 +106,6 @@ def _layer_step(impl, shape, dtype, channels_last, device, group):
         y = forward()
         torch.autograd.grad(y, inputs, dy)
     return step, (x, dy, layer)
-
-
-class _Skip(Exception):
-    pass
-
-
-def _measure(timed, impl, shape, dtype, channels_last, device, group):
-    # the step's tensors live only in this frame: gone before the next configuration
-    step, _ = _layer_step(impl, shape, dtype, channels_last, device, group)
-    return timed(step)
 
 
 def syncbn_rows(device, timed, copy_gbps, meta, batch=None, configs=None, shapes=None):
@@ -152,23 +141,11 @@ def _rows(device, timed, copy_gbps, meta, batch, configs, shapes, group):
                 row = dict(meta, optimizer=KERNEL, impl=name, layout=f"{config} {c}x{h}x{w}",
                            size=ob.size_label(numel), params=numel, tensors=1, shape=list(shape))
                 rows.append(row)
-                try:
-                    med, p20, p80 = _measure(timed, impl, shape, dtype, channels_last, device,
-                                             group)
-                except _Skip as why:
-                    row["note"] = f"skipped: {why}"
-                    continue
-                except torch.cuda.OutOfMemoryError:
-                    row["note"] = "skipped: out of device memory"
-                    continue
-                except Exception as exc:  # reported, the run goes on
-                    row["note"] = f"failed: {type(exc).__name__}: {exc}"[:300]
-                    continue
-                finally:
-                    ob._release(device)
-                gbps = nbytes / (med * 1e-3) / 1e9
-                row.update(time_ms=med, time_ms_p20=p20, time_ms_p80=p80, bytes=nbytes,
-                           gbps=gbps, copy_bw_fraction=gbps / copy_gbps if copy_gbps else None)
+
+                def make(impl=impl, shape=shape, dtype=dtype, channels_last=channels_last):
+                    step, keep = _layer_step(impl, shape, dtype, channels_last, device, group)
+                    return step, nbytes, keep
+                ob.time_row(row, make, device, timed, copy_gbps)
     return rows
 
 
@@ -224,23 +201,12 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
-    if device.type != "cuda":
-        print("No GPU in use: a CPU smoke run of small shapes (tritamp's torch reference path, "
-              "or Triton's interpreter); the figures say nothing about GPU speed.")
-    timed = ob.make_timer(device, args.cpu_reps)
-    meta = dict(device=ob.device_name(device), **ob.versions())
-    copy_gbps = ob.copy_bandwidth(device, timed)
-    print(f"{meta['device']} | torch {meta['torch']}, triton {meta['triton']}, "
-          f"tritamp {meta['tritamp']} | measured copy bandwidth {copy_gbps:.1f} GB/s")
+    timed, meta, copy_gbps = ob.start_report(
+        device, args.cpu_reps, "No GPU in use: a CPU smoke run of small shapes (tritamp's "
+        "torch reference path, or Triton's interpreter); the figures say nothing about GPU "
+        "speed.")
     rows = syncbn_rows(device, timed, copy_gbps, meta, args.batch, args.configs, args.shapes)
-    print(ob.format_table(rows).replace("optimizer", "kernel   ", 1))
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"syncbn_{device.type}.json")
-    with open(path, "w") as f:
-        json.dump(dict(meta, copy_bandwidth_gbps=copy_gbps, rows=rows), f, indent=2)
-    print(f"wrote {path}")
-    return 0 if all("time_ms" in r or r.get("note", "").startswith("skipped") for r in rows) \
-        else 1
+    return ob.finish_report(rows, meta, copy_gbps, args.out, "syncbn", device, "kernel")
 
 
 if __name__ == "__main__":
