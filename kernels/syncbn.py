@@ -270,6 +270,25 @@ def _syncbn_forward_kernel(
 
 
 @triton.jit
+def _syncbn_load_dy_x(dy_ptr, x_ptr, z_ptr, base, offs, mask, cols, col_mask, mean_ptr,
+                      invstd_ptr, w_ptr, b_ptr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      HAS_Z: tl.constexpr, RELU: tl.constexpr,
+                      EMULATE_BF16_ROUNDING: tl.constexpr):
+    """A tile's output gradient and input, the gradient zeroed where the fused ReLU cut
+    (the forward's output is recomputed: nothing but the statistics is saved)."""
+    dy = load_f32(dy_ptr + base + offs, mask, EMULATE_BF16_ROUNDING)
+    x = load_f32(x_ptr + base + offs, mask, EMULATE_BF16_ROUNDING)
+    if RELU:
+        z = x
+        if HAS_Z:
+            z = load_f32(z_ptr + base + offs, mask, EMULATE_BF16_ROUNDING)
+        y = _syncbn_affine(x, z, cols, col_mask, mean_ptr, invstd_ptr, w_ptr, b_ptr,
+                           HAS_WEIGHT, HAS_BIAS, HAS_Z, EMULATE_BF16_ROUNDING)
+        dy = tl.where(y > 0.0, dy, 0.0)
+    return dy, x
+
+
+@triton.jit
 def _syncbn_backward_reduce_kernel(
     dy_ptr,          # output gradient, same layout as x
     x_ptr,           # forward input, canonical view
@@ -297,15 +316,9 @@ def _syncbn_backward_reduce_kernel(
     for seg in range(first, last):
         base, offs, mask, k = _syncbn_tile(seg, cols, col_mask, M, C, B, NBB, CHANNELS_LAST,
                                            BLOCK_R)
-        dy = load_f32(dy_ptr + base + offs, mask, EMULATE_BF16_ROUNDING)
-        x = load_f32(x_ptr + base + offs, mask, EMULATE_BF16_ROUNDING)
-        if RELU:
-            z = x
-            if HAS_Z:
-                z = load_f32(z_ptr + base + offs, mask, EMULATE_BF16_ROUNDING)
-            y = _syncbn_affine(x, z, cols, col_mask, mean_ptr, invstd_ptr, w_ptr, b_ptr,
-                               HAS_WEIGHT, HAS_BIAS, HAS_Z, EMULATE_BF16_ROUNDING)
-            dy = tl.where(y > 0.0, dy, 0.0)
+        dy, x = _syncbn_load_dy_x(dy_ptr, x_ptr, z_ptr, base, offs, mask, cols, col_mask,
+                                  mean_ptr, invstd_ptr, w_ptr, b_ptr, HAS_WEIGHT, HAS_BIAS,
+                                  HAS_Z, RELU, EMULATE_BF16_ROUNDING)
         t_dy = tl.sum(dy, axis=1) - c_dy
         new = sum_dy + t_dy
         c_dy = (new - sum_dy) - t_dy
@@ -372,15 +385,9 @@ def _syncbn_backward_input_kernel(
     col_mask = cols < C
     base, offs, mask, k = _syncbn_tile(seg, cols, col_mask, M, C, B, NBB, CHANNELS_LAST,
                                        BLOCK_R)
-    dy = load_f32(dy_ptr + base + offs, mask, EMULATE_BF16_ROUNDING)
-    x = load_f32(x_ptr + base + offs, mask, EMULATE_BF16_ROUNDING)
-    if RELU:
-        z = x
-        if HAS_Z:
-            z = load_f32(z_ptr + base + offs, mask, EMULATE_BF16_ROUNDING)
-        y = _syncbn_affine(x, z, cols, col_mask, mean_ptr, invstd_ptr, w_ptr, b_ptr,
-                           HAS_WEIGHT, HAS_BIAS, HAS_Z, EMULATE_BF16_ROUNDING)
-        dy = tl.where(y > 0.0, dy, 0.0)
+    dy, x = _syncbn_load_dy_x(dy_ptr, x_ptr, z_ptr, base, offs, mask, cols, col_mask, mean_ptr,
+                              invstd_ptr, w_ptr, b_ptr, HAS_WEIGHT, HAS_BIAS, HAS_Z, RELU,
+                              EMULATE_BF16_ROUNDING)
     if HAS_DZ:
         store_cast(dz_ptr + base + offs, dy, mask, EMULATE_BF16_ROUNDING)
     invstd = tl.load(invstd_ptr + cols, mask=col_mask, other=0.0)
