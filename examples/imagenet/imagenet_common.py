@@ -1,5 +1,6 @@
-"""What the ImageNet examples share: command line, processes, data, meters, the learning-rate
-schedule, the training and validation loops, checkpoints, profiling.
+"""What the ImageNet examples share: command line, processes, data, model, meters, the
+learning-rate schedule, the training and validation loops, checkpoints and resuming,
+profiling, and the hand-managed fp32 master weights of main.py and main_reducer.py.
 
 Each script (main_amp.py, main.py, main_fp16_optimizer.py, main_reducer.py) builds its
 model and optimizer its own way and passes a ``train_step(loss)`` that does the backward
@@ -23,6 +24,9 @@ import torch.nn as nn
 import torchvision.datasets as datasets
 import torchvision.models as models
 import torchvision.transforms as transforms
+
+from tritamp.fp16_utils import (master_params_to_model_params, model_grads_to_master_grads,
+                                prep_param_lists)
 
 # ImageNet's channel statistics on the 0..255 scale: batches travel as uint8 and are
 # normalised on the device.
@@ -127,8 +131,10 @@ def base_parser(description):
     return p
 
 
-def add_legacy_fp16_args(p):
-    """The older scripts' precision options (Apex's main.py / main_fp16_optimizer.py)."""
+def legacy_fp16_parser(description):
+    """base_parser with the older scripts' precision options (Apex's main.py,
+    main_fp16_optimizer.py, main_reducer.py)."""
+    p = base_parser(description)
     p.add_argument("--fp16", action="store_true",
                    help="Run model fp16 mode (half model, fp32 BatchNorm, fp32 master weights).")
     p.add_argument("--static-loss-scale", type=float, default=1,
@@ -136,6 +142,7 @@ def add_legacy_fp16_args(p):
                         "convergence.")
     p.add_argument("--half-dtype", default="fp16", choices=sorted(HALF_DTYPES),
                    help="what --fp16 converts the model to (default: fp16)")
+    return p
 
 
 def check_args(args):
@@ -223,7 +230,10 @@ def wrap_ddp(model, args):
 
 
 def make_sgd(params, args):
-    """torch's SGD, fused where the device has a fused kernel (CPU and CUDA do)."""
+    """torch's SGD, fused where the device has a fused kernel (CPU and CUDA do), at Apex's
+    learning rate scaled by the global batch size: args.lr becomes
+    args.lr * batch_size * world_size / 256 (the schedule starts from it)."""
+    args.lr = args.lr * float(args.batch_size * args.world_size) / 256.
     params = list(params)
     kw = dict(lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     try:
@@ -232,19 +242,83 @@ def make_sgd(params, args):
         return torch.optim.SGD(params, **kw)
 
 
+class MasterWeights:
+    """The hand-managed fp32 master weights of the older scripts (Apex's main.py and
+    main_reducer.py). With --fp16, ``params`` are fp32 copies of the half model's parameters
+    (``prep_param_lists``); without it, the model's own parameters. The optimizer steps
+    ``params``."""
+
+    def __init__(self, model, args):
+        self.model, self.args = model, args
+        if args.fp16:
+            self.model_params, self.params = prep_param_lists(model)
+        else:
+            self.model_params = self.params = list(model.parameters())
+
+    def step(self, loss, optimizer, reduce_grads=None):
+        """Scale the loss by --static-loss-scale and backward; ``reduce_grads()``, if given,
+        averages the gradients over the processes. With --fp16: copy the half gradients to
+        the fp32 masters, unscale them, step the optimizer on the masters and copy them back
+        into the half model."""
+        args = self.args
+        loss = loss * args.static_loss_scale
+        if args.fp16:
+            self.model.zero_grad()
+        else:
+            optimizer.zero_grad()
+        loss.backward()
+        if reduce_grads is not None:
+            reduce_grads()
+        if not args.fp16:
+            optimizer.step()
+            return
+        model_grads_to_master_grads(self.model_params, self.params)
+        if args.static_loss_scale != 1:
+            for param in self.params:
+                if param.grad is not None:
+                    param.grad.div_(args.static_loss_scale)
+        optimizer.step()
+        master_params_to_model_params(self.model_params, self.params)
+
+    def state(self):
+        """What the checkpoint adds: the fp32 masters, with --fp16."""
+        return {"master_params": [p.detach() for p in self.params]} if self.args.fp16 else {}
+
+    def restore(self, checkpoint):
+        """Copy the fp32 masters a --fp16 run saved."""
+        if self.args.fp16:
+            with torch.no_grad():
+                for master, saved in zip(self.params, checkpoint["master_params"]):
+                    master.copy_(saved)
+
+
 # ---------------------------------------------------------------------------- model
 
-def build_model(args, num_classes):
-    """torchvision's model; the classifier has one output per class of the data (1000 on
-    ImageNet, as in Apex), or the pretrained 1000."""
+def datasets_and_model(args, memory_format=torch.contiguous_format):
+    """The training and validation ImageFolders of args.data and a model for their classes."""
+    train_dataset, val_dataset = make_datasets(args)
+    model = build_model(args, len(train_dataset.classes), memory_format)
+    return train_dataset, val_dataset, model
+
+
+def build_model(args, num_classes, memory_format=torch.contiguous_format):
+    """torchvision's model on args.device, its BatchNorm layers SyncBatchNorm with --sync_bn;
+    the classifier has one output per class of the data (1000 on ImageNet, as in Apex), or
+    the pretrained 1000."""
     extra = {}
     if args.arch in ("googlenet", "inception_v3"):
         extra["aux_logits"] = False      # one output tensor, as the loss expects
     if args.pretrained:
         log(args, "=> using pre-trained model '{}'".format(args.arch))
-        return load_pretrained(args.arch, **extra)
-    log(args, "=> creating model '{}'".format(args.arch))
-    return models.get_model(args.arch, num_classes=num_classes, **extra)
+        model = load_pretrained(args.arch, **extra)
+    else:
+        log(args, "=> creating model '{}'".format(args.arch))
+        model = models.get_model(args.arch, num_classes=num_classes, **extra)
+    if args.sync_bn:
+        from tritamp.parallel import convert_syncbn_model
+        log(args, "using tritamp synced BN")
+        model = convert_syncbn_model(model)
+    return model.to(args.device, memory_format=memory_format)
 
 
 def load_pretrained(arch, **extra):
@@ -401,6 +475,16 @@ def accuracy(output, target, topk=(1,)):
             for k in topk]
 
 
+def record(meters, loss, prec1, prec5, batch_size, args):
+    """Average loss and precisions over the processes, then add them to the
+    (losses, top1, top5) meters."""
+    values = (loss, prec1, prec5)
+    if args.distributed:
+        values = [reduce_tensor(v, args.world_size) for v in values]
+    for meter, value in zip(meters, values):
+        meter.update(value.item(), batch_size)
+
+
 def reduce_tensor(tensor, world_size):
     rt = tensor.clone()
     dist.all_reduce(rt, op=dist.ReduceOp.SUM)
@@ -547,14 +631,7 @@ def train(loader, model, criterion, optimizer, train_step, epoch, args, input_dt
                 # Every print_freq iterations: accuracy, an all-reduce and a host sync;
                 # the iterations in between queue work without waiting for the device.
                 prec1, prec5 = accuracy(output.detach(), target, topk=(1, 5))
-                reduced_loss = loss.detach()
-                if args.distributed:
-                    reduced_loss = reduce_tensor(reduced_loss, args.world_size)
-                    prec1 = reduce_tensor(prec1, args.world_size)
-                    prec5 = reduce_tensor(prec5, args.world_size)
-                losses.update(reduced_loss.item(), inp.size(0))
-                top1.update(prec1.item(), inp.size(0))
-                top5.update(prec5.item(), inp.size(0))
+                record((losses, top1, top5), loss.detach(), prec1, prec5, inp.size(0), args)
                 device_sync(args.device)
                 batch_time.update((time.time() - end) / args.print_freq)
                 end = time.time()
@@ -594,13 +671,7 @@ def validate(loader, model, criterion, args, input_dtype=torch.float32):
                 output = model(inp)
                 loss = criterion(output, target)
             prec1, prec5 = accuracy(output, target, topk=(1, 5))
-            if args.distributed:
-                loss = reduce_tensor(loss, args.world_size)
-                prec1 = reduce_tensor(prec1, args.world_size)
-                prec5 = reduce_tensor(prec5, args.world_size)
-            losses.update(loss.item(), inp.size(0))
-            top1.update(prec1.item(), inp.size(0))
-            top5.update(prec5.item(), inp.size(0))
+            record((losses, top1, top5), loss, prec1, prec5, inp.size(0), args)
             batch_time.update(time.time() - end)
             end = time.time()
             if i % args.print_freq == 0:
@@ -670,6 +741,22 @@ def load_checkpoint(path, args):
     return torch.load(path, map_location=args.device, weights_only=True)
 
 
+def resume(args, model, optimizer, restore=None):
+    """--resume: load the checkpoint into the model (DDP-wrapped or not) and the optimizer
+    and continue from its epoch; ``restore(checkpoint)`` loads what the script added (amp's
+    state, fp32 master weights). Returns the checkpoint, or None without --resume."""
+    if not args.resume:
+        return None
+    checkpoint = load_checkpoint(args.resume, args)
+    args.start_epoch = checkpoint["epoch"]
+    unwrap(model).load_state_dict(model_state(checkpoint))
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    if restore is not None:
+        restore(checkpoint)
+    log(args, "=> loaded checkpoint '{}' (epoch {})".format(args.resume, checkpoint["epoch"]))
+    return checkpoint
+
+
 def model_state(checkpoint):
     """The model's state dict, without the ``module.`` prefix a DDP-wrapped save adds."""
     sd = checkpoint["state_dict"]
@@ -705,14 +792,16 @@ def restore_rng_states(states, args):
         torch.cuda.set_rng_state(mine["cuda"].cpu(), args.device)
 
 
-def fit(args, model, criterion, optimizer, train_step, train_loader, val_loader, train_sampler,
+def fit(args, model, optimizer, train_step, train_loader, val_loader, train_sampler,
         checkpoint_extras, input_dtype=torch.float32, checkpoint=None):
-    """Apex's epoch loop: train, validate, checkpoint (rank 0), keep model_best.
+    """Apex's epoch loop with the cross-entropy loss: train, validate, checkpoint (rank 0),
+    keep model_best.
 
     ``checkpoint_extras()`` returns what a script adds to the checkpoint (amp state,
     master parameters); ``checkpoint`` is the loaded --resume checkpoint, if any.
     Returns the best Prec@1 seen.
     """
+    criterion = nn.CrossEntropyLoss().to(args.device)
     best_prec1 = checkpoint.get("best_prec1") if checkpoint else None
     if args.evaluate:
         prec1 = validate(val_loader, model, criterion, args, input_dtype)

@@ -13,7 +13,6 @@ built, and ``amp.scale_loss`` around the backward pass. The model and its inputs
 converted to half by hand.
 """
 import torch
-import torch.nn as nn
 
 import imagenet_common as common  # the shared parts, next to this script
 
@@ -49,19 +48,10 @@ def main(argv=None):
         common.log(args, "\nCUDNN VERSION: {}\n".format(torch.backends.cudnn.version()))
 
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    train_dataset, val_dataset = common.make_datasets(args)
-
-    model = common.build_model(args, num_classes=len(train_dataset.classes))
-    if args.sync_bn:
-        from tritamp.parallel import convert_syncbn_model
-        common.log(args, "using tritamp synced BN")
-        model = convert_syncbn_model(model)
-    model = model.to(args.device, memory_format=memory_format)
+    train_dataset, val_dataset, model = common.datasets_and_model(args, memory_format)
     if args.distributed:
         common.broadcast_model(model)
 
-    # Scale learning rate based on global batch size
-    args.lr = args.lr * float(args.batch_size * args.world_size) / 256.
     optimizer = common.make_sgd(model.parameters(), args)
 
     # amp accepts values or strings for the overrides, for convenient use with argparse.
@@ -71,21 +61,16 @@ def main(argv=None):
                                       loss_scale=args.loss_scale,
                                       half_dtype=common.HALF_DTYPES[args.half_dtype])
 
-    checkpoint = None
-    if args.resume:
-        checkpoint = common.load_checkpoint(args.resume, args)
-        args.start_epoch = checkpoint["epoch"]
-        model.load_state_dict(common.model_state(checkpoint))   # fp32 masters too, at O2
-        optimizer.load_state_dict(checkpoint["optimizer"])
+    def restore_amp(checkpoint):
         if "amp" in checkpoint:
             amp.load_state_dict(checkpoint["amp"])
-        common.log(args, "=> loaded checkpoint '{}' (epoch {})".format(args.resume,
-                                                                      checkpoint["epoch"]))
+
+    # The model's state dict holds the fp32 masters too, at O2.
+    checkpoint = common.resume(args, model, optimizer, restore=restore_amp)
 
     # DistributedDataParallel wraps the model AFTER amp.initialize (initialize refuses a
     # wrapped model: casting it afterwards would break DDP's gradient hooks).
     model = common.wrap_ddp(model, args)
-    criterion = nn.CrossEntropyLoss().to(args.device)
     train_loader, val_loader, train_sampler = common.make_loaders(
         train_dataset, val_dataset, args, channels_last=args.channels_last)
 
@@ -95,7 +80,7 @@ def main(argv=None):
             scaled_loss.backward()
         optimizer.step()
 
-    return common.fit(args, model, criterion, optimizer, train_step, train_loader, val_loader,
+    return common.fit(args, model, optimizer, train_step, train_loader, val_loader,
                       train_sampler, checkpoint_extras=lambda: {"amp": amp.state_dict()},
                       checkpoint=checkpoint)
 

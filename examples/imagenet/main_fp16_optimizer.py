@@ -10,7 +10,6 @@ and the loss scale (Apex's older examples/imagenet/main_fp16_optimizer.py).
 and, with ``--dynamic-loss-scale``, the scale is halved.
 """
 import torch
-import torch.nn as nn
 
 import imagenet_common as common  # the shared parts, next to this script
 
@@ -18,8 +17,7 @@ from tritamp.fp16_utils import FP16_Optimizer, network_to_half
 
 
 def parse(argv=None):
-    p = common.base_parser("PyTorch ImageNet Training (FP16_Optimizer)")
-    common.add_legacy_fp16_args(p)
+    p = common.legacy_fp16_parser("PyTorch ImageNet Training (FP16_Optimizer)")
     p.add_argument("--dynamic-loss-scale", action="store_true",
                    help="Use dynamic loss scaling.  If supplied, this argument supersedes "
                         "--static-loss-scale.")
@@ -33,20 +31,11 @@ def main(argv=None):
         common.log(args, "Warning:  if --fp16 is not used, static_loss_scale will be ignored.")
     half = common.HALF_DTYPES[args.half_dtype]
 
-    train_dataset, val_dataset = common.make_datasets(args)
-    model = common.build_model(args, num_classes=len(train_dataset.classes))
-    if args.sync_bn:
-        from tritamp.parallel import convert_syncbn_model
-        common.log(args, "using tritamp synced BN")
-        model = convert_syncbn_model(model)
-    model = model.to(args.device)
+    train_dataset, val_dataset, model = common.datasets_and_model(args)
     if args.fp16:
         model = network_to_half(model, dtype=half)
     model = common.wrap_ddp(model, args)
 
-    criterion = nn.CrossEntropyLoss().to(args.device)
-    # Scale learning rate based on global batch size
-    args.lr = args.lr * float(args.batch_size * args.world_size) / 256.
     optimizer = common.make_sgd(model.parameters(), args)
     if args.fp16:
         optimizer = FP16_Optimizer(optimizer,
@@ -54,15 +43,8 @@ def main(argv=None):
                                    dynamic_loss_scale=args.dynamic_loss_scale,
                                    verbose=False)
 
-    checkpoint = None
-    if args.resume:
-        checkpoint = common.load_checkpoint(args.resume, args)
-        args.start_epoch = checkpoint["epoch"]
-        common.unwrap(model).load_state_dict(common.model_state(checkpoint))
-        # An FP16_Optimizer's state dict holds the fp32 master weights and the scaler.
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        common.log(args, "=> loaded checkpoint '{}' (epoch {})".format(args.resume,
-                                                                      checkpoint["epoch"]))
+    # An FP16_Optimizer's state dict holds the fp32 master weights and the scaler.
+    checkpoint = common.resume(args, model, optimizer)
 
     train_loader, val_loader, train_sampler = common.make_loaders(train_dataset, val_dataset, args)
 
@@ -74,7 +56,7 @@ def main(argv=None):
             loss.backward()
         optimizer.step()
 
-    return common.fit(args, model, criterion, optimizer, train_step, train_loader, val_loader,
+    return common.fit(args, model, optimizer, train_step, train_loader, val_loader,
                       train_sampler, checkpoint_extras=dict,
                       input_dtype=half if args.fp16 else torch.float32, checkpoint=checkpoint)
 
