@@ -363,6 +363,12 @@ def layer_norm_fwd_ref(x, n, weight=None, bias=None, eps=1e-5, rms=False, out_dt
     _check(x, n, weight, bias)
     out_dtype = out_dtype or x.dtype
     x2 = x.reshape(-1, n).float()
+    if not rms:
+        # torch's own fp32 kernel: the same arithmetic (centred variance), and quick on CPU
+        w32 = weight.reshape(-1).float() if weight is not None else None
+        b32 = bias.reshape(-1).float() if bias is not None else None
+        y, mean, rstd = torch.native_layer_norm(x2, [n], w32, b32, eps)
+        return y.to(out_dtype).reshape(x.shape), mean.reshape(-1), rstd.reshape(-1)
     if rms:
         mean = None
         xc = x2
@@ -385,6 +391,15 @@ def layer_norm_bwd_ref(dy, saved, n, weight=None, bias=None, mean=None, rstd=Non
     x_dtype = x_dtype or saved.dtype
     v = saved.reshape(-1, n).float()
     dy2 = dy.reshape(-1, n).float()
+    if not rms and not from_output:
+        w32 = weight.reshape(-1).float() if weight is not None else None
+        b32 = bias.reshape(-1).float() if bias is not None else None
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            dy2, v, [n], mean[:, None], rstd[:, None], w32, b32,
+            [True, weight is not None, bias is not None])
+        return (dx.to(x_dtype).reshape(saved.shape),
+                None if weight is None else dw.to(weight.dtype).reshape(weight.shape),
+                None if bias is None else db.to(bias.dtype).reshape(bias.shape))
     w = weight.reshape(-1).float() if weight is not None else None
     if from_output:
         xhat = v
