@@ -34,6 +34,37 @@ def inv_scale(scale_ptr):
 
 
 @triton.jit
+def load_grad(row, g_proto, offs, mask, scale_ptr, HAS_SCALE: tl.constexpr,
+              EMULATE_BF16_ROUNDING: tl.constexpr):
+    """The gradient a sweep's table row addresses in column 1, widened to fp32 and, with
+    HAS_SCALE, unscaled by 1 / scale (the optimizers' first read)."""
+    g_ptr = tl.load(row + 1).to(tl.pointer_type(g_proto.dtype.element_ty))
+    g = load_f32(g_ptr + offs, mask, EMULATE_BF16_ROUNDING)
+    if HAS_SCALE:
+        g = g * inv_scale(scale_ptr)
+    return g
+
+
+@triton.jit
+def store_param(row, p_ptr, p, offs, mask, c_proto, COPY_COLUMN: tl.constexpr,
+                HAS_COPY: tl.constexpr, EMULATE_BF16_ROUNDING: tl.constexpr):
+    """Write the updated parameter and, with HAS_COPY, its copy (the half model weight the
+    table row addresses in COPY_COLUMN) from the same fp32 value."""
+    store_cast(p_ptr + offs, p, mask, EMULATE_BF16_ROUNDING)
+    if HAS_COPY:
+        c_ptr = tl.load(row + COPY_COLUMN).to(tl.pointer_type(c_proto.dtype.element_ty))
+        store_cast(c_ptr + offs, p, mask, EMULATE_BF16_ROUNDING)
+
+
+@triton.jit
+def bias_corrections(step_ptr, betas_ptr):
+    """1 - beta1**t and 1 - beta2**t in fp64, t the step after this one (torch's rule)."""
+    t = tl.load(step_ptr).to(tl.float64) + 1.0
+    return (1.0 - tl.exp2(t * tl.log2(tl.load(betas_ptr + 0))),
+            1.0 - tl.exp2(t * tl.log2(tl.load(betas_ptr + 1))))
+
+
+@triton.jit
 def load_lr(lr, LR_IS_TENSOR: tl.constexpr):
     """The learning rate: a scalar argument, or read from an fp32 device tensor."""
     if LR_IS_TENSOR:

@@ -21,7 +21,7 @@ import triton.language as tl
 from ._dispatch import elementwise_settings, use_triton
 from ._ref_utils import f32 as _f32, sqrt_rn as _sqrt_rn
 from ._multi_tensor import check_lists, dtype_groups, plan_columns
-from ._tl_utils import inv_scale, load_f32, load_lr, store_cast, sweep_block
+from ._tl_utils import bias_corrections, load_f32, load_grad, load_lr, store_param, sweep_block
 
 
 @triton.jit
@@ -48,14 +48,11 @@ def _adam_step_kernel(
 ):
     tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, 6, HAS_FOUND_INF, BLOCK)
     p_ptr = tl.load(row + 0).to(tl.pointer_type(p_proto.dtype.element_ty))
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(g_proto.dtype.element_ty))
     m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
     step_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
 
-    g = load_f32(g_ptr + offs, mask, EMULATE_BF16_ROUNDING)
-    if HAS_SCALE:
-        g = g * inv_scale(scale_ptr)
+    g = load_grad(row, g_proto, offs, mask, scale_ptr, HAS_SCALE, EMULATE_BF16_ROUNDING)
     p = load_f32(p_ptr + offs, mask, EMULATE_BF16_ROUNDING)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
@@ -70,21 +67,17 @@ def _adam_step_kernel(
     m = m + one_minus_beta1 * (g - m)
     v = v * beta2 + one_minus_beta2 * g * g
     if BIAS_CORRECTION:
-        t = tl.load(step_ptr).to(tl.float64) + 1.0
-        bc1 = 1.0 - tl.exp2(t * tl.log2(tl.load(betas_ptr + 0)))
-        bc2_sqrt = tl.sqrt(1.0 - tl.exp2(t * tl.log2(tl.load(betas_ptr + 1)))).to(tl.float32)
+        bc1, bc2 = bias_corrections(step_ptr, betas_ptr)
+        bc2_sqrt = tl.sqrt(bc2).to(tl.float32)
         step_size = (lr_v.to(tl.float64) / bc1).to(tl.float32)
         denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     else:
         step_size = lr_v
         denom = tl.sqrt_rn(v) + eps
     p = p - step_size * tl.div_rn(m, denom)
-    store_cast(p_ptr + offs, p, mask, EMULATE_BF16_ROUNDING)
+    store_param(row, p_ptr, p, offs, mask, c_proto, 4, HAS_COPY, EMULATE_BF16_ROUNDING)
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
-    if HAS_COPY:
-        c_ptr = tl.load(row + 4).to(tl.pointer_type(c_proto.dtype.element_ty))
-        store_cast(c_ptr + offs, p, mask, EMULATE_BF16_ROUNDING)
 
 
 def _check(params, grads, exp_avgs, exp_avg_sqs, steps, copies):

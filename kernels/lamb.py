@@ -41,7 +41,7 @@ import triton.language as tl
 from ._dispatch import elementwise_settings, use_triton
 from ._ref_utils import f32 as _f32
 from ._multi_tensor import check_lists, dtype_groups, plan_columns
-from ._tl_utils import inv_scale, load_f32, load_lr, store_cast, sweep_block
+from ._tl_utils import bias_corrections, load_f32, load_grad, load_lr, store_param, sweep_block
 from .adam import _betas, advance_steps
 from .l2norm import block_counts, reduce_segments, segment_table
 
@@ -50,9 +50,9 @@ from .l2norm import block_counts, reduce_segments, segment_table
 def _lamb_bias_corrections(step_ptr, betas_ptr, BIAS_CORRECTION: tl.constexpr):
     # 1 - beta**t in fp64 (t the step after this one), rounded once to fp32.
     if BIAS_CORRECTION:
-        t = tl.load(step_ptr).to(tl.float64) + 1.0
-        bc1 = (1.0 - tl.exp2(t * tl.log2(tl.load(betas_ptr + 0)))).to(tl.float32)
-        bc2 = (1.0 - tl.exp2(t * tl.log2(tl.load(betas_ptr + 1)))).to(tl.float32)
+        c1, c2 = bias_corrections(step_ptr, betas_ptr)
+        bc1 = c1.to(tl.float32)
+        bc2 = c2.to(tl.float32)
     else:
         bc1 = tl.full((), 1.0, tl.float32)
         bc2 = tl.full((), 1.0, tl.float32)
@@ -97,14 +97,11 @@ def _lamb_moments_kernel(
 ):
     pid = tl.program_id(0).to(tl.int64)
     tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, 6, HAS_FOUND_INF, BLOCK)
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(g_proto.dtype.element_ty))
     m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
     step_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
 
-    g = load_f32(g_ptr + offs, mask, EMULATE_BF16_ROUNDING)
-    if HAS_SCALE:
-        g = g * inv_scale(scale_ptr)
+    g = load_grad(row, g_proto, offs, mask, scale_ptr, HAS_SCALE, EMULATE_BF16_ROUNDING)
     if HAS_CLIP:
         gn = tl.load(grad_norm_ptr)
         g = tl.div_rn(g, tl.where(gn > max_grad_norm, tl.div_rn(gn, max_grad_norm), 1.0))
@@ -173,10 +170,7 @@ def _lamb_apply_kernel(
         # Divide by 1 where unusable, so no 0/0 is formed even in the discarded branch.
         ratio = tl.where(usable, ratio * tl.div_rn(p_norm, tl.where(usable, u_norm, 1.0)), ratio)
     p = p - ratio * u
-    store_cast(p_ptr + offs, p, mask, EMULATE_BF16_ROUNDING)
-    if HAS_COPY:
-        c_ptr = tl.load(row + 4).to(tl.pointer_type(c_proto.dtype.element_ty))
-        store_cast(c_ptr + offs, p, mask, EMULATE_BF16_ROUNDING)
+    store_param(row, p_ptr, p, offs, mask, c_proto, 4, HAS_COPY, EMULATE_BF16_ROUNDING)
 
 
 def _check(params, grads, exp_avgs, exp_avg_sqs, steps, copies):

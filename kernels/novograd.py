@@ -32,7 +32,7 @@ import triton.language as tl
 from ._dispatch import elementwise_settings, use_triton
 from ._ref_utils import f32 as _f32
 from ._multi_tensor import check_lists, dtype_groups, plan_columns
-from ._tl_utils import inv_scale, load_f32, load_lr, store_cast, sweep_block
+from ._tl_utils import bias_corrections, load_f32, load_grad, load_lr, store_param, sweep_block
 from .adam import _betas, advance_steps
 from .l2norm import SEGMENT_BLOCK, block_counts, segment_table
 
@@ -53,10 +53,7 @@ def _novograd_norm_kernel(
 ):
     pid = tl.program_id(0).to(tl.int64)
     tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, 6, HAS_FOUND_INF, BLOCK)
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(g_proto.dtype.element_ty))
-    g = load_f32(g_ptr + offs, mask, EMULATE_BF16_ROUNDING)
-    if HAS_SCALE:
-        g = g * inv_scale(scale_ptr)
+    g = load_grad(row, g_proto, offs, mask, scale_ptr, HAS_SCALE, EMULATE_BF16_ROUNDING)
     if MAX_NORM:
         # tl.max may drop NaN (the interpreter does): carry it through by hand.
         has_nan = tl.max((g != g).to(tl.int32), axis=0) > 0
@@ -137,21 +134,18 @@ def _novograd_step_kernel(
 ):
     tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, 6, HAS_FOUND_INF, BLOCK)
     p_ptr = tl.load(row + 0).to(tl.pointer_type(p_proto.dtype.element_ty))
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(g_proto.dtype.element_ty))
     m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
     step_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
 
-    g = load_f32(g_ptr + offs, mask, EMULATE_BF16_ROUNDING)
-    if HAS_SCALE:
-        g = g * inv_scale(scale_ptr)
+    g = load_grad(row, g_proto, offs, mask, scale_ptr, HAS_SCALE, EMULATE_BF16_ROUNDING)
     p = load_f32(p_ptr + offs, mask, EMULATE_BF16_ROUNDING)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
     lr_v = load_lr(lr, LR_IS_TENSOR)
     if BIAS_CORRECTION:
-        t = tl.load(step_ptr).to(tl.float64) + 1.0
-        bc1 = (1.0 - tl.exp2(t * tl.log2(tl.load(betas_ptr + 0)))).to(tl.float32)
-        bc2 = tl.sqrt(1.0 - tl.exp2(t * tl.log2(tl.load(betas_ptr + 1)))).to(tl.float32)
+        c1, c2 = bias_corrections(step_ptr, betas_ptr)
+        bc1 = c1.to(tl.float32)
+        bc2 = tl.sqrt(c2).to(tl.float32)
     else:
         bc1 = 1.0
         bc2 = 1.0
@@ -163,11 +157,8 @@ def _novograd_step_kernel(
     else:
         m = beta1 * m + beta3 * g
         p = p - lr_v * (tl.div_rn(tl.div_rn(m, bc1), denom) + weight_decay * p)
-    store_cast(p_ptr + offs, p, mask, EMULATE_BF16_ROUNDING)
+    store_param(row, p_ptr, p, offs, mask, c_proto, 3, HAS_COPY, EMULATE_BF16_ROUNDING)
     tl.store(m_ptr + offs, m, mask=mask)
-    if HAS_COPY:
-        c_ptr = tl.load(row + 3).to(tl.pointer_type(c_proto.dtype.element_ty))
-        store_cast(c_ptr + offs, p, mask, EMULATE_BF16_ROUNDING)
 
 
 def _check(params, grads, exp_avgs, exp_avg_sqs, steps, copies, norm_type):

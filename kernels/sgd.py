@@ -19,7 +19,7 @@ import triton.language as tl
 from ._dispatch import elementwise_settings, use_triton
 from ._ref_utils import f32
 from ._multi_tensor import check_lists, dtype_groups, plan_columns
-from ._tl_utils import inv_scale, load_f32, load_lr, store_cast, sweep_block
+from ._tl_utils import load_f32, load_grad, load_lr, store_param, sweep_block
 from .adam import advance_steps
 
 
@@ -48,10 +48,7 @@ def _sgd_step_kernel(
 ):
     tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, 5, HAS_FOUND_INF, BLOCK)
     p_ptr = tl.load(row + 0).to(tl.pointer_type(p_proto.dtype.element_ty))
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(g_proto.dtype.element_ty))
-    g = load_f32(g_ptr + offs, mask, EMULATE_BF16_ROUNDING)
-    if HAS_SCALE:
-        g = g * inv_scale(scale_ptr)
+    g = load_grad(row, g_proto, offs, mask, scale_ptr, HAS_SCALE, EMULATE_BF16_ROUNDING)
     p = load_f32(p_ptr + offs, mask, EMULATE_BF16_ROUNDING)
     if not WD_AFTER_MOMENTUM:
         g = g + weight_decay * p
@@ -78,10 +75,7 @@ def _sgd_step_kernel(
         p = p - load_lr(lr, LR_IS_TENSOR) * g
     else:
         p = p + (-lr) * g
-    store_cast(p_ptr + offs, p, mask, EMULATE_BF16_ROUNDING)
-    if HAS_COPY:
-        c_ptr = tl.load(row + 3).to(tl.pointer_type(c_proto.dtype.element_ty))
-        store_cast(c_ptr + offs, p, mask, EMULATE_BF16_ROUNDING)
+    store_param(row, p_ptr, p, offs, mask, c_proto, 3, HAS_COPY, EMULATE_BF16_ROUNDING)
 
 
 def _check(params, grads, bufs, copies, steps=None):
