@@ -48,3 +48,26 @@ TOL = {
     torch.float16: dict(rtol=1e-3, atol=1e-5),
     torch.bfloat16: dict(rtol=1.6e-2, atol=1e-5),
 }
+
+
+class CountingKernel:
+    """Stands in for a @triton.jit kernel: records each launch grid, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.grids = []
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]
+
+
+@pytest.fixture
+def count_launches(monkeypatch):
+    """``count_launches(module, "_kernel_name")`` swaps the module's kernel for a
+    CountingKernel for the test and returns it."""
+    def count(module, name):
+        counter = CountingKernel(getattr(module, name))
+        monkeypatch.setattr(module, name, counter)
+        return counter
+    return count

@@ -319,30 +319,14 @@ def test_sgd_kernel_matches_torch_sgd(kw):
 
 # ------------------------------------------------------------------ launches per group
 
-class CountingKernel:
-    """Stands in for a @triton.jit kernel: records each launch grid, then launches."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.grids = []
-
-    def __getitem__(self, grid):
-        self.grids.append(tuple(grid))
-        return self.kernel[grid]
+@pytest.fixture
+def adam_launches(count_launches):
+    return count_launches(adam_mod, "_adam_step_kernel")
 
 
 @pytest.fixture
-def adam_launches(monkeypatch):
-    counter = CountingKernel(adam_mod._adam_step_kernel)
-    monkeypatch.setattr(adam_mod, "_adam_step_kernel", counter)
-    return counter
-
-
-@pytest.fixture
-def sgd_launches(monkeypatch):
-    counter = CountingKernel(sgd_mod._sgd_step_kernel)
-    monkeypatch.setattr(sgd_mod, "_sgd_step_kernel", counter)
-    return counter
+def sgd_launches(count_launches):
+    return count_launches(sgd_mod, "_sgd_step_kernel")
 
 
 def n_blocks(sizes):

@@ -147,20 +147,10 @@ def test_flag_is_never_cleared_and_the_scaled_overflow_is_not_flagged():
     assert f.item() == 0 and torch.isinf(dst).all()  # Apex checks the inputs only
 
 
-class CountingKernel:
-    def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
-
-
 @pytest.mark.skipif(DEVICE.type == "cpu" and not ax_mod.use_triton(torch.zeros(1)),
                     reason="no GPU and no interpreter: the torch reference runs")
-def test_one_launch_per_dtype_group(monkeypatch):
-    counter = CountingKernel(ax_mod._axpby_sweep_kernel)
-    monkeypatch.setattr(ax_mod, "_axpby_sweep_kernel", counter)
+def test_one_launch_per_dtype_group(count_launches):
+    counter = count_launches(ax_mod, "_axpby_sweep_kernel")
     srcs = [torch.randn(n, device=DEVICE) for n in (5, 4097, 1, 33)] + \
         [torch.randn(9, device=DEVICE, dtype=torch.float16)]
     srcs.append(torch.empty(0, device=DEVICE))  # empty tensors are skipped

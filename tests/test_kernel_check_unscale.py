@@ -123,23 +123,9 @@ def tensor_lists(draw, max_tensors=6, dtypes=DTYPES):
     return [t.to(DEVICE) for t in tensors]
 
 
-class CountingKernel:
-    """Stands in for a @triton.jit kernel: records each launch grid, then launches."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.grids = []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
-
-
 @pytest.fixture
-def launches(monkeypatch):
-    counter = CountingKernel(cu_mod._check_unscale_sweep_kernel)
-    monkeypatch.setattr(cu_mod, "_check_unscale_sweep_kernel", counter)
-    return counter
+def launches(count_launches):
+    return count_launches(cu_mod, "_check_unscale_sweep_kernel")
 
 
 # --------------------------------------------------------------------------- in place

@@ -122,20 +122,10 @@ def test_kernel_matches_reference_bitwise(data, w_mode, wd, lr, lr_tensor, scale
         assert all(s.item() == 4.0 for s in ours[3])
 
 
-class CountingKernel:
-    def __init__(self, kernel):
-        self.kernel, self.grids = kernel, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
-
-
 @pytest.mark.skipif(not ag_mod.use_triton(torch.zeros(1, device=DEVICE)),
                     reason="no GPU and no interpreter: the torch reference runs")
-def test_one_launch_per_dtype_group(monkeypatch):
-    counter = CountingKernel(ag_mod._adagrad_step_kernel)
-    monkeypatch.setattr(ag_mod, "_adagrad_step_kernel", counter)
+def test_one_launch_per_dtype_group(count_launches):
+    counter = count_launches(ag_mod, "_adagrad_step_kernel")
     params = make_params(((5,), (4097,), (1,))) + make_params(((9,),), torch.float16)
     opt = FusedAdagrad(params, lr=0.1)
     set_grads(params, grads_for(params, 0))
