@@ -71,3 +71,17 @@ def count_launches(monkeypatch):
         monkeypatch.setattr(module, name, counter)
         return counter
     return count
+
+
+def run_without_sync(step, warmup=3, steps=3):
+    """Run ``step`` ``warmup`` times, then ``steps`` times under CUDA's sync-debug mode
+    "error", where any host-device synchronisation raises (GPU tests)."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

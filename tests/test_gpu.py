@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conftest import run_without_sync
 from tritamp import amp
 from tritamp.kernels import check_unscale, check_unscale_ref, scale_update, scale_update_ref
 
@@ -65,15 +66,7 @@ def test_fused_step_makes_no_host_sync(opt_level):
             scaled.backward()
         opt.step()
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    run_without_sync(step)
 
 
 def test_skip_is_logged_once_the_device_catches_up(caplog):

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conftest import run_without_sync
 from tritamp import amp
 from tritamp.optimizers import FusedAdam, FusedSGD
 
@@ -93,14 +94,6 @@ def test_o2_step_with_a_fused_optimizer_makes_no_host_sync(make):
             scaled.backward()
         opt.step()
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    run_without_sync(step)
     masters = list(amp.master_params(opt))
     assert all(m.grad is None for m in masters)
