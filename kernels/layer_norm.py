@@ -336,9 +336,11 @@ def layer_norm_bwd(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, r
     programs = min(m, _programs_per_device(dy.device))
     rows_per_program = triton.cdiv(m, programs)
     programs = triton.cdiv(m, rows_per_program)
-    # Zeroed: rows of programs with no rows (and the chunked path) are summed as they are.
-    dw_part = torch.zeros((programs, n), dtype=torch.float32, device=dy.device) if has_w else None
-    db_part = torch.zeros((programs, n), dtype=torch.float32, device=dy.device) if has_b else None
+    # Every program has rows. In one pass each stores its whole partial row; the chunked
+    # path adds into its row, which must then start at zero.
+    alloc = torch.empty if one_pass else torch.zeros
+    dw_part = alloc((programs, n), dtype=torch.float32, device=dy.device) if has_w else None
+    db_part = alloc((programs, n), dtype=torch.float32, device=dy.device) if has_b else None
     any_part = dw_part if has_w else (db_part if has_b else rstd)
     _layer_norm_bwd_kernel[(programs,)](
         dy2, v2, weight.contiguous() if has_w else v2, bias.contiguous() if has_b else v2,
