@@ -3,29 +3,64 @@
 CUDA tensors run the compiled Triton kernel. CPU tensors run the same kernel in
 Triton's interpreter when ``TRITON_INTERPRET=1`` (how the tests exercise kernels
 without a GPU), and the torch ``*_ref`` implementation otherwise.
+
+``force_gpu_path()`` (used by :mod:`tritamp.kernels.recorder`) sends CPU tensors down
+the GPU code path, with the GPU's block sizes and no interpreter emulation, so that the
+host cost and the specialisations of a real GPU step can be seen without a GPU.
 """
+import contextlib
 import os
 
 import torch
+
+_forced = [False]
 
 
 def interpreter_on():
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def gpu_path_forced():
+    return _forced[0]
+
+
+@contextlib.contextmanager
+def force_gpu_path():
+    """Inside the block, CPU tensors take the CUDA code path (launchers, tables, block
+    sizes, constexprs) as if they were on a GPU."""
+    old = _forced[0]
+    _forced[0] = True
+    try:
+        yield
+    finally:
+        _forced[0] = old
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """True when the Triton kernel (compiled or interpreted) should handle ``t``."""
-    if t.is_cuda:
+    if t.is_cuda or _forced[0]:
         return True
     return t.device.type == "cpu" and interpreter_on()
 
 
-def elementwise_settings(device: torch.device):
-    """Block size and warps for memory-bound sweeps (one heuristic, no autotuning).
+def kernel_settings(device: torch.device):
+    """(block, num_warps, emulate_bf16_rounding) for memory-bound sweeps on ``device``:
+    one heuristic, no autotuning.
 
-    The interpreter pays ~30 us per program whatever the block, so it gets large
-    blocks; on the GPU 2048 elements over 8 warps keeps 16-byte accesses per thread.
-    """
-    if device.type == "cpu":
-        return 4096, 4
-    return 2048, 8
+    On the GPU 1024 elements over 4 warps gives every thread 8 elements (one or two
+    16-byte accesses per tensor) and keeps the optimizers' register use low. The
+    interpreter pays ~30 us per program whatever the block, so it gets large blocks,
+    and emulates the GPU's bf16 rounding (see _tl_utils)."""
+    if device.type == "cuda" or _forced[0]:
+        return 1024, 4, False
+    return 4096, 4, True
+
+
+def elementwise_settings(device: torch.device):
+    """(block, num_warps) of :func:`kernel_settings`."""
+    block, warps, _ = kernel_settings(device)
+    return block, warps
+
+
+def emulate_bf16_rounding(device: torch.device) -> bool:
+    return kernel_settings(device)[2]

@@ -1,19 +1,394 @@
-"""Launch plans for kernels that sweep a list of tensors in one launch.
+"""The multi-tensor engine: every kernel that sweeps a list of tensors goes through here.
 
-A plan is a device table of (address, ..., numel) per tensor and a
-block -> (tensor, block-within-tensor) map, as in Triton's grouped-GEMM tutorial.
-Plans are cached on the tensors' addresses and sizes, so a training loop whose
-gradients keep their storage uploads nothing after the first step.
+A sweep is declared once (:class:`Sweep`): its name, for errors, and its table columns,
+each with a role that says what it may hold. :meth:`Sweep.prepare` then does, once for
+a given set of tensors:
+
+1. **validation before anything is written** (Triton and reference path alike): one
+   tensor per row in every list; one device; per row the parameter's shape for every
+   partner; dtypes by role; a dense, non-overlapping parameter; state and copies in the
+   parameter's memory layout. A gradient laid out otherwise gets a dense copy in its
+   parameter's layout (copied back after the step where the sweep writes it). Bad input
+   raises ``ValueError`` (lengths, shapes, strides, devices) or ``TypeError`` (dtypes)
+   naming the list, the index, what was found, what was expected and the fix.
+2. **grouping** of the rows by the dtypes of their typed columns and by which optional
+   columns they have: one launch per group;
+3. **tables**: per group an int64 device table, one row per tensor with the address of
+   each column then the numel, and the block -> (tensor, block in tensor) map, as in
+   Triton's grouped-GEMM tutorial; plus an int32 completion counter per tensor for
+   sweeps that advance a per-tensor step count inside the kernel;
+4. **alignment**: a group whose every address is 16-byte aligned and every numel a
+   multiple of the vector width (16 bytes of the narrowest dtype) launches the kernel
+   with ``VEC`` > 1: the kernel then states the alignment (``tl.multiple_of`` /
+   ``tl.max_contiguous``) and the compiler issues 16-byte loads and stores. Other groups
+   run the same kernel with ``VEC = 1`` (scalar, masked). The mask keeps both in bounds.
+
+The result, a :class:`Prepared`, is what a caller (an optimizer's parameter group, a
+scaler) keeps and reuses while its tensors stay the same: launching it uploads and
+re-derives nothing. Kernels read columns by name through :meth:`Sweep.col`.
 """
-from collections import OrderedDict
-
 import numpy as np
 import torch
+import triton.language as tl
 
+from ._dispatch import kernel_settings, use_triton
+
+HALF_OR_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
+VECTOR_BYTES = 16
+
+
+def _dtype_name(dt):
+    return str(dt).replace("torch.", "")
+
+
+class Column:
+    """One column of a sweep's table.
+
+    ``role`` decides the checks: ``"param"`` (the row's anchor: dense, fp32/fp16/bf16),
+    ``"grad"`` (same shape; fp32/fp16/bf16; other strides get a dense copy), ``"state"``
+    (same shape and layout; fp32 unless ``dtypes`` says otherwise), ``"copy"`` (same shape
+    and layout; fp32/fp16/bf16), ``"scalar"`` (a one-element fp32 tensor per row: a step
+    count). ``optional`` columns may be None (the whole list) or hold None per row;
+    ``typed`` columns pass their element type to the kernel (one proto tensor each)."""
+    __slots__ = ("name", "role", "optional", "typed", "dtypes", "written")
+
+    def __init__(self, name, role, optional=False, typed=None, dtypes=None, written=False):
+        self.name = name
+        self.role = role
+        self.optional = optional
+        self.typed = role in ("param", "grad", "copy") if typed is None else typed
+        if dtypes is None:
+            dtypes = (torch.float32,) if role in ("state", "scalar") else HALF_OR_FLOAT
+        self.dtypes = tuple(dtypes)
+        self.written = written
+
+
+class Sweep:
+    """The declaration of a multi-tensor sweep: a name and its table columns."""
+
+    def __init__(self, name, columns):
+        self.name = name
+        self.columns = tuple(columns)
+        self.names = tuple(c.name for c in self.columns)
+        if self.columns[0].role != "param":
+            raise ValueError("the first column of a sweep is its anchor (role 'param')")
+        self.ncols = len(self.columns)
+
+    def col(self, name):
+        """The table column index of ``name``, as a constexpr for the kernel."""
+        return tl.constexpr(self.names.index(name))
+
+    @property
+    def row_width(self):
+        return tl.constexpr(self.ncols + 1)
+
+    def prepare(self, lists, block_settings=None):
+        """Validate ``lists`` (column name -> list of tensors, or None for an absent
+        optional column) and build the launch plans. Raises before anything is written."""
+        rows = _validate(self, lists)
+        return Prepared(self, lists, rows, block_settings)
+
+
+def _dense(t):
+    """Non-overlapping and dense: the elements fill ``numel`` consecutive slots of
+    storage in some order (contiguous, channels-last, a transpose)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def same_layout(a, b):
+    """``a`` and ``b`` (same shape) put every element at the same storage offset."""
+    return all(sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n != 1)
+
+
+def restride_like(t, param, dtype=None):
+    """``t``'s values in a new tensor laid out as ``param`` (dense; ``param``'s strides),
+    with ``dtype`` (default ``t``'s). How optimizer state is re-strided when created or
+    loaded, and how a gradient with other strides becomes sweepable."""
+    out = torch.empty_like(param, dtype=t.dtype if dtype is None else dtype,
+                           memory_format=torch.preserve_format)
+    out.copy_(t)
+    return out
+
+
+def _err(sweep, kind, msg):
+    return kind(f"{sweep.name}: {msg}")
+
+
+def _validate(sweep, lists):
+    """The checks of the module docstring. Returns the row count; replaces gradients that
+    need it by dense copies in ``lists`` (recording write-backs in ``lists['_writeback']``)."""
+    anchor = sweep.columns[0]
+    params = lists.get(anchor.name)
+    if params is None:
+        raise _err(sweep, ValueError, f"{anchor.name} is required")
+    params = lists[anchor.name] = list(params)
+    n = len(params)
+    for c in sweep.columns[1:]:
+        col = lists.get(c.name)
+        if col is None:
+            if not c.optional:
+                raise _err(sweep, ValueError, f"{c.name} is required ({n} tensors, one per "
+                           f"{anchor.name})")
+            continue
+        col = lists[c.name] = list(col)
+        if len(col) != n:
+            raise _err(sweep, ValueError,
+                       f"{c.name} has {len(col)} tensors but {anchor.name} has {n}; every list "
+                       f"needs one tensor per {anchor.name}")
+    for key in lists:
+        if key not in sweep.names:
+            raise _err(sweep, ValueError, f"unknown list {key!r}; expected {sweep.names}")
+    if n == 0:
+        return 0
+    device = params[0].device
+    writeback = []
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise _err(sweep, TypeError, f"{anchor.name}[{i}] is a {type(p).__name__}, expected "
+                       "a tensor")
+        if p.device != device:
+            raise _err(sweep, ValueError, f"{anchor.name}[{i}] is on {p.device} but "
+                       f"{anchor.name}[0] is on {device}; call it once per device")
+        if p.dtype not in anchor.dtypes:
+            raise _err(sweep, TypeError, f"{anchor.name}[{i}] is {_dtype_name(p.dtype)}, expected "
+                       f"one of {[_dtype_name(d) for d in anchor.dtypes]}")
+        if not _dense(p):
+            raise _err(sweep, ValueError,
+                       f"{anchor.name}[{i}] of shape {tuple(p.shape)} has strides {p.stride()}: "
+                       "not dense (a strided view or an expanded tensor), so a flat sweep would "
+                       "touch memory outside it. Give the optimizer dense parameters, for "
+                       "example p.data = p.data.contiguous() before building it")
+        for c in sweep.columns[1:]:
+            col = lists.get(c.name)
+            if col is None:
+                continue
+            t = col[i]
+            where = f"{c.name}[{i}]"
+            if t is None:
+                if not c.optional:
+                    raise _err(sweep, ValueError, f"{where} is None; every {anchor.name} needs one")
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise _err(sweep, TypeError, f"{where} is a {type(t).__name__}, expected a tensor")
+            if t.device != device:
+                raise _err(sweep, ValueError, f"{where} is on {t.device} but {anchor.name}[{i}] is "
+                           f"on {device}; move it to {device}")
+            if t.dtype not in c.dtypes:
+                raise _err(sweep, TypeError,
+                           f"{where} is {_dtype_name(t.dtype)}, expected "
+                           f"{' or '.join(_dtype_name(d) for d in c.dtypes)}"
+                           + ("; optimizer state is kept in float32: convert it with "
+                              ".float()" if c.role in ("state", "scalar") else ""))
+            if c.role == "scalar":
+                if t.numel() != 1:
+                    raise _err(sweep, ValueError, f"{where} has shape {tuple(t.shape)}, expected "
+                               "a one-element tensor")
+                continue
+            if t.shape != p.shape:
+                raise _err(sweep, ValueError,
+                           f"{where} has shape {tuple(t.shape)} but {anchor.name}[{i}] has shape "
+                           f"{tuple(p.shape)}; each {c.name} must have its {anchor.name}'s shape")
+            if same_layout(t, p):
+                continue
+            if c.role == "grad":
+                if c.written and not _dense(t):
+                    raise _err(sweep, ValueError,
+                               f"{where} of shape {tuple(t.shape)} has strides {t.stride()}: it "
+                               "overlaps itself or is not dense, and this sweep writes it; pass a "
+                               "dense tensor (.contiguous())")
+                dense = restride_like(t, p)
+                if c.written:
+                    writeback.append((t, dense))
+                col[i] = dense
+                continue
+            raise _err(sweep, ValueError,
+                       f"{where} has strides {t.stride()} but {anchor.name}[{i}] has strides "
+                       f"{p.stride()}; it must have its {anchor.name}'s memory layout. "
+                       "tritamp's optimizers re-stride their state when it is created or "
+                       "loaded; elsewhere use torch.empty_like(param) and copy into it")
+    lists["_writeback"] = writeback
+    return n
+
+
+def _upload(array: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return array.pin_memory().to(device, non_blocking=True)
+    return array.to(device)
+
+
+class GroupPlan:
+    """One launch: the rows of one dtype group, their device tables and constexprs."""
+    __slots__ = ("rows", "meta", "blocks", "n_blocks", "counters", "protos", "constexprs",
+                 "block", "warps")
+
+    def __init__(self, sweep, lists, rows, device, block, warps, emulate):
+        self.rows = rows
+        n = len(rows)
+        cols = []
+        present = {}
+        for c in sweep.columns:
+            col = lists.get(c.name)
+            present[c.name] = col is not None and col[rows[0]] is not None
+            cols.append([col[i] for i in rows] if present[c.name] else None)
+        params = cols[0]
+        numels = [p.numel() for p in params]
+        meta = np.zeros((n, sweep.ncols + 1), dtype=np.int64)
+        aligned = True
+        min_size = 16
+        for j, col in enumerate(cols):
+            if col is None:
+                continue
+            ptrs = [t.data_ptr() for t in col]
+            meta[:, j] = ptrs
+            if sweep.columns[j].role != "scalar":
+                aligned = aligned and all(a % VECTOR_BYTES == 0 for a in ptrs)
+                min_size = min(min_size, col[0].element_size())
+        meta[:, -1] = numels
+        vec = VECTOR_BYTES // min_size
+        aligned = aligned and all(k % vec == 0 for k in numels)
+        per_tensor = (meta[:, -1] + block - 1) // block
+        total = int(per_tensor.sum())
+        starts = np.cumsum(per_tensor) - per_tensor
+        tensor_idx = np.repeat(np.arange(n, dtype=np.int32), per_tensor)
+        block_idx = (np.arange(total, dtype=np.int64) - np.repeat(starts, per_tensor)).astype(np.int32)
+        blocks = np.ascontiguousarray(np.stack([tensor_idx, block_idx], axis=1))
+        self.meta = _upload(torch.from_numpy(meta), device)
+        self.blocks = _upload(torch.from_numpy(blocks), device)
+        self.n_blocks = total
+        has_scalar = any(c.role == "scalar" and present[c.name] for c in sweep.columns)
+        self.counters = (torch.zeros(n, dtype=torch.int32, device=device) if has_scalar
+                         else self.meta)
+        fallback = params[0]
+        self.protos = tuple((col[0] if col is not None else fallback)
+                            for c, col in zip(sweep.columns, cols) if c.typed)
+        cx = {f"HAS_{c.name.upper()}": present[c.name] for c in sweep.columns if c.optional}
+        cx.update(VEC=vec if aligned else 1, EMULATE_BF16_ROUNDING=emulate, BLOCK=block)
+        self.constexprs = cx
+        self.block = block
+        self.warps = warps
+
+
+class Prepared:
+    """A validated sweep, grouped and planned: launch it any number of times.
+
+    ``lists`` holds the validated lists (gradients that needed it replaced by dense
+    copies): the reference path runs on them. ``groups`` is empty on a device where the
+    kernels do not run (the torch reference handles it)."""
+    __slots__ = ("sweep", "lists", "n", "groups", "writeback", "triton", "device")
+
+    def __init__(self, sweep, lists, n, block_settings=None):
+        self.sweep = sweep
+        self.writeback = lists.pop("_writeback", [])
+        self.lists = lists
+        self.n = n
+        self.groups = []
+        self.device = None
+        self.triton = False
+        if n == 0:
+            return
+        params = lists[sweep.columns[0].name]
+        self.device = params[0].device
+        self.triton = use_triton(params[0])
+        if not self.triton:
+            return
+        block, warps, emulate = kernel_settings(self.device)
+        if block_settings is not None:
+            block, warps = block_settings(block, warps)
+        typed = [c for c in sweep.columns if c.typed or c.optional]
+        groups = {}
+        for i, p in enumerate(params):
+            if p.numel() == 0:
+                continue
+            key = []
+            for c in typed:
+                col = lists.get(c.name)
+                t = None if col is None else col[i]
+                key.append(None if t is None else t.dtype)
+            groups.setdefault(tuple(key), []).append(i)
+        self.groups = [GroupPlan(sweep, lists, rows, self.device, block, warps, emulate)
+                       for rows in groups.values()]
+
+    def launch(self, kernel, args, constexprs=None, grid_extra=()):
+        """Launch ``kernel`` once per group as
+        ``kernel[(n_blocks, *grid_extra)](meta, blocks, counters, *protos, *args, **cx)``."""
+        for g in self.groups:
+            cx = g.constexprs if constexprs is None else {**g.constexprs, **constexprs}
+            kernel[(g.n_blocks,) + tuple(grid_extra)](
+                g.meta, g.blocks, g.counters, *g.protos, *args, num_warps=g.warps, **cx)
+
+    def finish(self):
+        """Copy results back into gradients that were swept through dense copies."""
+        for original, dense in self.writeback:
+            original.copy_(dense)
+
+
+class SweepCache:
+    """What a caller keeps between steps: the key its tensors had and the prepared sweep.
+
+    ``get(key)`` returns the prepared sweep when ``key`` is the one it was built for."""
+    __slots__ = ("key", "prepared", "builds")
+
+    def __init__(self):
+        self.key = None
+        self.prepared = None
+        self.builds = 0
+
+    def get(self, key):
+        if self.prepared is not None and key == self.key:
+            return self.prepared
+        return None
+
+    def put(self, key, prepared):
+        self.key = key
+        self.prepared = prepared
+        self.builds += 1
+        return prepared
+
+    def clear(self):
+        self.key = None
+        self.prepared = None
+
+
+_constants = {}
+
+
+def device_constants(device, values, dtype=torch.float64):
+    """A small device tensor of ``values`` (betas, factors), uploaded once per distinct
+    tuple and device: a steady training loop uploads nothing."""
+    key = (device, dtype, tuple(float(v) for v in values))
+    t = _constants.get(key)
+    if t is None:
+        t = _upload(torch.tensor(key[2], dtype=dtype), device)
+        if len(_constants) > 256:
+            _constants.clear()
+        _constants[key] = t
+    return t
+
+
+def scalar_arg(x, name, device):
+    """A float hyperparameter or a one-element device tensor on ``device`` (read there)."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise ValueError(f"{name} must be a float or a one-element tensor, got shape "
+                             f"{tuple(x.shape)}")
+        if x.device != device and not (x.device.type == "cpu" and device.type == "cpu"):
+            raise ValueError(f"{name} is on {x.device} but the tensors are on {device}; pass a "
+                             f"float or a tensor on {device}")
+        return x.reshape(())
+    return float(x)
+
+
+# --- legacy plans: removed once every sweep goes through Sweep.prepare -------------
+from collections import OrderedDict
 _PLAN_CACHE_SIZE = 64
-_plans: "OrderedDict[tuple, Plan]" = OrderedDict()
-
-
+_plans = OrderedDict()
 
 class Plan:
     __slots__ = ("meta", "blocks", "n_blocks")
@@ -24,7 +399,7 @@ class Plan:
         self.n_blocks = n_blocks
 
 
-def _upload(array: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _upload_legacy(array: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return array.pin_memory().to(device, non_blocking=True)
     return array.to(device)

@@ -9,22 +9,73 @@ import triton.language as tl
 
 
 @triton.jit
-def sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, NCOLS: tl.constexpr,
-                HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's share of a multi-tensor sweep (see _multi_tensor.plan_columns).
+def sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, ROW: tl.constexpr,
+                HAS_FOUND_INF: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's share of a multi-tensor sweep (see _multi_tensor.Prepared).
 
-    Returns the tensor index, its table row (NCOLS addresses, then numel), the element
-    offsets and their mask. With HAS_FOUND_INF a non-zero flag empties the mask: a
-    skipped step reads nothing and writes nothing."""
+    Returns the tensor index, its table row (ROW - 1 addresses, then numel), the element
+    offsets and their mask. With VEC > 1 the host has checked that every numel of the
+    group is a multiple of VEC, so the mask is constant over runs of VEC lanes (what
+    lets the compiler issue 16-byte accesses). With HAS_FOUND_INF a non-zero flag empties
+    the mask: a skipped step reads nothing and writes nothing."""
     pid = tl.program_id(0).to(tl.int64)
     tensor = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
     block = tl.load(blocks_ptr + 2 * pid + 1).to(tl.int64)
-    row = meta_ptr + (NCOLS + 1) * tensor
-    numel = tl.load(row + NCOLS)
+    row = meta_ptr + ROW * tensor
+    numel = tl.load(row + (ROW - 1))
+    if VEC > 1:
+        numel = tl.multiple_of(numel, VEC)
     if HAS_FOUND_INF:
         numel = tl.where(tl.load(found_inf_ptr) == 0.0, numel, 0)
     offs = block * BLOCK + tl.arange(0, BLOCK)
     return tensor, row, offs, offs < numel
+
+
+@triton.jit
+def column(row, COL: tl.constexpr, offs, elem_proto, VEC: tl.constexpr):
+    """Pointers to this program's elements in table column COL, typed as ``elem_proto``'s
+    elements. With VEC > 1 the host has checked that the address is 16-byte aligned; the
+    hints say so to the compiler (an address loaded from a table carries no alignment)."""
+    base = tl.load(row + COL).to(tl.pointer_type(elem_proto.dtype.element_ty))
+    ptrs = base + offs
+    if VEC > 1:
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, 16), VEC)
+    return ptrs
+
+
+@triton.jit
+def column_f32(row, COL: tl.constexpr, offs, VEC: tl.constexpr):
+    """:func:`column` for an fp32 column (optimizer state)."""
+    base = tl.load(row + COL).to(tl.pointer_type(tl.float32))
+    ptrs = base + offs
+    if VEC > 1:
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, 16), VEC)
+    return ptrs
+
+
+@triton.jit
+def scalar_ptr(row, COL: tl.constexpr):
+    """The fp32 scalar (a step count) that table column COL addresses."""
+    return tl.load(row + COL).to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
+def finish_tensor_step(counters_ptr, tensor, row, step_ptr, step, found_inf_ptr,
+                       ROW: tl.constexpr, HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr):
+    """Advance the tensor's step count once every program of the tensor has read it.
+
+    Each program read ``step`` before this call; the atomic (acq_rel) counts the
+    programs that are done, and the last one writes step + 1 (+ 0 on a skipped step) and
+    resets the counter for the next launch. No extra launch, no race: the write is
+    ordered after every read by the counter."""
+    n_blocks = tl.cdiv(tl.load(row + (ROW - 1)), BLOCK)
+    done = tl.atomic_add(counters_ptr + tensor, 1)
+    if done == n_blocks - 1:
+        inc = 1.0
+        if HAS_FOUND_INF:
+            inc = tl.where(tl.load(found_inf_ptr) == 0.0, 1.0, 0.0)
+        tl.store(step_ptr, step + inc)
+        tl.store(counters_ptr + tensor, 0)
 
 
 @triton.jit
@@ -34,32 +85,30 @@ def inv_scale(scale_ptr):
 
 
 @triton.jit
-def load_grad(row, g_proto, offs, mask, scale_ptr, HAS_SCALE: tl.constexpr,
-              EMULATE_BF16_ROUNDING: tl.constexpr):
-    """The gradient a sweep's table row addresses in column 1, widened to fp32 and, with
-    HAS_SCALE, unscaled by 1 / scale (the optimizers' first read)."""
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(g_proto.dtype.element_ty))
-    g = load_f32(g_ptr + offs, mask, EMULATE_BF16_ROUNDING)
+def load_grad(g_ptrs, mask, inv, HAS_SCALE: tl.constexpr, EMULATE_BF16_ROUNDING: tl.constexpr):
+    """The gradient at ``g_ptrs`` widened to fp32 and, with HAS_SCALE, multiplied by
+    ``inv`` (1 / scale, computed before the element loads)."""
+    g = load_f32(g_ptrs, mask, EMULATE_BF16_ROUNDING)
     if HAS_SCALE:
-        g = g * inv_scale(scale_ptr)
+        g = g * inv
     return g
 
 
 @triton.jit
-def store_param(row, p_ptr, p, offs, mask, c_proto, COPY_COLUMN: tl.constexpr,
-                HAS_COPY: tl.constexpr, EMULATE_BF16_ROUNDING: tl.constexpr):
-    """Write the updated parameter and, with HAS_COPY, its copy (the half model weight the
-    table row addresses in COPY_COLUMN) from the same fp32 value."""
-    store_cast(p_ptr + offs, p, mask, EMULATE_BF16_ROUNDING)
+def store_param(p_ptrs, c_ptrs, p, mask, HAS_COPY: tl.constexpr,
+                EMULATE_BF16_ROUNDING: tl.constexpr):
+    """Write the updated parameter and, with HAS_COPY, its copy (the half model weight)
+    from the same fp32 value."""
+    store_cast(p_ptrs, p, mask, EMULATE_BF16_ROUNDING)
     if HAS_COPY:
-        c_ptr = tl.load(row + COPY_COLUMN).to(tl.pointer_type(c_proto.dtype.element_ty))
-        store_cast(c_ptr + offs, p, mask, EMULATE_BF16_ROUNDING)
+        store_cast(c_ptrs, p, mask, EMULATE_BF16_ROUNDING)
 
 
 @triton.jit
-def bias_corrections(step_ptr, betas_ptr):
-    """1 - beta1**t and 1 - beta2**t in fp64, t the step after this one (torch's rule)."""
-    t = tl.load(step_ptr).to(tl.float64) + 1.0
+def bias_corrections(step, betas_ptr):
+    """1 - beta1**t and 1 - beta2**t in fp64, t = step + 1 (the step being taken; torch's
+    rule). ``step`` is the fp32 count read from the tensor's step column."""
+    t = step.to(tl.float64) + 1.0
     return (1.0 - tl.exp2(t * tl.log2(tl.load(betas_ptr + 0))),
             1.0 - tl.exp2(t * tl.log2(tl.load(betas_ptr + 1))))
 

@@ -18,16 +18,25 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import elementwise_settings, use_triton
-from ._ref_utils import f32 as _f32, sqrt_rn as _sqrt_rn
-from ._multi_tensor import check_lists, dtype_groups, plan_columns
-from ._tl_utils import bias_corrections, load_f32, load_grad, load_lr, store_param, sweep_block
+from ._multi_tensor import Column, Sweep, device_constants, scalar_arg
+from ._ref_utils import advance_steps, f32 as _f32, sqrt_rn as _sqrt_rn
+from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step, inv_scale,
+                        load_f32, load_grad, load_lr, scalar_ptr, store_param, sweep_block)
+
+ADAM = Sweep("adam_step", [
+    Column("params", "param"), Column("grads", "grad"), Column("exp_avgs", "state"),
+    Column("exp_avg_sqs", "state"), Column("copies", "copy", optional=True),
+    Column("steps", "scalar"),
+])
+_P, _G, _M, _V, _C, _S = (ADAM.col(n) for n in ADAM.names)
+_ROW = ADAM.row_width
 
 
 @triton.jit
 def _adam_step_kernel(
-    meta_ptr,        # int64 [n_tensors, 7]: param, grad, exp_avg, exp_avg_sq, copy, step addresses; numel
+    meta_ptr,        # int64 [n_tensors, 7]: the ADAM columns' addresses, then numel
     blocks_ptr,      # int32 [n_blocks, 2]: tensor index, block index within that tensor
+    counters_ptr,    # int32 [n_tensors]: programs done per tensor (step advance), zeroed
     p_proto,         # a param tensor: carries the parameter element type
     g_proto,         # a gradient tensor: carries the gradient element type
     c_proto,         # a copy tensor (or any tensor without copies): carries the copy type
@@ -42,47 +51,91 @@ def _adam_step_kernel(
     HAS_FOUND_INF: tl.constexpr,
     ADAM_W: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr,
-    HAS_COPY: tl.constexpr,
+    HAS_COPIES: tl.constexpr,
+    VEC: tl.constexpr,             # > 1: every address 16-byte aligned, numel % VEC == 0
     EMULATE_BF16_ROUNDING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, 6, HAS_FOUND_INF, BLOCK)
-    p_ptr = tl.load(row + 0).to(tl.pointer_type(p_proto.dtype.element_ty))
-    m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    step_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
-
-    g = load_grad(row, g_proto, offs, mask, scale_ptr, HAS_SCALE, EMULATE_BF16_ROUNDING)
-    p = load_f32(p_ptr + offs, mask, EMULATE_BF16_ROUNDING)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, _ROW,
+                                          HAS_FOUND_INF, VEC, BLOCK)
+    # Per-tensor scalars first: they are live across the element loads otherwise.
+    step_ptr = scalar_ptr(row, _S)
+    step = tl.load(step_ptr)
+    inv = 1.0
+    if HAS_SCALE:
+        inv = inv_scale(scale_ptr)
     lr_v = load_lr(lr, LR_IS_TENSOR)
     if ADAM_W:
         if LR_IS_TENSOR:
-            p = p * (1.0 - lr_v * weight_decay)
+            decay = 1.0 - lr_v * weight_decay
         else:
-            p = p * decay_factor
+            decay = decay_factor
+    if BIAS_CORRECTION:
+        bc1, bc2 = bias_corrections(step, betas_ptr)
+        bc2_sqrt = tl.sqrt(bc2).to(tl.float32)
+        step_size = (lr_v.to(tl.float64) / bc1).to(tl.float32)
+    else:
+        bc2_sqrt = 1.0
+        step_size = lr_v
+
+    p_ptrs = column(row, _P, offs, p_proto, VEC)
+    m_ptrs = column_f32(row, _M, offs, VEC)
+    v_ptrs = column_f32(row, _V, offs, VEC)
+    g = load_grad(column(row, _G, offs, g_proto, VEC), mask, inv, HAS_SCALE,
+                  EMULATE_BF16_ROUNDING)
+    p = load_f32(p_ptrs, mask, EMULATE_BF16_ROUNDING)
+    m = tl.load(m_ptrs, mask=mask, other=0.0)
+    v = tl.load(v_ptrs, mask=mask, other=0.0)
+    if ADAM_W:
+        p = p * decay
     else:
         g = g + weight_decay * p
     m = m + one_minus_beta1 * (g - m)
     v = v * beta2 + one_minus_beta2 * g * g
     if BIAS_CORRECTION:
-        bc1, bc2 = bias_corrections(step_ptr, betas_ptr)
-        bc2_sqrt = tl.sqrt(bc2).to(tl.float32)
-        step_size = (lr_v.to(tl.float64) / bc1).to(tl.float32)
         denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     else:
-        step_size = lr_v
         denom = tl.sqrt_rn(v) + eps
     p = p - step_size * tl.div_rn(m, denom)
-    store_param(row, p_ptr, p, offs, mask, c_proto, 4, HAS_COPY, EMULATE_BF16_ROUNDING)
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
+    store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
+                EMULATE_BF16_ROUNDING)
+    tl.store(m_ptrs, m, mask=mask)
+    tl.store(v_ptrs, v, mask=mask)
+    finish_tensor_step(counters_ptr, tensor, row, step_ptr, step, found_inf_ptr, _ROW,
+                       HAS_FOUND_INF, BLOCK)
 
 
-def _check(params, grads, exp_avgs, exp_avg_sqs, steps, copies):
-    check_lists("adam_step", params, fp32=("exp_avgs", "exp_avg_sqs"), grads=grads,
-                exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps, copies=copies)
+def adam_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None):
+    """Validate and plan an Adam sweep over these lists (see _multi_tensor): keep the
+    result and pass it to :func:`adam_launch` while the tensors stay the same."""
+    return ADAM.prepare(dict(params=params, grads=grads, exp_avgs=exp_avgs,
+                             exp_avg_sqs=exp_avg_sqs, steps=steps, copies=copies))
+
+
+@torch.no_grad()
+def adam_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=True,
+                bias_correction=True, grad_scale=None, found_inf=None):
+    """One Adam/AdamW step over a prepared sweep: one launch per dtype group."""
+    if prepared.n == 0:
+        return
+    if not prepared.triton:
+        adam_step_ref(**prepared.lists, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                      weight_decay=weight_decay, adam_w_mode=adam_w_mode,
+                      bias_correction=bias_correction, grad_scale=grad_scale,
+                      found_inf=found_inf)
+        return
+    device = prepared.device
+    lr = scalar_arg(lr, "lr", device)
+    lr_is_tensor = isinstance(lr, torch.Tensor)
+    anchor = prepared.groups[0].meta if prepared.groups else None
+    prepared.launch(_adam_step_kernel, (
+        lr, device_constants(device, (beta1, beta2)), 1.0 - beta1, float(beta2), 1.0 - beta2,
+        float(eps), float(weight_decay), 1.0 if lr_is_tensor else 1.0 - lr * weight_decay,
+        grad_scale if grad_scale is not None else anchor,
+        found_inf if found_inf is not None else anchor), dict(
+        LR_IS_TENSOR=lr_is_tensor, HAS_SCALE=grad_scale is not None,
+        HAS_FOUND_INF=found_inf is not None, ADAM_W=bool(adam_w_mode),
+        BIAS_CORRECTION=bool(bias_correction)))
 
 
 @torch.no_grad()
@@ -91,63 +144,19 @@ def adam_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, lr, b
               found_inf=None):
     """One Adam/AdamW step for lists of same-shaped tensors (see the module docstring).
 
-    ``steps`` are fp32 0-d tensors, advanced by one unless ``found_inf`` is non-zero;
-    ``lr`` a float or an fp32 0-d tensor (capturable). No host sync."""
-    params = list(params)
-    if not params:
-        return
-    _check(params, grads, exp_avgs, exp_avg_sqs, steps, copies)
-    if not use_triton(params[0]):
-        adam_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies, lr=lr, beta1=beta1,
-                      beta2=beta2, eps=eps, weight_decay=weight_decay, adam_w_mode=adam_w_mode,
-                      bias_correction=bias_correction, grad_scale=grad_scale,
-                      found_inf=found_inf)
-        return
-    groups = dtype_groups(params, grads, copies)
-    lr_is_tensor = isinstance(lr, torch.Tensor)
-    for (device, _, _, copy_dtype), idx in groups.items():
-        block, warps = elementwise_settings(device)
-        cols = [[params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
-                [exp_avg_sqs[i] for i in idx],
-                None if copy_dtype is None else [copies[i] for i in idx],
-                [steps[i] for i in idx]]
-        pl = plan_columns(cols, block)
-        anchor = cols[0][0]
-        _adam_step_kernel[(pl.n_blocks,)](
-            pl.meta, pl.blocks, anchor, cols[1][0], cols[4][0] if cols[4] else anchor,
-            lr, _betas(device, beta1, beta2), 1.0 - beta1, float(beta2), 1.0 - beta2, float(eps),
-            float(weight_decay), 1.0 if lr_is_tensor else 1.0 - lr * weight_decay,
-            grad_scale if grad_scale is not None else anchor,
-            found_inf if found_inf is not None else anchor,
-            LR_IS_TENSOR=lr_is_tensor, HAS_SCALE=grad_scale is not None,
-            HAS_FOUND_INF=found_inf is not None, ADAM_W=bool(adam_w_mode),
-            BIAS_CORRECTION=bool(bias_correction), HAS_COPY=copy_dtype is not None,
-            EMULATE_BF16_ROUNDING=device.type != "cuda", BLOCK=block, num_warps=warps)
-    advance_steps(list(steps), found_inf)
-
-
-_betas_cache = {}
+    ``steps`` are fp32 one-element tensors, advanced by one unless ``found_inf`` is
+    non-zero; ``lr`` a float or an fp32 one-element tensor (capturable); ``copies`` may
+    hold None for parameters without a copy. Bad lists raise before anything is written.
+    No host sync."""
+    adam_launch(adam_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies), lr=lr,
+                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                adam_w_mode=adam_w_mode, bias_correction=bias_correction,
+                grad_scale=grad_scale, found_inf=found_inf)
 
 
 def _betas(device, beta1, beta2):
     """fp64 (beta1, beta2) on ``device``, uploaded once per distinct pair."""
-    key = (device, float(beta1), float(beta2))
-    t = _betas_cache.get(key)
-    if t is None:
-        t = torch.tensor(key[1:], dtype=torch.float64).to(device)
-        _betas_cache[key] = t
-    return t
-
-
-def advance_steps(steps, found_inf):
-    """step += 1 for every step tensor, += 0 when ``found_inf`` is non-zero (on device)."""
-    if not steps:
-        return
-    if found_inf is None:
-        torch._foreach_add_(steps, 1.0)
-    else:
-        keep = (found_inf.reshape(()) == 0).to(steps[0].dtype)
-        torch._foreach_add_(steps, keep)
+    return device_constants(device, (beta1, beta2))
 
 
 @torch.no_grad()
@@ -194,6 +203,6 @@ def adam_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, l
         p.copy_(pf)
         exp_avgs[i].copy_(m)
         exp_avg_sqs[i].copy_(v)
-        if copies is not None:
+        if copies is not None and copies[i] is not None:
             copies[i].copy_(pf)
     advance_steps(list(steps), found_inf)

@@ -33,7 +33,8 @@ from ._dispatch import elementwise_settings, use_triton
 from ._ref_utils import f32 as _f32
 from ._multi_tensor import check_lists, dtype_groups, plan_columns
 from ._tl_utils import bias_corrections, load_f32, load_grad, load_lr, store_param, sweep_block
-from .adam import _betas, advance_steps
+from ._ref_utils import advance_steps
+from .adam import _betas
 from .l2norm import SEGMENT_BLOCK, block_counts, segment_table
 
 

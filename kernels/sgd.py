@@ -20,7 +20,7 @@ from ._dispatch import elementwise_settings, use_triton
 from ._ref_utils import f32
 from ._multi_tensor import check_lists, dtype_groups, plan_columns
 from ._tl_utils import load_f32, load_grad, load_lr, store_param, sweep_block
-from .adam import advance_steps
+from ._ref_utils import advance_steps
 
 
 @triton.jit
