@@ -15,6 +15,7 @@ import types
 import torch
 
 from tritamp import kernels as K
+from tritamp.kernels._multi_tensor import SweepCache
 
 from ._model import MASTER_ATTR, MODEL_ATTR
 from ._state import logger
@@ -36,6 +37,25 @@ class AmpStash:
         self.grad_scale = None    # scale the plain gradients still carry, or None
         self.scaler = None        # the scaler whose slots found_inf / grad_scale alias
         self.params_have_scaled_gradients = False  # SCALED (delay_unscale)
+        self.grads_zeroed = False  # zero_grad(set_to_none=False) left zeroed gradients
+        self._sweeps = {}          # cached check/unscale sweeps, by purpose
+
+    def _check_unscale(self, purpose, srcs, scale, found, dsts=None, adds=None, write=True):
+        """check_unscale over a sweep prepared once and kept while the tensors keep their
+        addresses and strides (the steady state of a training loop rebuilds nothing)."""
+        if not srcs:
+            return
+        key = (tuple([g.data_ptr() for g in srcs]), tuple([g.stride() for g in srcs]),
+               None if dsts is None else tuple([d.data_ptr() for d in dsts]),
+               None if adds is None else tuple([a.data_ptr() for a in adds]), write)
+        cache = self._sweeps.get(purpose)
+        if cache is None:
+            cache = self._sweeps[purpose] = SweepCache()
+        prepared = cache.get(key)
+        if prepared is None:
+            prepared = cache.put(key, K.check_unscale_prepare(srcs, dsts=dsts, adds=adds,
+                                                              write=write))
+        K.check_unscale_launch(prepared, scale=scale, found_inf=found)
 
     # -- parameters -----------------------------------------------------------------
     def adopt_group(self, group, optimizer):
@@ -96,12 +116,18 @@ class AmpStash:
                 m.grad = self._master_grad_buf(i)
                 srcs.append(p.grad)
                 dsts.append(m.grad)
-        K.check_unscale(grads + srcs, self.grad_scale, dsts=grads + dsts)
+        self._check_unscale("pending", grads + srcs, self.grad_scale, None, dsts=grads + dsts)
         self.grad_scale = None
 
     # -- around backward -------------------------------------------------------------
     def prepare_backward(self):
         self.unscale_pending()
+        if self.grads_zeroed:
+            # zero_grad(set_to_none=False) left zeros that nothing has written since: the
+            # backward accumulates into them and they count as this backward's own (checked
+            # read-only, never unscaled into fp32 copies, no stash to add back).
+            self.grads_zeroed = False
+            return
         for p in self.model_params:
             p.grad = None  # fresh half gradients; the masters' gradients accumulate
         for i, p in enumerate(self.plain_params):
@@ -139,16 +165,18 @@ class AmpStash:
         found, scale = scaler.found_inf, scaler.scale
         srcs = [g for _, g in master_fresh]
         if lazy:
-            K.check_unscale(srcs + plain_fresh, None, found, write=False)
+            self._check_unscale("check", srcs + plain_fresh, None, found, write=False)
         else:
             dsts = []
             for i, _ in master_fresh:
                 self.masters[i].grad = self._master_grad_buf(i)
                 dsts.append(self.masters[i].grad)
-            K.check_unscale(srcs + plain_fresh, scale, found, dsts=dsts + plain_fresh)
+            self._check_unscale("unscale", srcs + plain_fresh, scale, found,
+                                dsts=dsts + plain_fresh)
         if acc:
             acc_srcs, acc_dsts, acc_adds = zip(*acc)
-            K.check_unscale(acc_srcs, scale, found, dsts=acc_dsts, adds=acc_adds)
+            self._check_unscale("accumulate", list(acc_srcs), scale, found,
+                                dsts=list(acc_dsts), adds=list(acc_adds))
         if self.found_inf is None:
             self.found_inf = found
             self.scaler = scaler
@@ -166,12 +194,13 @@ class AmpStash:
     # -- after the update ---------------------------------------------------------------
     def master_to_model(self):
         if self.masters and not self.writes_model_copies:
-            K.check_unscale(self.masters, None, None, dsts=self.model_params)
+            self._check_unscale("copy", self.masters, None, None, dsts=self.model_params)
 
     def finish_step(self):
         """After step() or zero_grad(): back to READY; the masters' gradients are spent."""
         for m in self.masters:
             m.grad = None
+        self.grads_zeroed = False
         self.found_inf = None
         self.grad_scale = None
         self._drop_alias()
@@ -221,14 +250,25 @@ def _new_zero_grad(old_zero_grad):
         else:
             old_zero_grad(set_to_none=set_to_none)
         stash = self._amp_stash
-        for p in stash.model_params:
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
+        if set_to_none:
+            for p in stash.model_params:
+                p.grad = None
+        else:
+            grads = [p.grad for p in stash.model_params if p.grad is not None]
+            for g in grads:
+                if g.grad_fn is not None:
+                    g.detach_()
                 else:
-                    p.grad.detach_()
-                    p.grad.zero_()
+                    g.requires_grad_(False)
+            by_kind = {}
+            for g in grads:
+                by_kind.setdefault((g.device, g.dtype), []).append(g)
+            for same in by_kind.values():
+                torch._foreach_zero_(same)
         stash.finish_step()
+        # What the optimizer's own zero_grad did decides: gradients still present are zeros.
+        stash.grads_zeroed = any(p.grad is not None for p in stash.plain_params) or (
+            not set_to_none and any(p.grad is not None for p in stash.model_params))
     return zero_grad
 
 

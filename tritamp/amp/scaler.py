@@ -9,7 +9,6 @@ device.
 """
 import collections
 import math
-import struct
 import warnings
 
 import torch
@@ -29,12 +28,20 @@ in fp32 and turn every gradient into NaN."""
 _MAX_COUNT = 2 ** 24  # counters are exact fp32 integers below this
 
 
-def _host_values(snapshot):
-    """The floats of a host-side fp32 snapshot. Reading host memory is not a device
-    sync, so this goes through the storage rather than tensor ops (which sync counters
-    and torch function modes would see as host reads of device values)."""
-    raw = bytes(snapshot.untyped_storage())
-    return struct.unpack(f"{len(raw) // 4}f", raw)
+class _HostSnapshot:
+    """A host buffer for the scaler's device state and a numpy view of it, made once.
+
+    ``values()`` reads every slot in one call through numpy: reading host memory is not
+    a device sync, and tensor ops would be seen by sync counters and torch function
+    modes as host reads of device values."""
+    __slots__ = ("tensor", "view")
+
+    def __init__(self, pinned):
+        self.tensor = torch.empty(K.STATE_SIZE, dtype=torch.float32, pin_memory=pinned)
+        self.view = self.tensor.numpy()
+
+    def values(self):
+        return self.view.tolist()
 
 
 class LossScaler:
@@ -88,6 +95,7 @@ class LossScaler:
         self._state = state
         self._static_scale = start
         self._pending_reports = collections.deque()
+        self._snapshots = []  # host buffers (pinned on CUDA) reused for the reports
         self._seen_skipped = 0.0
         self._floor_warned = False
         self._aliases = []  # optimizer stashes that refer to this scaler's slots
@@ -154,27 +162,39 @@ class LossScaler:
         self._queue_report()
 
     # -- reporting without stalls ---------------------------------------------------
+    def _snapshot(self):
+        """A free host buffer (at most 5 exist: 4 in flight and the one being read)."""
+        in_flight = {id(snap) for snap, _ in self._pending_reports}
+        for snap in self._snapshots:
+            if id(snap) not in in_flight:
+                return snap
+        snap = _HostSnapshot(pinned=self._state.device.type == "cuda")
+        self._snapshots.append(snap)
+        return snap
+
     def _queue_report(self):
         if self._state.device.type == "cuda":
             if len(self._pending_reports) >= 4:
                 return  # the SKIPPED counter still lets a later report count every skip
-            host = torch.empty(K.STATE_SIZE, dtype=torch.float32, pin_memory=True)
-            host.copy_(self._state, non_blocking=True)
+            snap = self._snapshot()
+            snap.tensor.copy_(self._state, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._pending_reports.append((host, event))
+            self._pending_reports.append((snap, event))
             self.poll_reports()
         else:
-            self._report(self._state.clone())
+            snap = self._snapshot()
+            snap.tensor.copy_(self._state)
+            self._report(snap)
 
     def poll_reports(self):
         """Log every report whose copy has landed; never waits."""
         while self._pending_reports and self._pending_reports[0][1].query():
-            host, _ = self._pending_reports.popleft()
-            self._report(host)
+            snap, _ = self._pending_reports.popleft()
+            self._report(snap)
 
-    def _report(self, snapshot):
-        snapshot = _host_values(snapshot)
+    def _report(self, snap):
+        snapshot = snap.values()
         skipped = snapshot[K.SKIPPED]
         new_skips = int(skipped - self._seen_skipped)
         self._seen_skipped = skipped

@@ -17,7 +17,6 @@ import torch
 
 from tritamp import kernels as K
 from tritamp.amp.scaler import LossScaler as _DeviceLossScaler
-from tritamp.amp.scaler import _host_values
 
 from .fp16util import to_python_float
 
@@ -48,7 +47,7 @@ class OptimizerLossScaler(_DeviceLossScaler):
         self._state[K.SCALE] = value
 
     def _report(self, snapshot):
-        values = _host_values(snapshot)
+        values = snapshot.values()
         skipped = values[K.SKIPPED]
         new_skips = int(skipped - self._seen_skipped)
         if new_skips > 0 and self.report:

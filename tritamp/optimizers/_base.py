@@ -21,6 +21,7 @@ from itertools import chain
 import torch
 
 from tritamp.amp._model import MODEL_ATTR
+from tritamp.kernels._multi_tensor import SweepCache, restride_like
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -37,6 +38,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.set_grad_none = set_grad_none
         self.master_weights = master_weights
+        self._generation = 0
+        self._links_cache = {}
+        self._plans = {}
 
     def _capturable_lr(self, group):
         """With capturable=True every group's lr is an fp32 tensor on its parameters'
@@ -48,6 +52,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
         self._capturable_lr(self.param_groups[-1])
+        self._bump()
 
     # -- hyperparameter checks ------------------------------------------------------------
     @staticmethod
@@ -69,14 +74,44 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # -- zero_grad / state --------------------------------------------------------------------
     def zero_grad(self, set_to_none=None):
-        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+        """Apex's default (``set_grad_none``) unless told; ``set_to_none=False`` zeroes the
+        gradients with one foreach launch per (device, dtype)."""
+        set_to_none = self.set_grad_none if set_to_none is None else set_to_none
+        if set_to_none:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            return
+        by_kind = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                if g.grad_fn is not None:
+                    g.detach_()
+                else:
+                    g.requires_grad_(False)
+                by_kind.setdefault((g.device, g.dtype), []).append(g)
+        for grads in by_kind.values():
+            torch._foreach_zero_(grads)
+
+    def _bump(self):
+        """Something the cached step plans depend on changed: rebuild them at the next step."""
+        self._generation = getattr(self, "_generation", 0) + 1
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._bump()
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
         # torch casts loaded state to each parameter's dtype, which would round the fp32
         # moments and master weight of a half parameter; the values are taken from the
-        # saved dict instead (copied), fp32, on the parameter's device, step counts
-        # included, so the step never reads them on the host.
+        # saved dict instead (copied), fp32, on the parameter's device and in its memory
+        # layout (a checkpoint saved from a contiguous model may be loaded into a
+        # channels-last one: the sweep walks every tensor of a row in one storage order),
+        # step counts included, so the step never reads them on the host.
         for group in self.param_groups:
             # a torch optimizer's groups lack some of our hyperparameters (bias_correction)
             for key, value in self.defaults.items():
@@ -87,62 +122,113 @@ class FusedOptimizer(torch.optim.Optimizer):
         for key, p in zip(saved, params):
             for name, value in state_dict["state"].get(key, {}).items():
                 if isinstance(value, torch.Tensor) and value.is_floating_point():
-                    self.state[p][name] = value.to(device=p.device, dtype=torch.float32,
-                                                   copy=True)
-
-    # -- gathering a step's tensors ------------------------------------------------------------
-    def _resolve(self, p):
-        """(target, gradient, copy) of parameter ``p``; gradient None means no update."""
-        model = getattr(p, MODEL_ATTR, None)
-        if model is not None:
-            grad = p.grad
-            if grad is None and getattr(self, "grad_scale", None) is not None:
-                # amp left this step's half gradients scaled for us to read directly;
-                # without a grad_scale they are stale, not this step's.
-                grad = model.grad
-            return p, grad, model
-        if self.master_weights and p.dtype != torch.float32:
-            st = self.state[p]
-            if "master_param" not in st:
-                st["master_param"] = p.detach().clone().float()
-            return st["master_param"], p.grad, p
-        return p, p.grad, None
-
-    def _gather(self, group):
-        """The group's parameters with gradients, as (param, target, grad, copy) tuples."""
-        out = []
-        for p in group["params"]:
-            target, grad, copy = self._resolve(p)
-            if grad is None:
-                continue
-            if grad.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients, "
-                                   "please consider SparseAdam instead")
-            out.append((p, target, grad, copy))
-        return out
+                    self.state[p][name] = self._restride_state(value, p)
+        self._bump()
 
     @staticmethod
-    def _split_by_copy(items):
-        """Items with a copy and without: one kernel call each (one launch per dtype group)."""
-        with_copy = [it for it in items if it[3] is not None]
-        without = [it for it in items if it[3] is None]
-        return [x for x in (with_copy, without) if x]
+    def _restride_state(value, p):
+        """fp32 copy of a state tensor on ``p``'s device, laid out as ``p`` when it has
+        ``p``'s shape (a 0-d count or NovoGrad's per-tensor moment stays as it is)."""
+        if value.shape == p.shape and value.dim() > 0:
+            value = value.to(device=p.device)
+            return restride_like(value, p, dtype=torch.float32)
+        return value.to(device=p.device, dtype=torch.float32, copy=True)
 
-    def _state_for(self, p, target):
+    # -- the step: per group a cached plan, rebuilt only when its tensors change ---------------
+    def _links(self, gi, group):
+        """Per group, what each parameter's step reads and writes, cached until the group's
+        parameters or the optimizer's state change: (params, targets, copies, models).
+
+        ``models[i]`` is the half model parameter of amp's fp32 master ``params[i]``
+        (whose gradient the step reads while the master has none), else None."""
+        cache = self._links_cache.get(gi)
+        params = group["params"]
+        gen = getattr(self, "_generation", 0)
+        if cache is not None and cache[0] is params and cache[1] == len(params) \
+                and cache[2] == gen:
+            return cache[3]
+        targets, copies, models = [], [], []
+        for p in params:
+            model = getattr(p, MODEL_ATTR, None)
+            if model is not None:
+                targets.append(p)
+                copies.append(model)
+                models.append(model)
+            elif self.master_weights and p.dtype != torch.float32:
+                st = self.state[p]
+                if "master_param" not in st:
+                    st["master_param"] = restride_like(p.detach(), p, dtype=torch.float32)
+                targets.append(st["master_param"])
+                copies.append(p)
+                models.append(None)
+            else:
+                targets.append(p)
+                copies.append(None)
+                models.append(None)
+        links = (list(params), targets, copies, models,
+                 [i for i, m in enumerate(models) if m is not None])
+        self._links_cache[gi] = (params, len(params), gen, links)
+        return links
+
+    def _group_grads(self, links, grad_scale):
+        params, _, _, models, model_rows = links
+        grads = [p.grad for p in params]
+        if model_rows and grad_scale is not None:
+            # amp left this step's half gradients scaled for us to read directly; without
+            # a grad_scale they are stale, not this step's.
+            for i in model_rows:
+                if grads[i] is None:
+                    grads[i] = models[i].grad
+        return grads
+
+    def _group_plan(self, gi, group, grad_scale):
+        """The prepared sweep of group ``gi`` for this step's gradients, or None when no
+        parameter of the group has a gradient. Cache key: the gradients' addresses and
+        strides (torch itself keeps a ``.grad``'s dtype, shape and device equal to its
+        parameter's), the targets' addresses and the optimizer's generation."""
+        links = self._group_links(gi, group)
+        grads = self._group_grads(links, grad_scale)
+        key = (tuple([0 if g is None else g.data_ptr() for g in grads]),
+               tuple([None if g is None else g.stride() for g in grads]),
+               tuple([t.data_ptr() for t in links[1]]), getattr(self, "_generation", 0),
+               self._plan_depends_on(group))
+        cache = self._plans.get(gi)
+        if cache is None:
+            cache = self._plans[gi] = SweepCache()
+        found = cache.get(key)
+        if found is not None:
+            return found
+        rows = [i for i, g in enumerate(grads) if g is not None]
+        if not rows:
+            return cache.put(key, None)
+        for i in rows:
+            if grads[i].is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients, "
+                                   "please consider SparseAdam instead")
+        params, targets, copies, _, _ = links
+        rows_targets = [targets[i] for i in rows]
+        states = [self._state_for(params[i], targets[i], group) for i in rows]
+        prepared = self._prepare(group, rows_targets, [grads[i] for i in rows],
+                                 [copies[i] for i in rows], states)
+        return cache.put(key, prepared)
+
+    def _group_links(self, gi, group):
+        if not hasattr(self, "_links_cache"):
+            self._links_cache = {}
+            self._plans = {}
+        return self._links(gi, group)
+
+    def _state_for(self, p, target, group):
+        """The state of parameter ``p`` (created on first use: fp32, laid out as ``target``)."""
         st = self.state[p]
         for key in self._STATE_LIKE:
             if key not in st:
-                st[key] = torch.zeros_like(target, dtype=torch.float32)
+                st[key] = torch.zeros_like(target, dtype=torch.float32,
+                                           memory_format=torch.preserve_format)
         for key in self._STATE_SCALARS:
             if key not in st:
                 st[key] = torch.zeros((), dtype=torch.float32, device=target.device)
         return st
-
-    def _columns(self, items, with_state=True):
-        """(targets, gradients, copies or None, states or None) of a step's items."""
-        copies = [c for _, _, _, c in items] if items[0][3] is not None else None
-        states = [self._state_for(p, t) for p, t, _, _ in items] if with_state else None
-        return [t for _, t, _, _ in items], [g for _, _, g, _ in items], copies, states
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -152,17 +238,30 @@ class FusedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        gathered = [(group, self._gather(group)) for group in self.param_groups]
-        extra = self._before_groups(gathered, grad_scale)
-        for group, items in gathered:
-            for part in self._split_by_copy(items):
-                self._step_group(group, part, grad_scale, found_inf, **extra)
+        plans = [self._group_plan(gi, group, grad_scale)
+                 for gi, group in enumerate(self.param_groups)]
+        extra = self._before_groups(plans, grad_scale)
+        for group, prepared in zip(self.param_groups, plans):
+            if prepared is not None:
+                self._launch(group, prepared, grad_scale, found_inf, **extra)
+                finish = getattr(prepared, "finish", None)
+                if finish is not None:
+                    finish()
         return loss
 
-    def _before_groups(self, gathered, grad_scale):
+    def _plan_depends_on(self, group):
+        """Hyperparameters that change what a group's plan holds (SGD: momentum or not)."""
+        return None
+
+    def _before_groups(self, plans, grad_scale):
         """Work over every group's gradients before the updates (LAMB's global norm);
-        returns keyword arguments for _step_group."""
+        returns keyword arguments for _launch."""
         return {}
 
-    def _step_group(self, group, items, grad_scale, found_inf):
+    def _prepare(self, group, targets, grads, copies, states):
+        """Validate and plan one group's sweep (kept while its tensors stay the same)."""
+        raise NotImplementedError
+
+    def _launch(self, group, prepared, grad_scale, found_inf):
+        """One step of a group over its prepared sweep."""
         raise NotImplementedError

@@ -46,11 +46,13 @@ class FusedAdagrad(FusedOptimizer):
         if group.get("maximize", False):
             raise ValueError("FusedAdagrad does not support maximize=True: negate the loss")
 
-    def _step_group(self, group, items, grad_scale, found_inf):
+    def _prepare(self, group, targets, grads, copies, states):
+        return (targets, grads, copies, [s["sum"] for s in states], [s["step"] for s in states])
+
+    def _launch(self, group, prepared, grad_scale, found_inf):
         self._check_group(group)
-        targets, grads, copies, states = self._columns(items)
-        adagrad_step(targets, grads,
-                     [s["sum"] for s in states], copies, lr=group["lr"], eps=group["eps"],
+        targets, grads, copies, sums, steps = prepared
+        adagrad_step(targets, grads, sums, copies, lr=group["lr"], eps=group["eps"],
                      weight_decay=group["weight_decay"],
-                     adagrad_w_mode=bool(self.adagrad_w_mode), steps=[s["step"] for s in states],
+                     adagrad_w_mode=bool(self.adagrad_w_mode), steps=steps,
                      grad_scale=grad_scale, found_inf=found_inf)

@@ -1,5 +1,5 @@
 """FusedAdam: Apex's signature and defaults, one Triton launch per dtype group."""
-from tritamp.kernels.adam import adam_step
+from tritamp.kernels.adam import adam_launch, adam_prepare
 
 from ._base import FusedOptimizer
 
@@ -32,13 +32,14 @@ class FusedAdam(FusedOptimizer):
     _STATE_LIKE = ("exp_avg", "exp_avg_sq")
     _STATE_SCALARS = ("step",)
 
-    def _step_group(self, group, items, grad_scale, found_inf):
-        targets, grads, copies, states = self._columns(items)
+    def _prepare(self, group, targets, grads, copies, states):
+        return adam_prepare(targets, grads, [s["exp_avg"] for s in states],
+                            [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
+                            copies)
+
+    def _launch(self, group, prepared, grad_scale, found_inf):
         beta1, beta2 = group["betas"]
-        adam_step(targets, grads,
-                  [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                  [s["step"] for s in states], copies,
-                  lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                  weight_decay=group["weight_decay"], adam_w_mode=bool(self.adam_w_mode),
-                  bias_correction=bool(group["bias_correction"]), grad_scale=grad_scale,
-                  found_inf=found_inf)
+        adam_launch(prepared, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], adam_w_mode=bool(self.adam_w_mode),
+                    bias_correction=bool(group["bias_correction"]), grad_scale=grad_scale,
+                    found_inf=found_inf)

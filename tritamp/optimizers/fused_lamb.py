@@ -46,20 +46,22 @@ class FusedLAMB(FusedOptimizer):
     _STATE_LIKE = ("exp_avg", "exp_avg_sq")
     _STATE_SCALARS = ("step",)
 
-    def _before_groups(self, gathered, grad_scale):
-        grads = [g for _, items in gathered for _, _, g, _ in items]
+    def _prepare(self, group, targets, grads, copies, states):
+        return (targets, grads, copies, [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states], [s["step"] for s in states])
+
+    def _before_groups(self, plans, grad_scale):
+        grads = [g for prep in plans if prep is not None for g in prep[1]]
         max_grad_norm = self.defaults["max_grad_norm"]
         if not (grads and max_grad_norm):
             return dict(global_norm=None)
         # One norm over every gradient of every group, of the unscaled gradients.
         return dict(global_norm=multi_tensor_l2norm(grads, scale=grad_scale)[0])
 
-    def _step_group(self, group, items, grad_scale, found_inf, global_norm=None):
-        targets, grads, copies, states = self._columns(items)
+    def _launch(self, group, prepared, grad_scale, found_inf, global_norm=None):
+        targets, grads, copies, exp_avgs, exp_avg_sqs, steps = prepared
         beta1, beta2 = group["betas"]
-        lamb_step(targets, grads,
-                  [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                  [s["step"] for s in states], copies,
+        lamb_step(targets, grads, exp_avgs, exp_avg_sqs, steps, copies,
                   lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                   weight_decay=group["weight_decay"], adam_w_mode=bool(self.adam_w_mode),
                   grad_averaging=bool(group["grad_averaging"]),

@@ -45,15 +45,17 @@ class FusedNovoGrad(FusedOptimizer):
     _STATE_LIKE = ("exp_avg",)
     _STATE_SCALARS = ("step", "exp_avg_sq")  # NovoGrad's second moment is one per tensor
 
-    def _step_group(self, group, items, grad_scale, found_inf):
+    def _prepare(self, group, targets, grads, copies, states):
+        return (targets, grads, copies, [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states], [s["step"] for s in states])
+
+    def _launch(self, group, prepared, grad_scale, found_inf):
         if group["norm_type"] not in (0, 2):
             raise ValueError(f"Invalid norm_type: {group['norm_type']}; FusedNovoGrad "
                              "supports 2 (L2 norm) and 0 (infinity norm)")
-        targets, grads, copies, states = self._columns(items)
+        targets, grads, copies, exp_avgs, exp_avg_sqs, steps = prepared
         beta1, beta2 = group["betas"]
-        novograd_step(targets, grads,
-                      [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                      [s["step"] for s in states], copies,
+        novograd_step(targets, grads, exp_avgs, exp_avg_sqs, steps, copies,
                       lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                       weight_decay=group["weight_decay"],
                       reg_inside_moment=self.moment_mode == 0,

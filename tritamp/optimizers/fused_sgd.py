@@ -39,26 +39,33 @@ class FusedSGD(FusedOptimizer):
         for group in self.param_groups:
             group.setdefault("nesterov", False)
 
-    def _step_group(self, group, items, grad_scale, found_inf):
-        momentum = group["momentum"]
-        kw = dict(lr=group["lr"], momentum=momentum, dampening=group["dampening"],
-                  weight_decay=group["weight_decay"], nesterov=group["nesterov"],
-                  wd_after_momentum=self.wd_after_momentum, grad_scale=grad_scale,
-                  found_inf=found_inf)
-        if momentum == 0:
-            targets, grads, copies, _ = self._columns(items, with_state=False)
-            sgd_step(targets, grads, None, copies, **kw)
-            return
-        for p, target, _, _ in items:
-            st = self.state[p]
+    def _state_for(self, p, target, group):
+        st = self.state[p]
+        if group["momentum"] != 0:
             if "momentum_buffer" not in st:
                 # The buffer starts from the gradient of the first step actually taken:
                 # the device step count (0 until then) decides, so a skipped first step
                 # leaves the buffer unused.
-                st["momentum_buffer"] = torch.zeros_like(target, dtype=torch.float32)
+                st["momentum_buffer"] = torch.zeros_like(target, dtype=torch.float32,
+                                                         memory_format=torch.preserve_format)
                 st["step"] = torch.zeros((), dtype=torch.float32, device=target.device)
             elif "step" not in st:  # state loaded from torch.optim.SGD: already started
                 st["step"] = torch.ones((), dtype=torch.float32, device=target.device)
-        targets, grads, copies, states = self._columns(items)
-        sgd_step(targets, grads, [s["momentum_buffer"] for s in states], copies,
-                 steps=[s["step"] for s in states], **kw)
+        return st
+
+    def _plan_depends_on(self, group):
+        return group["momentum"] != 0
+
+    def _prepare(self, group, targets, grads, copies, states):
+        if group["momentum"] == 0:
+            return (targets, grads, copies, None, None)
+        return (targets, grads, copies, [s["momentum_buffer"] for s in states],
+                [s["step"] for s in states])
+
+    def _launch(self, group, prepared, grad_scale, found_inf):
+        targets, grads, copies, bufs, steps = prepared
+        sgd_step(targets, grads, bufs, copies, steps=steps, lr=group["lr"],
+                 momentum=group["momentum"], dampening=group["dampening"],
+                 weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+                 wd_after_momentum=self.wd_after_momentum, grad_scale=grad_scale,
+                 found_inf=found_inf)
