@@ -105,6 +105,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._bump()
 
     def load_state_dict(self, state_dict):
+        self._check_loaded_shapes(state_dict)
         super().load_state_dict(state_dict)
         # torch casts loaded state to each parameter's dtype, which would round the fp32
         # moments and master weight of a half parameter; the values are taken from the
@@ -124,6 +125,21 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if isinstance(value, torch.Tensor) and value.is_floating_point():
                     self.state[p][name] = self._restride_state(value, p)
         self._bump()
+
+    def _check_loaded_shapes(self, state_dict):
+        """Refuse, before anything is loaded, state tensors shaped unlike their parameter
+        (a checkpoint of another model): the sweep would read or write out of place."""
+        saved = chain.from_iterable(g["params"] for g in state_dict.get("param_groups", []))
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for index, (key, p) in enumerate(zip(saved, params)):
+            for name, value in state_dict.get("state", {}).get(key, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 \
+                        and value.shape != p.shape:
+                    raise ValueError(
+                        f"{type(self).__name__}.load_state_dict: state {name!r} of parameter "
+                        f"{index} has shape {tuple(value.shape)} but the parameter has shape "
+                        f"{tuple(p.shape)}; the checkpoint belongs to another model or another "
+                        "parameter order. Nothing was loaded.")
 
     @staticmethod
     def _restride_state(value, p):
@@ -207,9 +223,15 @@ class FusedOptimizer(torch.optim.Optimizer):
                                    "please consider SparseAdam instead")
         params, targets, copies, _, _ = links
         rows_targets = [targets[i] for i in rows]
-        states = [self._state_for(params[i], targets[i], group) for i in rows]
-        prepared = self._prepare(group, rows_targets, [grads[i] for i in rows],
-                                 [copies[i] for i in rows], states)
+        fresh = [params[i] for i in rows if not self.state.get(params[i])]
+        try:
+            states = [self._state_for(params[i], targets[i], group) for i in rows]
+            prepared = self._prepare(group, rows_targets, [grads[i] for i in rows],
+                                     [copies[i] for i in rows], states)
+        except Exception:
+            for p in fresh:  # a refused step leaves no state behind either
+                self.state.pop(p, None)
+            raise
         return cache.put(key, prepared)
 
     def _group_links(self, gi, group):
