@@ -11,6 +11,9 @@ single-program launch and read back (for logging) by one non-blocking copy:
     USED_SCALE   the scale the last checked gradients carry (what a fused step divides by)
     SKIPPED      total skipped steps (lets a late reader count every skip)
     FLOOR_STREAK consecutive overflowing steps spent at the minimum scale
+    FOUND_INF_NEXT the other overflow slot: the scaler alternates between FOUND_INF and
+                 this one, and each update zeroes the slot the next backward will use,
+                 so clearing the flag costs no launch of its own
 
 Counters are exact in fp32 up to 2**24, which bounds growth_interval and hysteresis.
 The factors and clamps live in a small fp64 device vector uploaded once per setting.
@@ -31,8 +34,14 @@ import triton.language as tl
 
 from ._dispatch import use_triton
 
-SCALE, UNSKIPPED, HYSTERESIS, FOUND_INF, USED_SCALE, SKIPPED, FLOOR_STREAK = range(7)
-STATE_SIZE = 7
+SCALE, UNSKIPPED, HYSTERESIS, FOUND_INF, USED_SCALE, SKIPPED, FLOOR_STREAK, FOUND_INF_NEXT = \
+    range(8)
+STATE_SIZE = 8
+
+
+def other_found_slot(slot):
+    """The overflow slot that is not ``slot`` (FOUND_INF <-> FOUND_INF_NEXT)."""
+    return FOUND_INF + FOUND_INF_NEXT - slot
 
 
 @triton.jit
@@ -41,14 +50,15 @@ def _scale_update_kernel(
     config_ptr,        # fp64 [4]: growth factor, backoff factor, min scale, max scale
     growth_interval,   # int: clean steps between growths
     hysteresis,        # int: overflows tolerated before a backoff, restored on growth
+    found_slot,        # int: the overflow slot to read (FOUND_INF or FOUND_INF_NEXT)
     DYNAMIC: tl.constexpr,
 ):
     scale = tl.load(state_ptr + 0)
     unskipped = tl.load(state_ptr + 1)
     hyst = tl.load(state_ptr + 2)
     # Anything but 0.0 in the flag (NaN included) counts as an overflow.
-    found = tl.load(state_ptr + 3) != 0.0
-    clean = tl.load(state_ptr + 3) == 0.0
+    found = tl.load(state_ptr + found_slot) != 0.0
+    clean = tl.load(state_ptr + found_slot) == 0.0
     skipped = tl.load(state_ptr + 5)
     streak = tl.load(state_ptr + 6)
     tl.store(state_ptr + 4, scale)
@@ -80,6 +90,8 @@ def _scale_update_kernel(
     else:
         tl.store(state_ptr + 1, tl.where(found, unskipped, unskipped + 1.0))
     tl.store(state_ptr + 5, tl.where(found, skipped + 1.0, skipped))
+    # The other slot is the one the next backward's check writes into: clear it now.
+    tl.store(state_ptr + (3 + 7 - found_slot), 0.0)
 
 
 _configs = {}
@@ -103,26 +115,35 @@ def _check_state(state):
 
 @torch.no_grad()
 def scale_update(state, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
-                 hysteresis=1, min_scale=0.0, max_scale=float("inf"), dynamic=True):
-    """Update the scaler ``state`` in place from its FOUND_INF slot (no host sync)."""
+                 hysteresis=1, min_scale=0.0, max_scale=float("inf"), dynamic=True,
+                 found_slot=FOUND_INF):
+    """Update the scaler ``state`` in place from its overflow slot ``found_slot`` and
+    zero the other overflow slot (no host sync)."""
     _check_state(state)
+    if found_slot not in (FOUND_INF, FOUND_INF_NEXT):
+        raise ValueError(f"scale_update: found_slot must be FOUND_INF ({FOUND_INF}) or "
+                         f"FOUND_INF_NEXT ({FOUND_INF_NEXT}), got {found_slot!r}")
     if not use_triton(state):
         scale_update_ref(state, growth_factor, backoff_factor, growth_interval,
-                         hysteresis, min_scale, max_scale, dynamic)
+                         hysteresis, min_scale, max_scale, dynamic, found_slot)
         return
     config = _config(state.device, growth_factor, backoff_factor, min_scale, max_scale)
     _scale_update_kernel[(1,)](state, config, int(growth_interval), int(hysteresis),
-                               DYNAMIC=bool(dynamic), num_warps=1)
+                               int(found_slot), DYNAMIC=bool(dynamic), num_warps=1)
 
 
 @torch.no_grad()
 def scale_update_ref(state, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
-                     hysteresis=1, min_scale=0.0, max_scale=float("inf"), dynamic=True):
+                     hysteresis=1, min_scale=0.0, max_scale=float("inf"), dynamic=True,
+                     found_slot=FOUND_INF):
     """Torch reference of :func:`scale_update` (same arithmetic and rounding, device-side)."""
     _check_state(state)
-    scale, unskipped, hyst, found_f, _, skipped, streak = state.unbind()
-    found = found_f != 0
+    scale, unskipped, hyst, skipped, streak = (state[SCALE], state[UNSKIPPED],
+                                               state[HYSTERESIS], state[SKIPPED],
+                                               state[FLOOR_STREAK])
+    found = state[found_slot] != 0
     new = state.clone()
+    new[other_found_slot(found_slot)] = 0.0
     new[USED_SCALE] = scale
     new[SKIPPED] = torch.where(found, skipped + 1.0, skipped)
     if dynamic:

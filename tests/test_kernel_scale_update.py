@@ -13,8 +13,9 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tritamp.kernels import (FLOOR_STREAK, FOUND_INF, HYSTERESIS, SCALE, SKIPPED, STATE_SIZE,
-                             UNSKIPPED, USED_SCALE, check_unscale, scale_update, scale_update_ref)
+from tritamp.kernels import (FLOOR_STREAK, FOUND_INF, FOUND_INF_NEXT, HYSTERESIS, SCALE, SKIPPED,
+                             STATE_SIZE, UNSKIPPED, USED_SCALE, check_unscale, scale_update,
+                             scale_update_ref)
 
 # The package re-exports the function under the module's name: fetch the module itself.
 su_mod = importlib.import_module("tritamp.kernels.scale_update")
@@ -24,7 +25,7 @@ HYPOTHESIS = dict(deadline=None, suppress_health_check=[HealthCheck.function_sco
                                                          HealthCheck.too_slow])
 SLOT_NAMES = {SCALE: "SCALE", UNSKIPPED: "UNSKIPPED", HYSTERESIS: "HYSTERESIS",
               FOUND_INF: "FOUND_INF", USED_SCALE: "USED_SCALE", SKIPPED: "SKIPPED",
-              FLOOR_STREAK: "FLOOR_STREAK"}
+              FLOOR_STREAK: "FLOOR_STREAK", FOUND_INF_NEXT: "FOUND_INF_NEXT"}
 # Factors exact in fp32 and factors that are not (torch multiplies its fp32 scale by the
 # double factor and rounds once).
 FACTORS = ((2.0, 0.5), (4.0, 0.25), (1.5, 0.75), (1.25, 0.625), (1.5, 0.7), (3.0, 1 / 3),
@@ -56,9 +57,29 @@ def f32(x):
 
 
 def test_state_layout():
-    assert STATE_SIZE == 7
+    assert STATE_SIZE == 8
     assert sorted((SCALE, UNSKIPPED, HYSTERESIS, FOUND_INF, USED_SCALE, SKIPPED,
-                   FLOOR_STREAK)) == list(range(STATE_SIZE))
+                   FLOOR_STREAK, FOUND_INF_NEXT)) == list(range(STATE_SIZE))
+
+
+@pytest.mark.parametrize("fn", [scale_update, scale_update_ref])
+@pytest.mark.parametrize("slot", [FOUND_INF, FOUND_INF_NEXT])
+def test_update_reads_its_slot_and_clears_the_other(fn, slot):
+    # The scaler alternates overflow slots; each update prepares the next one, so
+    # clearing the flag needs no launch of its own.
+    other = FOUND_INF + FOUND_INF_NEXT - slot
+    state = new_state(1024.0)
+    state[slot] = 1.0
+    state[other] = 1.0
+    fn(state, found_slot=slot)
+    assert state[SCALE].item() == 512.0
+    assert state[SKIPPED].item() == 1.0
+    assert state[slot].item() == 1.0      # what the step reads stays
+    assert state[other].item() == 0.0     # what the next backward writes is clear
+    state = new_state(1024.0)
+    state[other] = 1.0                    # a flag in the other slot is not this step's
+    fn(state, found_slot=slot)
+    assert state[SCALE].item() == 1024.0 and state[SKIPPED].item() == 0.0
 
 
 # ------------------------------------------------------------------- kernel vs ref

@@ -99,6 +99,10 @@ class LossScaler:
         self._seen_skipped = 0.0
         self._floor_warned = False
         self._aliases = []  # optimizer stashes that refer to this scaler's slots
+        # The overflow slot the next backward's check writes, and whether it is known to
+        # be zero (each update zeroes the slot after the one it read: no launch to clear).
+        self._slot = K.FOUND_INF
+        self._next_clean = False
 
     # -- device state -------------------------------------------------------------
     def _to(self, device):
@@ -119,7 +123,7 @@ class LossScaler:
     @property
     def found_inf(self):
         """1.0 when the most recently checked gradients held inf/NaN (0-d device tensor)."""
-        return self._state[K.FOUND_INF]
+        return self._state[self._slot]
 
     def loss_scale(self):
         """The current scale as a Python float (synchronises; Apex's accessor)."""
@@ -142,7 +146,10 @@ class LossScaler:
         for stash in self._aliases:
             stash.detach_from(self)
         self._aliases.clear()
-        self._state[K.FOUND_INF].zero_()
+        self._slot = K.other_found_slot(self._slot)
+        if not self._next_clean:  # no update since the last check zeroed this slot
+            self._state[self._slot].zero_()
+        self._next_clean = False
 
     def reduce_overflow(self):
         """All-reduce (MAX) the overflow slot over ``overflow_process_group``, in place.
@@ -151,14 +158,15 @@ class LossScaler:
         if self.overflow_process_group is None:
             return
         import torch.distributed as dist
-        dist.all_reduce(self._state[K.FOUND_INF:K.FOUND_INF + 1], op=dist.ReduceOp.MAX,
+        dist.all_reduce(self._state[self._slot:self._slot + 1], op=dist.ReduceOp.MAX,
                         group=self.overflow_process_group)
 
     def update_scale(self):
         """Update the scale from the overflow slot on the device; no host sync."""
         K.scale_update(self._state, self.growth_factor, self.backoff_factor,
                        self.growth_interval, self.hysteresis, self.min_loss_scale,
-                       self.max_loss_scale, self.dynamic)
+                       self.max_loss_scale, self.dynamic, found_slot=self._slot)
+        self._next_clean = True
         self._queue_report()
 
     # -- reporting without stalls ---------------------------------------------------

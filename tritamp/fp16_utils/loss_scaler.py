@@ -146,12 +146,11 @@ class DynamicLossScaler(_LegacyScaler):
     def update_scale(self, overflow):
         """Advance the scale after an iteration; ``overflow`` is a bool, or a 0-d device
         tensor (then nothing is read back to the host)."""
-        state = self._scaler._state
         if isinstance(overflow, torch.Tensor):
-            state = self._scaler._to(overflow.device)
-            state[K.FOUND_INF].copy_((overflow != 0).reshape(()))
+            self._scaler._to(overflow.device)
+            self._scaler.found_inf.copy_((overflow != 0).reshape(()))
         else:
-            state[K.FOUND_INF] = 1.0 if overflow else 0.0
+            self._scaler.found_inf.fill_(1.0 if overflow else 0.0)
             if overflow:
                 self.last_overflow_iter = self.cur_iter
         self._scaler.update_scale()
