@@ -1,0 +1,390 @@
+"""Host cost of one mixed-precision step on the GPU code path, measured without a GPU.
+
+    python benchmarks/host_overhead.py            # every configuration (about a minute)
+    python benchmarks/host_overhead.py --quick    # O2, fp16, Adam and SGD, few rounds
+
+What runs: ResNet-50's 161 parameters (torchvision ``resnet50()``, random init, CPU)
+through ``tritamp.amp.initialize`` (O1 and O2, ``half_dtype`` fp16 and bf16, always
+``loss_scale="dynamic"`` so the overflow check and the scale update run for bf16 too)
+with FusedAdam or FusedSGD (momentum 0.9). Everything runs inside
+:func:`tritamp.kernels.recorder.record_launches`: CPU tensors take the CUDA code path,
+Triton binds and specialises every argument for a stand-in sm_90 device, and each
+launch is recorded instead of run. So the times are the host's share of a GPU step:
+tritamp's Python, Triton's binding and cache lookup, and the torch operators on the path
+(which on a CPU do their arithmetic on the host: :data:`torch ops` below lists them).
+
+Timed, per step: ``scale_loss``'s exit (the overflow check / unscale and the scale
+update; the context is entered by hand and the gradients assigned before the clock
+starts) plus ``optimizer.step()``. ``zero_grad()`` is timed apart. Two gradient regimes:
+
+- ``same``: the same preallocated gradient tensors every step (addresses stay, cached
+  sweeps are reused): a training loop whose allocator hands back the same blocks;
+- ``fresh``: new gradient tensors every step, allocated before the clock starts while
+  the previous two sets are still alive, so every step sees new addresses (the cached
+  sweeps are rebuilt).
+
+First step (cache misses: plans, state creation; no compilation, the recorder stubs it)
+is reported apart from the steady state (median over all later steps, rounds of every
+configuration interleaved). Baseline, in the same process and rounds:
+``torch.optim.AdamW(fused=True)`` driven by ``torch.amp.GradScaler("cpu")`` (``unscale_``,
+``step``, ``update``) over 161 one-element CPU tensors: the same tensor count, so its
+Python and dispatch cost with almost no arithmetic.
+
+Launches per dtype group: the recorded Triton launches plus the torch operators that
+would launch a kernel on a GPU (``count_torch_launches``), in one untimed step, divided
+by the number of dtype groups (distinct model-parameter dtypes: O2 keeps BatchNorm in
+fp32, so two; O1 one). ``torch.set_num_threads(1)``. Writes benchmarks/out/host_overhead.json.
+"""
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+# The recorder needs compiled-mode (not interpreted) kernels: set before tritamp imports.
+os.environ["TRITON_INTERPRET"] = "0"
+
+import torch  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, "out", "host_overhead.json")
+TARGET_US = 150.0           # O2 FusedAdam steady state, gradients keeping their addresses
+TARGET_LAUNCHES = 3.0       # per dtype group
+LEVELS = ("O1", "O2")
+OPTIMIZERS = ("adam", "sgd")
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+REGIMES = ("same", "fresh")
+
+
+def _resnet50():
+    import torchvision
+    torch.manual_seed(0)
+    return torchvision.models.resnet50()
+
+
+def _build_optimizer(name, params):
+    from tritamp.optimizers import FusedAdam, FusedSGD
+    if name == "adam":
+        return FusedAdam(params, lr=1e-3)
+    return FusedSGD(params, lr=0.1, momentum=0.9)
+
+
+class Case:
+    """One configuration: its model, optimizer, amp state and gradients."""
+
+    def __init__(self, level, opt_name, dtype_name, regime):
+        from tritamp import amp
+        from tritamp.amp._state import _amp_state
+        self.level, self.opt_name, self.dtype_name, self.regime = level, opt_name, dtype_name, regime
+        self.name = f"{level} {'FusedAdam' if opt_name == 'adam' else 'FusedSGD'} {dtype_name}"
+        model = _resnet50()
+        opt = _build_optimizer(opt_name, model.parameters())
+        self.model, self.opt = amp.initialize(model, opt, opt_level=level,
+                                              half_dtype=DTYPES[dtype_name],
+                                              loss_scale="dynamic", verbosity=0)
+        self.amp_state = (_amp_state.opt_properties, list(_amp_state.loss_scalers))
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.groups = len({p.dtype for p in self.params})
+        self.grads = self._new_grads()
+        self.live = [self.grads]
+        self.loss = torch.zeros(())
+        self.times, self.zero_times, self.first = [], [], None
+        self.first_zero = None
+        self.new_addresses = 0
+        self.steps = 0
+        self.error = None
+
+    def _new_grads(self):
+        return [torch.full_like(p, 1e-3) for p in self.params]
+
+    def activate(self):
+        from tritamp.amp._state import _amp_state
+        _amp_state.opt_properties, scalers = self.amp_state
+        _amp_state.loss_scalers = list(scalers)
+
+    def prepare_grads(self):
+        if self.regime == "fresh" and self.steps > 0:
+            old = {g.data_ptr() for g in self.grads}
+            self.grads = self._new_grads()       # the previous two sets are still alive
+            self.live = (self.live + [self.grads])[-3:]
+            self.new_addresses += not (old & {g.data_ptr() for g in self.grads})
+
+    def begin(self):
+        """What happens before the timed part: gradients ready, scale_loss entered."""
+        from tritamp import amp
+        self.activate()
+        self.prepare_grads()
+        ctx = amp.scale_loss(self.loss, self.opt)
+        ctx.__enter__()
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
+        return ctx
+
+    def timed(self, ctx):
+        ctx.__exit__(None, None, None)
+        self.opt.step()
+
+    def zero(self):
+        self.opt.zero_grad()
+        self.steps += 1
+
+
+class Baseline:
+    """torch.optim.AdamW(fused=True) + torch.amp.GradScaler over 161 one-element tensors."""
+
+    name = "torch AdamW(fused) + GradScaler, 161 x 1 elem"
+    regime = "same"
+    groups = 1
+
+    def __init__(self, n=161):
+        self.params = [torch.zeros(1, requires_grad=True) for _ in range(n)]
+        self.grads = [torch.full((1,), 1e-3) for _ in range(n)]
+        self.fused = True
+        self.loss = torch.zeros(())
+        try:
+            self.opt = torch.optim.AdamW(self.params, lr=1e-3, fused=True)
+            self.scaler = torch.amp.GradScaler("cpu")
+            self._run()
+        except Exception as e:  # torch without a fused CPU AdamW: say so and use foreach
+            self.fused = f"not available on CPU ({type(e).__name__}: {e}); foreach used"
+            self.name = "torch AdamW(foreach) + GradScaler, 161 x 1 elem"
+            self.opt = torch.optim.AdamW(self.params, lr=1e-3, foreach=True)
+            self.scaler = torch.amp.GradScaler("cpu")
+        self.times, self.zero_times, self.first, self.first_zero = [], [], None, None
+        self.error = None
+
+    def begin(self):
+        self.scaler.scale(self.loss)
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
+
+    def timed(self, ctx):
+        self.scaler.unscale_(self.opt)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+
+    def zero(self):
+        self.opt.zero_grad()
+
+    def _run(self):
+        return step(self)
+
+
+def step(case):
+    """One step of ``case``; returns (timed seconds, zero_grad seconds)."""
+    ctx = case.begin()
+    t0 = time.perf_counter()
+    case.timed(ctx)
+    t1 = time.perf_counter()
+    case.zero()
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1
+
+
+def _count_launches(case, recording):
+    """Recorded Triton launches + counted torch launches of one untimed step."""
+    from tritamp.kernels.recorder import count_torch_launches
+    ctx = case.begin()
+    recording.clear()
+    with count_torch_launches() as torch_count:
+        case.timed(ctx)
+    triton_launches = recording.counts()
+    recording.clear()
+    with count_torch_launches() as zero_count:
+        case.zero()
+    total = sum(triton_launches.values()) + torch_count.launches
+    return dict(triton=triton_launches, torch=dict(torch_count.by_op),
+                torch_host_reads=dict(torch_count.host_reads), total=total,
+                groups=case.groups, per_group=total / case.groups,
+                zero_grad=zero_count.launches + len(recording.launches),
+                zero_grad_torch=dict(zero_count.by_op))
+
+
+def _stats(times):
+    if not times:
+        return None
+    q = statistics.quantiles(times, n=10) if len(times) >= 10 else [min(times)] * 2 + [max(times)] * 8
+    return dict(median_us=statistics.median(times) * 1e6, p20_us=q[1] * 1e6, p80_us=q[7] * 1e6,
+                n=len(times))
+
+
+def run_regime(regime, configs, rounds, steps_per_round, warmup, recording, log):
+    cases = []
+    for level, opt_name, dtype_name in configs:
+        try:
+            cases.append(Case(level, opt_name, dtype_name, regime))
+        except Exception as e:
+            c = type("Failed", (), {})()
+            c.name = f"{level} {opt_name} {dtype_name}"
+            c.regime, c.level, c.opt_name, c.dtype_name = regime, level, opt_name, dtype_name
+            c.error = f"build: {type(e).__name__}: {e}"
+            c.times, c.zero_times, c.first, c.first_zero, c.groups = [], [], None, None, None
+            cases.append(c)
+            log(f"  {c.name} [{regime}] failed to build: {c.error}")
+    baseline = Baseline() if regime == "same" else None
+    everyone = cases + ([baseline] if baseline is not None else [])
+    launches = {}
+    for c in everyone:
+        if c.error:
+            continue
+        try:
+            recording.clear()
+            c.first, c.first_zero = step(c)
+            c.first_launches = recording.counts()
+            for _ in range(warmup - 1):
+                step(c)
+            launches[id(c)] = _count_launches(c, recording)
+        except Exception as e:
+            c.error = f"{type(e).__name__}: {e}"
+            log(f"  {c.name} [{regime}] failed: {c.error}")
+            log("".join(traceback.format_exception(e)[-3:]))
+    for _ in range(rounds):
+        gc.collect()
+        gc.disable()
+        try:
+            for c in everyone:
+                if c.error:
+                    continue
+                try:
+                    for _ in range(steps_per_round):
+                        recording.clear()
+                        t, z = step(c)
+                        c.times.append(t)
+                        c.zero_times.append(z)
+                except Exception as e:
+                    c.error = f"{type(e).__name__}: {e}"
+                    log(f"  {c.name} [{regime}] failed: {c.error}")
+        finally:
+            gc.enable()
+    rows = []
+    for c in everyone:
+        row = dict(config=c.name, regime=regime, error=c.error,
+                   level=getattr(c, "level", None), optimizer=getattr(c, "opt_name", "torch"),
+                   dtype=getattr(c, "dtype_name", "fp32"),
+                   first_us=None if c.first is None else c.first * 1e6,
+                   first_zero_grad_us=None if c.first_zero is None else c.first_zero * 1e6,
+                   steady=_stats(c.times), zero_grad=_stats(c.zero_times),
+                   launches=launches.get(id(c)))
+        if isinstance(c, Case):
+            row["first_step_launches"] = getattr(c, "first_launches", None)
+            if regime == "fresh":
+                row["steps_with_all_new_addresses"] = f"{c.new_addresses}/{max(c.steps - 1, 0)}"
+        if isinstance(c, Baseline):
+            row["fused"] = c.fused
+        rows.append(row)
+    del cases, everyone, baseline
+    gc.collect()
+    return rows
+
+
+def _fmt(x, digits=0):
+    return "—" if x is None else f"{x:,.{digits}f}"
+
+
+def table(rows):
+    lines = ["| configuration | grads | first step (us) | steady median (us) [p20–p80] | "
+             "zero_grad (us) | launches / dtype group (Triton + torch) |",
+             "|---|---|---:|---:|---:|---|"]
+    for r in rows:
+        if r["error"]:
+            lines.append(f"| {r['config']} | {r['regime']} | error | {r['error'][:90]} | | |")
+            continue
+        s, z, la = r["steady"], r["zero_grad"], r["launches"]
+        steady = f"{_fmt(s['median_us'])} [{_fmt(s['p20_us'])}–{_fmt(s['p80_us'])}]" if s else "—"
+        if la:
+            nt = sum(la["triton"].values())
+            nt_ops = ", ".join(f"{k.lstrip('_')}×{v}" for k, v in la["triton"].items())
+            torch_ops = ", ".join(f"{k}×{v}" for k, v in la["torch"].items())
+            ops = "; ".join(x for x in (nt_ops, torch_ops) if x)
+            launch = (f"{la['per_group']:.1f} ({nt} + {la['total'] - nt} over "
+                      f"{la['groups']} group{'s' if la['groups'] != 1 else ''}: {ops})")
+        else:
+            launch = "—"
+        lines.append(f"| {r['config']} | {r['regime']} | {_fmt(r['first_us'])} | {steady} | "
+                     f"{_fmt(z['median_us'] if z else None, 1)} | {launch} |")
+    return "\n".join(lines)
+
+
+def verdict(rows):
+    out = []
+    for r in rows:
+        if r["level"] == "O2" and r["optimizer"] == "adam" and r["regime"] == "same":
+            if r["error"]:
+                out.append(f"- {r['config']}: not measured ({r['error'][:120]})")
+                continue
+            med = r["steady"]["median_us"]
+            per = r["launches"]["per_group"] if r["launches"] else None
+            out.append(f"- {r['config']} steady state {med:.0f} us (target <= {TARGET_US:.0f}: "
+                       f"{'met' if med <= TARGET_US else 'NOT met'}); launches per dtype group "
+                       f"{_fmt(per, 1)} (target <= {TARGET_LAUNCHES:.0f}: "
+                       f"{'met' if per is not None and per <= TARGET_LAUNCHES else 'NOT met'})")
+    return "\n".join(out)
+
+
+def environment():
+    import triton
+    try:
+        import tritamp
+        version = tritamp.__version__
+    except Exception:
+        version = "?"
+    return dict(device=("no GPU: CUDA code path on CPU tensors, Triton launches recorded by "
+                        "tritamp.kernels.recorder (stand-in sm_90 driver)"),
+                cpu=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+                torch=torch.__version__, triton=triton.__version__, tritamp=version,
+                python=platform.python_version(), torch_threads=torch.get_num_threads())
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="O2 fp16 Adam/SGD, few rounds")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--steps-per-round", type=int, default=None)
+    ap.add_argument("--out", default=OUT)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if args.quick:
+        configs = [("O2", o, "fp16") for o in OPTIMIZERS]
+        rounds, per_round, warmup = 3, 3, 2
+    else:
+        configs = [(lv, o, d) for lv in LEVELS for o in OPTIMIZERS for d in DTYPES]
+        rounds, per_round, warmup = 15, 4, 3
+    rounds = args.rounds or rounds
+    per_round = args.steps_per_round or per_round
+    try:
+        from tritamp.kernels.recorder import record_launches
+        env = environment()
+    except Exception as e:
+        print(f"host_overhead: cannot run ({type(e).__name__}: {e}); nothing measured.")
+        return 0
+    rows = []
+    try:
+        with record_launches() as recording:
+            for regime in REGIMES:
+                log(f"regime {regime}: {len(configs)} configurations, {rounds} rounds x "
+                    f"{per_round} steps")
+                rows += run_regime(regime, configs, rounds, per_round, warmup, recording, log)
+    except Exception as e:
+        print(f"host_overhead: the recorder could not run ({type(e).__name__}: {e}).")
+        traceback.print_exc()
+    print(f"Host cost per step on the GPU code path (no GPU; {env['cpu']}; torch "
+          f"{env['torch']}, triton {env['triton']}, 1 thread)\n")
+    print(table(rows))
+    print()
+    print(verdict(rows))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(environment=env, quick=args.quick, rounds=rounds,
+                       steps_per_round=per_round, target_us=TARGET_US,
+                       target_launches_per_group=TARGET_LAUNCHES, rows=rows), f, indent=1)
+    print(f"\nwrote {os.path.relpath(args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
