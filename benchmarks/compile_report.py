@@ -1,0 +1,402 @@
+"""What the launchers really compile for an H100 (sm_90): registers, spills, access widths.
+
+    python benchmarks/compile_report.py                  # table + benchmarks/out/compile_report.json
+    python benchmarks/compile_report.py --json -         # JSON on stdout (table on stderr)
+
+No GPU needed. Two parts:
+
+1. **Record** (:func:`record_specialisations`): every fused optimizer of
+   ``tritamp.optimizers`` (FusedAdam, FusedSGD with momentum, FusedLAMB, FusedAdagrad,
+   FusedNovoGrad) steps twice under ``tritamp.amp`` at O1 and O2 with fp16 and bf16,
+   inside :func:`tritamp.kernels.recorder.record_launches`: on CPU tensors, down the
+   CUDA code path, with Triton specialising every argument for a stand-in sm_90 device.
+   Twice per configuration: a model whose every parameter numel is a multiple of 8 (the
+   aligned, vectorised path ``VEC`` > 1 is taken) and the same model with one odd-sized
+   parameter (its dtype group takes the masked path, ``VEC = 1``). Then
+   ``multi_tensor_l2norm``, ``multi_tensor_scale``, ``multi_tensor_axpby``,
+   ``check_unscale`` and the template ``adam_step`` directly, on both kinds of lists. Each kernel-cache miss is one
+   specialisation: the kernel, its argument dtypes, the alignment Triton proved
+   (``tt.divisibility``), the constexprs and ``num_warps``, exactly as a GPU run would
+   compile it.
+2. **Compile** each distinct specialisation with
+   ``triton.compile(ASTSource(fn, signature, constexprs, attrs), target=sm_90)`` (the
+   recorded attrs, so the alignment specialisation matches), in a pool of two worker
+   processes, and read the cubin: registers and spills (``REG``, ``STACK``, ``LOCAL``
+   from ``cuobjdump -res-usage``), and every global load and store in the SASS
+   (``nvdisasm``) by width: ``LDG.E.128`` moves 16 bytes, ``LDG.E.64`` 8, ``LDG.E`` 4,
+   ``LDG.E.U16`` 2. The PTX is checked for ``.target sm_90``, approximate square roots or
+   divisions (``sqrt.approx``, ``div.full``) and round-to-nearest bf16 conversions.
+
+Configurations that fail (a launcher mid-port, an API change) are reported with their
+error; the rest still runs.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+os.environ["TRITON_INTERPRET"] = "0"  # before tritamp is imported: compiled-mode kernels
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, "out", "compile_report.json")
+OPTIMIZERS = ("FusedAdam", "FusedSGD", "FusedLAMB", "FusedAdagrad", "FusedNovoGrad")
+LEVELS = ("O1", "O2")
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# Register budgets on the aligned path (BLOCK=1024, num_warps=4).
+REGISTER_BUDGET = {"adam": 72, "lamb": 72, "novograd": 72, "adagrad": 72,
+                   "sgd": 48, "check_unscale": 48, "l2norm": 48, "axpby": 48}
+
+
+def family(kernel_name):
+    """'_lamb_moments_kernel' -> 'lamb' (the REGISTER_BUDGET key), or None."""
+    for f in REGISTER_BUDGET:
+        if kernel_name.lstrip("_").startswith(f):
+            return f
+    return None
+
+
+# --- recording -------------------------------------------------------------------------
+class _Model(nn.Module):
+    """Linear layers and a BatchNorm (kept fp32 at O2): every numel a multiple of 8,
+    unless ``odd`` adds a 7-element parameter."""
+
+    def __init__(self, odd=False):
+        super().__init__()
+        self.fc1 = nn.Linear(64, 32)
+        self.bn = nn.BatchNorm1d(32)
+        self.fc2 = nn.Linear(32, 16)
+        self.odd = nn.Parameter(torch.randn(7)) if odd else None
+
+
+def _optimizer(name, params):
+    import tritamp.optimizers as O
+    cls = getattr(O, name)
+    if name == "FusedSGD":
+        return cls(params, lr=0.1, momentum=0.9)
+    return cls(params, lr=1e-3)
+
+
+def _amp_steps(opt_name, level, dtype_name, odd, steps=2):
+    from tritamp import amp
+    torch.manual_seed(0)
+    model = _Model(odd)
+    opt = _optimizer(opt_name, model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=DTYPES[dtype_name],
+                                loss_scale="dynamic", verbosity=0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [torch.full_like(p, 1e-3) for p in params]
+    for _ in range(steps):
+        with amp.scale_loss(torch.zeros(()), opt):
+            for p, g in zip(params, grads):
+                p.grad = g
+        opt.step()
+        opt.zero_grad()
+
+
+def _lists(dtype, odd):
+    numels = [2048, 32, 512, 16] + ([7] if odd else [])
+    return [torch.full((n,), 0.5, dtype=dtype) for n in numels]
+
+
+def _direct_calls():
+    """The multi-tensor helpers called directly: name -> callable."""
+    from tritamp import kernels as K
+    calls = {}
+    for dname, dt in (("fp32", torch.float32), ("fp16", torch.float16),
+                      ("bf16", torch.bfloat16)):
+        for odd in (False, True):
+            tag = f"{dname}{' +odd' if odd else ''}"
+
+            def l2norm(dt=dt, odd=odd):
+                xs = _lists(dt, odd)
+                K.multi_tensor_l2norm(xs, per_tensor=False)
+                K.multi_tensor_l2norm(xs, per_tensor=True)
+
+            def scale(dt=dt, odd=odd):
+                xs = _lists(dt, odd)
+                K.multi_tensor_scale(xs, _lists(torch.float32, odd), 0.5,
+                                     torch.zeros(1, dtype=torch.int32))
+
+            def axpby(dt=dt, odd=odd):
+                xs = _lists(dt, odd)
+                K.multi_tensor_axpby(xs, _lists(torch.float32, odd), _lists(dt, odd), 0.5, 2.0,
+                                     torch.zeros(1, dtype=torch.int32), -1)
+
+            def check(dt=dt, odd=odd):
+                xs = _lists(dt, odd)
+                found = torch.zeros(())
+                scale_t = torch.full((), 1024.0)
+                K.check_unscale(xs, scale_t, found, write=False)
+                K.check_unscale(xs, scale_t, found, dsts=_lists(torch.float32, odd))
+
+            def adam(dt=dt, odd=odd):
+                # The template launcher directly (independent of amp): fp32 masters with
+                # ``dt`` gradients and copies (O2's layout; O1's when dt is fp32).
+                from tritamp.kernels.adam import adam_step
+                ps = _lists(torch.float32, odd)
+                copies = None if dt == torch.float32 else _lists(dt, odd)
+                adam_step(ps, _lists(dt, odd), _lists(torch.float32, odd),
+                          _lists(torch.float32, odd), [torch.zeros(()) for _ in ps], copies,
+                          lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                          grad_scale=torch.full((), 1024.0), found_inf=torch.zeros(()))
+
+            calls[f"adam_step {tag}"] = adam
+            calls[f"multi_tensor_l2norm {tag}"] = l2norm
+            calls[f"multi_tensor_scale {tag}"] = scale
+            calls[f"multi_tensor_axpby {tag}"] = axpby
+            calls[f"check_unscale {tag}"] = check
+    return calls
+
+
+def record_specialisations(optimizers=OPTIMIZERS, log=None):
+    """Run every scenario under the recorder. Returns (specialisations, sources, errors):
+    distinct :class:`~tritamp.kernels.recorder.Specialisation` in order of first use,
+    {id(spec): [scenario, ...]} and {scenario: error}."""
+    from tritamp.kernels.recorder import record_launches
+    scenarios = {}
+    for opt_name in optimizers:
+        for level in LEVELS:
+            for dname in DTYPES:
+                for odd in (False, True):
+                    scenarios[f"{opt_name} {level} {dname}{' +odd' if odd else ''}"] = (
+                        lambda o=opt_name, lv=level, d=dname, od=odd: _amp_steps(o, lv, d, od))
+    scenarios.update(_direct_calls())
+    specs, sources, errors = [], {}, {}
+    with record_launches() as rec:
+        for name, run in scenarios.items():
+            rec.launches.clear()
+            try:
+                run()
+            except Exception as e:
+                errors[name] = f"{type(e).__name__}: {e}"
+                if log:
+                    log(f"  {name}: {errors[name]}")
+            for launch in rec.launches:
+                spec = launch.specialisation
+                if id(spec) not in sources:
+                    sources[id(spec)] = []
+                    specs.append(spec)
+                if name not in sources[id(spec)]:
+                    sources[id(spec)].append(name)
+    return specs, sources, errors
+
+
+# --- compiling and reading the cubin -----------------------------------------------------
+def _tool(name):
+    import triton
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    return path if os.path.exists(path) else name
+
+
+_ACCESS = re.compile(r"\b(LDG|STG)\.E((?:\.[A-Z0-9_]+)*)")
+_WIDTH = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
+
+
+def access_widths(sass):
+    """{'load': {bytes: count}, 'store': {bytes: count}} of the global loads and stores."""
+    out = {"load": {}, "store": {}}
+    for op, mods in _ACCESS.findall(sass):
+        width = 4
+        for m in mods.split(".")[1:]:
+            width = _WIDTH.get(m, width)
+        kind = out["load" if op == "LDG" else "store"]
+        kind[width] = kind.get(width, 0) + 1
+    return out
+
+
+def resource_usage(res):
+    """REG / STACK / LOCAL / SHARED from ``cuobjdump -res-usage`` output."""
+    out = {}
+    for field in ("REG", "STACK", "SHARED", "LOCAL"):
+        m = re.search(rf"\b{field}:(\d+)", res)
+        out[field.lower()] = int(m.group(1)) if m else None
+    return out
+
+
+_SPECS = []  # the specialisations, for the forked workers
+
+
+def _compile_index(i):
+    spec = _SPECS[i]
+    t0 = time.perf_counter()
+    try:
+        compiled = spec.compile()
+    except Exception as e:
+        msg = "".join(traceback.format_exception_only(type(e), e)).strip()
+        return dict(error=f"compile: {msg[-1500:]}", compile_s=time.perf_counter() - t0)
+    ptx = compiled.asm.get("ptx", "")
+    cubin = compiled.asm["cubin"]
+    out = dict(compile_s=time.perf_counter() - t0, sm90=".target sm_90" in ptx,
+               approx=("sqrt.approx" in ptx or "div.full" in ptx),
+               rn_bf16="cvt.rn.bf16.f32" in ptx)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        try:
+            res = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True,
+                                 text=True, timeout=60).stdout
+            sass = subprocess.run([_tool("nvdisasm"), path], capture_output=True, text=True,
+                                  timeout=60).stdout
+        except (OSError, subprocess.SubprocessError) as e:
+            out["error"] = f"cuobjdump/nvdisasm: {e}"
+            return out
+    out.update(resource_usage(res))
+    out["spills"] = (out["stack"] or 0) + (out["local"] or 0)
+    widths = access_widths(sass)
+    out["loads"] = widths["load"]
+    out["stores"] = widths["store"]
+    out["widest_load"] = max(widths["load"], default=None)
+    out["widest_store"] = max(widths["store"], default=None)
+    return out
+
+
+def compile_all(specs, workers=2):
+    """Compile every specialisation; returns one result dict per spec, in order."""
+    global _SPECS
+    _SPECS = list(specs)
+    if workers <= 1 or len(specs) < 2:
+        return [_compile_index(i) for i in range(len(specs))]
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("fork")) as pool:
+        return list(pool.map(_compile_index, range(len(specs))))
+
+
+def toolchain_error():
+    """None when Triton can compile for sm_90 here and cuobjdump/nvdisasm run, else why not."""
+    try:
+        import triton
+        import triton.language as tl
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        @triton.jit
+        def _probe_kernel(x_ptr, BLOCK: tl.constexpr):
+            offs = tl.arange(0, BLOCK)
+            tl.store(x_ptr + offs, tl.load(x_ptr + offs) + 1.0)
+
+        compiled = triton.compile(ASTSource(fn=_probe_kernel, signature={"x_ptr": "*fp32",
+                                                                          "BLOCK": "constexpr"},
+                                            constexprs={"BLOCK": 128}),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "probe.cubin")
+            with open(path, "wb") as f:
+                f.write(compiled.asm["cubin"])
+            for tool in ("cuobjdump", "nvdisasm"):
+                args = [_tool(tool)] + (["-res-usage"] if tool == "cuobjdump" else []) + [path]
+                proc = subprocess.run(args, capture_output=True, text=True, timeout=60)
+                if proc.returncode != 0:
+                    return f"{tool} failed: {proc.stderr[-300:]}"
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e)[-500:]}"
+    return None
+
+
+def build_report(optimizers=OPTIMIZERS, workers=2, log=None):
+    t0 = time.perf_counter()
+    problem = toolchain_error()
+    if problem is not None:
+        return dict(target="cuda sm_90", toolchain_error=problem, specialisations=[],
+                    errors={}, n_specialisations=0, record_s=0.0, compile_s=0.0)
+    specs, sources, errors = record_specialisations(optimizers, log)
+    t1 = time.perf_counter()
+    results = compile_all(specs, workers)
+    t2 = time.perf_counter()
+    rows = []
+    for spec, res in zip(specs, results):
+        d = spec.as_dict()
+        cx = d["constexprs"]
+        names = list(d["signature"])
+        row = dict(d, family=family(spec.name), sources=sources[id(spec)],
+                   engine=names[:3] == ["meta_ptr", "blocks_ptr", "counters_ptr"],
+                   sweep=names[:2] == ["meta_ptr", "blocks_ptr"],
+                   vec=cx.get("VEC"), block=cx.get("BLOCK"), **res)
+        rows.append(row)
+    import triton
+    return dict(target="cuda sm_90 (GPUTarget('cuda', 90, 32))", toolchain_error=None,
+                torch=torch.__version__,
+                triton=triton.__version__, record_s=t1 - t0, compile_s=t2 - t1,
+                n_specialisations=len(rows), errors=errors, specialisations=rows)
+
+
+def _dtypes(row):
+    return ",".join(v[1:] for k, v in row["signature"].items()
+                    if k.endswith("_proto"))
+
+
+def table(report):
+    lines = ["| kernel | protos | VEC | flags | warps | REG | spills | widest LDG / STG (B) "
+             "| loads by width | stores by width |",
+             "|---|---|---:|---|---:|---:|---:|---|---|---|"]
+    skip = {"VEC", "BLOCK", "EMULATE_BF16_ROUNDING"}
+    for r in sorted(report["specialisations"], key=lambda r: (r["kernel"], str(r.get("vec")))):
+        flags = " ".join(k for k, v in r["constexprs"].items() if v is True and k not in skip)
+        if r.get("error") and "reg" not in r:
+            lines.append(f"| {r['kernel']} | {_dtypes(r)} | {r.get('vec')} | {flags} | "
+                         f"{r['num_warps']} | error | | {r['error'][:80]} | | |")
+            continue
+        fmt = lambda d: " ".join(f"{w}B×{n}" for w, n in sorted(d.items()))  # noqa: E731
+        lines.append(f"| {r['kernel']} | {_dtypes(r)} | {r.get('vec')} | {flags} | "
+                     f"{r['num_warps']} | {r['reg']} | {r['spills']} | {r['widest_load']} / "
+                     f"{r['widest_store']} | {fmt(r['loads'])} | {fmt(r['stores'])} |")
+    return "\n".join(lines)
+
+
+def _jsonable(report):
+    def fix(x):
+        if isinstance(x, dict):
+            return {str(k): fix(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [fix(v) for v in x]
+        return x
+    return fix(report)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default=OUT, help="output path, or - for stdout")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    args = ap.parse_args(argv)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        report = build_report(tuple(o for o in args.optimizers.split(",") if o), args.workers,
+                              log)
+    except Exception as e:
+        log(f"compile_report: cannot run ({type(e).__name__}: {e})")
+        traceback.print_exc()
+        return 1
+    if report.get("toolchain_error"):
+        log(f"compile_report: Triton's CUDA toolchain is not usable here: "
+            f"{report['toolchain_error']}")
+    text = (f"{report['n_specialisations']} specialisations for {report['target']}: recorded in "
+            f"{report['record_s']:.1f} s, compiled in {report['compile_s']:.1f} s\n\n"
+            + table(report))
+    if report["errors"]:
+        text += "\n\nScenarios that failed:\n" + "\n".join(
+            f"- {k}: {v[:200]}" for k, v in report["errors"].items())
+    data = _jsonable(report)
+    if args.json == "-":
+        print(text, file=sys.stderr)
+        json.dump(data, sys.stdout)
+    else:
+        print(text)
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
+        print(f"\nwrote {os.path.relpath(args.json)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
