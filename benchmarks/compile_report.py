@@ -196,19 +196,22 @@ def _tool(name):
     return path if os.path.exists(path) else name
 
 
-_ACCESS = re.compile(r"\b(LDG|STG)\.E((?:\.[A-Z0-9_]+)*)")
+_ACCESS = re.compile(r"(@!?U?P[T0-9]+\s+)?\b(LDG|STG)\.E((?:\.[A-Z0-9_]+)*)")
 _WIDTH = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
 
 
 def access_widths(sass):
-    """{'load': {bytes: count}, 'store': {bytes: count}} of the global loads and stores."""
-    out = {"load": {}, "store": {}}
-    for op, mods in _ACCESS.findall(sass):
+    """Global loads and stores by width in bytes: {'load': {bytes: count}, 'store': ...,
+    'masked_load': ..., 'masked_store': ...}. Masked = predicated (``@P0 LDG...``): in a
+    sweep the element accesses are (the mask), the per-tensor scalar reads are not."""
+    out = {"load": {}, "store": {}, "masked_load": {}, "masked_store": {}}
+    for pred, op, mods in _ACCESS.findall(sass):
         width = 4
         for m in mods.split(".")[1:]:
             width = _WIDTH.get(m, width)
-        kind = out["load" if op == "LDG" else "store"]
-        kind[width] = kind.get(width, 0) + 1
+        kind = "load" if op == "LDG" else "store"
+        for k in (kind, "masked_" + kind) if pred else (kind,):
+            out[k][width] = out[k].get(width, 0) + 1
     return out
 
 
@@ -254,6 +257,8 @@ def _compile_index(i):
     widths = access_widths(sass)
     out["loads"] = widths["load"]
     out["stores"] = widths["store"]
+    out["masked_loads"] = widths["masked_load"]
+    out["masked_stores"] = widths["masked_store"]
     out["widest_load"] = max(widths["load"], default=None)
     out["widest_store"] = max(widths["store"], default=None)
     return out

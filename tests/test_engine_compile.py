@@ -1,0 +1,144 @@
+"""The multi-tensor sweeps compile to what the engine promises on an H100 (sm_90).
+
+benchmarks/compile_report.py runs every fused optimizer (O1/O2, fp16/bf16) and the
+multi-tensor helpers under the launch recorder, so the variants checked here are the ones
+the launchers really use, specialised by Triton as on the GPU, then compiles each for
+sm_90 and reads the SASS. It runs in a child process with ``TRITON_INTERPRET=0`` (this
+session interprets the kernels). No GPU needed.
+
+On the aligned path (``VEC`` > 1: every address 16-byte aligned, every numel a multiple of
+the vector width) each sweep kernel must:
+
+- load its data columns 16 bytes at a time: ``LDG.E.128`` present, no 1- or 2-byte
+  access at all, and every masked (predicated: the element mask) load 16 bytes wide, so
+  no column is read 2, 4 or 8 bytes at a time (one narrower masked access each way is
+  allowed for a conditional scalar, e.g. the last program's step-count write);
+- store them 16 bytes at a time when it writes data (``STG.E.128``; the same rules);
+- spill nothing (``STACK`` and ``LOCAL`` 0);
+- stay within its register budget at BLOCK=1024, num_warps=4: 72 for Adam, LAMB,
+  NovoGrad and Adagrad, 48 for SGD, check/unscale, l2norm and scale/axpby.
+
+A sweep kernel not yet on the engine's signature (meta_ptr, blocks_ptr, counters_ptr,
+protos..., args, HAS_<optional>, VEC, EMULATE_BF16_ROUNDING, BLOCK) fails here.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPORT = os.path.join(HERE, os.pardir, "benchmarks", "compile_report.py")
+BUDGET = {"adam": 72, "lamb": 72, "novograd": 72, "adagrad": 72,
+          "sgd": 48, "check_unscale": 48, "l2norm": 48, "axpby": 48}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    pytest.importorskip("triton.backends.nvidia")
+    out = tmp_path_factory.mktemp("compile") / "report.json"
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, REPORT, "--json", str(out)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    if proc.returncode != 0 and ("ptxas" in proc.stderr
+                                 or "No module named 'triton.backends" in proc.stderr):
+        pytest.skip("Triton's CUDA toolchain is not usable here:\n" + proc.stderr[-500:])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    if data.get("toolchain_error"):
+        pytest.skip(f"Triton's CUDA toolchain is not usable here: {data['toolchain_error']}")
+    return data
+
+
+def _family(name):
+    for f in BUDGET:
+        if name.lstrip("_").startswith(f):
+            return f
+    return None
+
+
+def _sweeps(report, family):
+    return [r for r in report["specialisations"]
+            if r["sweep"] and _family(r["kernel"]) == family]
+
+
+def _writes_data(row):
+    # Reductions (l2norm partials, NovoGrad's gradient norms) and check-only sweeps write
+    # one value per program, not columns.
+    return "norm" not in row["kernel"] and row["constexprs"].get("WRITE") is not False
+
+
+def _where(row):
+    return f"{row['label']} (from {', '.join(row['sources'][:2])})"
+
+
+@pytest.mark.parametrize("family", sorted(BUDGET))
+def test_sweep_is_recorded_and_on_the_engine_signature(report, family):
+    rows = _sweeps(report, family)
+    assert rows, (f"no {family} sweep was launched; scenarios that failed: "
+                  f"{ {k: v[:200] for k, v in report['errors'].items()} }")
+    legacy = sorted({r["kernel"] for r in rows if not r["engine"]})
+    assert legacy == [], f"not on the engine signature (meta_ptr, blocks_ptr, counters_ptr, ...)"
+    no_vec = sorted({r["kernel"] for r in rows if "VEC" not in r["constexprs"]})
+    assert no_vec == [], "no VEC constexpr"
+
+
+@pytest.mark.parametrize("family", sorted(BUDGET))
+def test_every_recorded_sweep_variant_compiles(report, family):
+    bad = [f"{_where(r)}: {r['error'][:600]}" for r in _sweeps(report, family)
+           if r.get("error")]
+    assert bad == []
+
+
+@pytest.mark.parametrize("family", sorted(BUDGET))
+def test_aligned_path_is_taken_by_every_sweep_kernel(report, family):
+    rows = _sweeps(report, family)
+    kernels = {r["kernel"] for r in rows}
+    aligned = {r["kernel"] for r in rows if (r.get("vec") or 1) > 1}
+    assert kernels and aligned == kernels, f"never launched with VEC > 1: {kernels - aligned}"
+
+
+@pytest.mark.parametrize("family", sorted(BUDGET))
+def test_aligned_path_moves_data_16_bytes_at_a_time(report, family):
+    rows = [r for r in _sweeps(report, family) if (r.get("vec") or 1) > 1 and "loads" in r]
+    assert rows, f"no compiled aligned {family} variant"
+    bad = []
+    for r in rows:
+        ints = lambda d: {int(k): v for k, v in d.items()}  # noqa: E731
+        loads, stores = ints(r["loads"]), ints(r["stores"])
+        masked_loads, masked_stores = ints(r["masked_loads"]), ints(r["masked_stores"])
+        if not loads.get(16):
+            bad.append(f"{_where(r)}: no 16-byte load ({loads})")
+        if _writes_data(r) and not stores.get(16):
+            bad.append(f"{_where(r)}: no 16-byte store ({stores})")
+        for what, d in (("loads", loads), ("stores", stores)):
+            if d.get(1) or d.get(2):
+                bad.append(f"{_where(r)}: 1- or 2-byte {what} ({d})")
+        # Element accesses are predicated by the mask; per-tensor scalars are read
+        # unpredicated, except one conditional scalar access each way at most (the
+        # last program's step-count write).
+        for what, d in (("loads", masked_loads), ("stores", masked_stores)):
+            narrow = sum(n for w, n in d.items() if w < 16)
+            if narrow > 1:
+                bad.append(f"{_where(r)}: {narrow} masked {what} narrower than 16 bytes ({d})")
+    assert bad == []
+
+
+@pytest.mark.parametrize("family", sorted(BUDGET))
+def test_aligned_path_has_no_spills_and_fits_its_register_budget(report, family):
+    rows = [r for r in _sweeps(report, family) if (r.get("vec") or 1) > 1 and "reg" in r]
+    assert rows, f"no compiled aligned {family} variant"
+    bad = []
+    for r in rows:
+        if r["spills"]:
+            bad.append(f"{_where(r)}: spills (STACK {r['stack']}, LOCAL {r['local']})")
+        if r["reg"] > BUDGET[family]:
+            bad.append(f"{_where(r)}: {r['reg']} registers > {BUDGET[family]}")
+        assert r["constexprs"]["BLOCK"] == 1024 and r["num_warps"] == 4, _where(r)
+    assert bad == []
+
+
+def test_report_finishes_quickly(report):
+    # the report must stay a CI-sized job on a 2-core machine
+    assert report["record_s"] + report["compile_s"] < 120
