@@ -25,7 +25,8 @@ No GPU needed. Two parts:
    from ``cuobjdump -res-usage``), and every global load and store in the SASS
    (``nvdisasm``) by width: ``LDG.E.128`` moves 16 bytes, ``LDG.E.64`` 8, ``LDG.E`` 4,
    ``LDG.E.U16`` 2. The PTX is checked for ``.target sm_90``, approximate square roots or
-   divisions (``sqrt.approx``, ``div.full``) and round-to-nearest bf16 conversions.
+   divisions (``sqrt.approx``, ``div.full``) and round-to-nearest bf16 conversions
+   (``cvt.rn.bf16.f32``, or ``cvt.rn.bf16x2.f32`` for packed pairs).
 
 Configurations that fail (a launcher mid-port, an API change) are reported with their
 error; the rest still runs.
@@ -239,7 +240,7 @@ def _compile_index(i):
     cubin = compiled.asm["cubin"]
     out = dict(compile_s=time.perf_counter() - t0, sm90=".target sm_90" in ptx,
                approx=("sqrt.approx" in ptx or "div.full" in ptx),
-               rn_bf16="cvt.rn.bf16.f32" in ptx)
+               rn_bf16=("cvt.rn.bf16.f32" in ptx or "cvt.rn.bf16x2.f32" in ptx))
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:

@@ -2,6 +2,13 @@
 
 Run by tests/test_kernel_compile.py in a separate process, because the test session
 runs the kernels in Triton's interpreter, which cannot compile. Needs no GPU.
+
+The multi-tensor sweeps (check/unscale, the optimizers, l2norm, scale/axpby) are not
+listed by hand: benchmarks/compile_report.py records the specialisations their launchers
+really use (every fused optimizer at O1/O2 with fp16/bf16, aligned and odd-sized lists,
+the helpers called directly), and each is compiled here with its recorded alignment
+attributes, under the key ``recorded/<kernel>/<label>``. LayerNorm, SyncBatchNorm and the
+scale update keep their hand-written variants.
 """
 import json
 import os
@@ -13,22 +20,12 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from tritamp.kernels.check_unscale import _check_unscale_sweep_kernel  # noqa: E402
 from tritamp.kernels.scale_update import _scale_update_kernel  # noqa: E402
-from tritamp.kernels.adam import _adam_step_kernel  # noqa: E402
-from tritamp.kernels.sgd import _sgd_step_kernel  # noqa: E402
-from tritamp.kernels.adagrad import _adagrad_step_kernel  # noqa: E402
-from tritamp.kernels.axpby import _axpby_sweep_kernel  # noqa: E402
-from tritamp.kernels.l2norm import _l2norm_partial_kernel, _l2norm_segment_kernel  # noqa: E402
-from tritamp.kernels.lamb import _lamb_apply_kernel, _lamb_moments_kernel  # noqa: E402
-from tritamp.kernels.novograd import (_novograd_blend_kernel, _novograd_norm_kernel,  # noqa: E402
-                                      _novograd_step_kernel)
 
 HOPPER = GPUTarget("cuda", 90, 32)
-MODES = dict(check_unscale=(True, True, True, False), check_only=(True, True, False, False),
-             accumulate=(True, True, True, True), copy=(False, False, True, False))
-PAIRS = [("*fp16", "*fp32"), ("*bf16", "*fp32"), ("*fp32", "*fp32"), ("*fp16", "*fp16"),
-         ("*bf16", "*bf16"), ("*fp32", "*bf16"), ("*fp32", "*fp16")]
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
+                                "benchmarks"))
+import compile_report  # noqa: E402
 
 
 def compile_one(fn, signature, constexprs, num_warps):
@@ -40,126 +37,35 @@ def compile_one(fn, signature, constexprs, num_warps):
 
 def main():
     report = {}
-    for src, dst in PAIRS:
-        for mode, (has_scale, check, write, has_add) in MODES.items():
-            sig = {"meta_ptr": "*i64", "blocks_ptr": "*i32", "src_proto": src, "dst_proto": dst,
-                   "add_proto": dst, "scale_ptr": "*fp32", "found_inf_ptr": "*fp32"}
-            ptx = compile_one(_check_unscale_sweep_kernel, sig,
-                              dict(HAS_SCALE=has_scale, CHECK=check, WRITE=write, HAS_ADD=has_add,
-                                   EMULATE_BF16_ROUNDING=False, BLOCK=2048), 8)
-            report[f"check_unscale/{src}->{dst}/{mode}"] = dict(
-                sm90=".target sm_90" in ptx, rn_bf16="cvt.rn.bf16.f32" in ptx)
+    report.update(sweep_variants())
     sig = {"state_ptr": "*fp32", "config_ptr": "*fp64", "growth_interval": "i32",
-           "hysteresis": "i32"}
+           "hysteresis": "i32", "found_slot": "i32"}
     for dynamic in (True, False):
         ptx = compile_one(_scale_update_kernel, sig, dict(DYNAMIC=dynamic), 1)
         report[f"scale_update/dynamic={dynamic}"] = dict(sm90=".target sm_90" in ptx)
-    # optimizers: fp32 params; fp32 masters with half gradients and half copies; half params
-    for p, g, c in (("*fp32", "*fp32", "*fp32"), ("*fp32", "*fp16", "*fp16"),
-                    ("*fp32", "*bf16", "*bf16"), ("*bf16", "*bf16", "*bf16")):
-        for lr_t in (False, True):
-            base = {"meta_ptr": "*i64", "blocks_ptr": "*i32", "p_proto": p, "g_proto": g,
-                    "c_proto": c, "lr": "*fp32" if lr_t else "fp32"}
-            sig = dict(base, betas_ptr="*fp64", one_minus_beta1="fp32", beta2="fp32",
-                       one_minus_beta2="fp32", eps="fp32", weight_decay="fp32",
-                       decay_factor="fp32", scale_ptr="*fp32", found_inf_ptr="*fp32")
-            ptx = compile_one(_adam_step_kernel, sig, dict(
-                LR_IS_TENSOR=lr_t, HAS_SCALE=True, HAS_FOUND_INF=True, ADAM_W=True,
-                BIAS_CORRECTION=True, HAS_COPY=c != p, EMULATE_BF16_ROUNDING=False,
-                BLOCK=2048), 8)
-            report[f"adam/{p},{g},{c}/lr_tensor={lr_t}"] = _ok(ptx)
-            sig = dict(base, momentum="fp32", one_minus_dampening="fp32", weight_decay="fp32",
-                       scale_ptr="*fp32", found_inf_ptr="*fp32")
-            ptx = compile_one(_sgd_step_kernel, sig, dict(
-                LR_IS_TENSOR=lr_t, HAS_SCALE=True, HAS_FOUND_INF=True, HAS_MOMENTUM=True,
-                FIRST_RUN=False, HAS_STEPS=lr_t, NESTEROV=True, WD_AFTER_MOMENTUM=False,
-                HAS_COPY=c != p,
-                EMULATE_BF16_ROUNDING=False, BLOCK=2048), 8)
-            report[f"sgd/{p},{g},{c}/lr_tensor={lr_t}"] = _ok(ptx)
-    report.update(optimizer_family_variants())
     report.update(norm_variants())
     report.update(syncbn_variants())
     json.dump(report, sys.stdout)
-
-
-PGC = [("*fp32", "*fp32", "*fp32"), ("*fp32", "*fp16", "*fp16"), ("*fp32", "*bf16", "*bf16"),
-       ("*bf16", "*bf16", "*bf16")]
 
 
 def _ok(ptx):
     return dict(sm90=".target sm_90" in ptx, approx=("sqrt.approx" in ptx or "div.full" in ptx))
 
 
-def optimizer_family_variants():
-    """Adagrad, LAMB, NovoGrad, the l2-norm and scale/axpby helpers: every dtype case,
-    the mode flags that change the code, lr as a float and as a tensor."""
+def sweep_variants():
+    """The recorded specialisations of the multi-tensor launchers, compiled for sm_90:
+    {"recorded/<kernel>/<label>": {kernel, signature, constexprs, sm90, approx, rn_bf16,
+    error}}; "recorded_errors" maps the scenarios that could not run to their error."""
+    specs, sources, errors = compile_report.record_specialisations()
+    results = compile_report.compile_all(specs, workers=2)
     out = {}
-    flags = dict(HAS_SCALE=True, HAS_FOUND_INF=True, EMULATE_BF16_ROUNDING=False, BLOCK=2048)
-    for p, g, c in PGC:
-        head = {"meta_ptr": "*i64", "blocks_ptr": "*i32"}
-        for lr_t in (False, True):
-            lr = "*fp32" if lr_t else "fp32"
-            for w in (False, True):
-                sig = dict(head, p_proto=p, g_proto=g, c_proto=c, lr=lr, eps="fp32",
-                           weight_decay="fp32", scale_ptr="*fp32", found_inf_ptr="*fp32")
-                out[f"adagrad/{p},{g},{c}/lr_tensor={lr_t}/w={w}"] = _ok(compile_one(
-                    _adagrad_step_kernel, sig, dict(flags, LR_IS_TENSOR=lr_t, ADAGRAD_W=w,
-                                                     HAS_COPY=c != p), 8))
-            for adam_w, decay, ratio in ((True, True, True), (False, True, True),
-                                         (True, False, False)):
-                sig = dict(head, partials_ptr="*fp32", partials_stride="i32", p_proto=p,
-                           g_proto=g, betas_ptr="*fp64", beta1="fp32", beta3="fp32",
-                           beta2="fp32", one_minus_beta2="fp32", eps="fp32", weight_decay="fp32",
-                           grad_norm_ptr="*fp32", max_grad_norm="fp32", scale_ptr="*fp32",
-                           found_inf_ptr="*fp32")
-                mode = dict(ADAM_W=adam_w, HAS_DECAY=decay, USE_RATIO=ratio, BIAS_CORRECTION=True)
-                out[f"lamb_moments/{p},{g}/lr_tensor={lr_t}/{adam_w},{decay},{ratio}"] = _ok(
-                    compile_one(_lamb_moments_kernel, sig, dict(flags, HAS_CLIP=True, **mode), 8))
-                sig = dict(head, norms_ptr="*fp32", norms_stride="i32", p_proto=p, c_proto=c,
-                           lr=lr, betas_ptr="*fp64", eps="fp32", weight_decay="fp32",
-                           found_inf_ptr="*fp32")
-                out[f"lamb_apply/{p},{c}/lr_tensor={lr_t}/{adam_w},{decay},{ratio}"] = _ok(
-                    compile_one(_lamb_apply_kernel, sig, dict(
-                        LR_IS_TENSOR=lr_t, HAS_FOUND_INF=True, HAS_COPY=c != p,
-                        EMULATE_BF16_ROUNDING=False, BLOCK=2048, **mode), 8))
-            sig = dict(head, p_proto=p, g_proto=g, c_proto=c, lr=lr, betas_ptr="*fp64",
-                       beta1="fp32", beta3="fp32", eps="fp32", weight_decay="fp32",
-                       scale_ptr="*fp32", found_inf_ptr="*fp32")
-            out[f"novograd_step/{p},{g},{c}/lr_tensor={lr_t}"] = _ok(compile_one(
-                _novograd_step_kernel, sig, dict(flags, LR_IS_TENSOR=lr_t,
-                                                 REG_INSIDE_MOMENT=lr_t, BIAS_CORRECTION=True,
-                                                 HAS_COPY=c != p), 8))
-    for x in ("*fp32", "*fp16", "*bf16"):
-        for max_norm in (False, True):
-            sig = {"meta_ptr": "*i64", "blocks_ptr": "*i32", "g_proto": x,
-                   "partials_ptr": "*fp32", "scale_ptr": "*fp32", "found_inf_ptr": "*fp32"}
-            out[f"novograd_norm/{x}/max={max_norm}"] = _ok(compile_one(
-                _novograd_norm_kernel, sig, dict(flags, MAX_NORM=max_norm), 8))
-        sig = {"meta_ptr": "*i64", "blocks_ptr": "*i32", "x_proto": x, "partials_ptr": "*fp32",
-               "scale_ptr": "*fp32"}
-        out[f"l2norm_partial/{x}"] = _ok(compile_one(_l2norm_partial_kernel, sig, dict(
-            HAS_SCALE=True, EMULATE_BF16_ROUNDING=False, BLOCK=2048), 8))
-        for y, o in (("*fp32", "*fp16"), ("*bf16", "*fp32")):
-            for coef_t in (False, True):
-                sig = {"meta_ptr": "*i64", "blocks_ptr": "*i32", "x_proto": x, "y_proto": y,
-                       "out_proto": o, "a": "*fp32" if coef_t else "fp32",
-                       "b": "*fp32" if coef_t else "fp32", "flag_ptr": "*i32"}
-                out[f"axpby/{x},{y},{o}/coef_tensor={coef_t}"] = _ok(compile_one(
-                    _axpby_sweep_kernel, sig, dict(A_IS_TENSOR=coef_t, B_IS_TENSOR=coef_t,
-                                                   HAS_Y=True, CHECK_X=True, CHECK_Y=True,
-                                                   EMULATE_BF16_ROUNDING=False, BLOCK=2048), 8))
-    for sqrt in (False, True):
-        sig = {"partials_ptr": "*fp32", "partials_stride": "i32", "segments_ptr": "*i64",
-               "out_ptr": "*fp32", "out_stride": "i32"}
-        out[f"l2norm_segment/sqrt={sqrt}"] = _ok(compile_one(
-            _l2norm_segment_kernel, sig, dict(SQRT=sqrt, BLOCK_R=1024), 4))
-    for max_norm in (False, True):
-        for init_zero in (False, True):
-            sig = {"meta_ptr": "*i64", "segments_ptr": "*i64", "partials_ptr": "*fp32",
-                   "beta2": "fp32", "one_minus_beta2": "fp32", "found_inf_ptr": "*fp32"}
-            out[f"novograd_blend/max={max_norm}/init_zero={init_zero}"] = _ok(compile_one(
-                _novograd_blend_kernel, sig, dict(HAS_FOUND_INF=True, MAX_NORM=max_norm,
-                                                  INIT_ZERO=init_zero, BLOCK_R=1024), 4))
+    for spec, res in zip(specs, results):
+        d = spec.as_dict()
+        out[f"recorded/{spec.name}/{spec.label()}"] = dict(
+            kernel=spec.name, signature=d["signature"], constexprs=d["constexprs"],
+            sources=sources[id(spec)], error=res.get("error"), sm90=res.get("sm90", False),
+            approx=res.get("approx"), rn_bf16=res.get("rn_bf16"))
+    out["recorded_errors"] = errors
     return out
 
 
