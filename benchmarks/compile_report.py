@@ -1,7 +1,7 @@
 """What the launchers really compile for an H100 (sm_90): registers, spills, access widths.
 
-    python benchmarks/compile_report.py                  # table + benchmarks/out/compile_report.json
-    python benchmarks/compile_report.py --json -         # JSON on stdout (table on stderr)
+    python benchmarks/compile_report.py            # table + benchmarks/out/compile_report.json
+    python benchmarks/compile_report.py --json -   # JSON on stdout (table on stderr)
 
 No GPU needed. Two parts:
 
@@ -14,10 +14,10 @@ No GPU needed. Two parts:
    aligned, vectorised path ``VEC`` > 1 is taken) and the same model with one odd-sized
    parameter (its dtype group takes the masked path, ``VEC = 1``). Then
    ``multi_tensor_l2norm``, ``multi_tensor_scale``, ``multi_tensor_axpby``,
-   ``check_unscale`` and the template ``adam_step`` directly, on both kinds of lists. Each kernel-cache miss is one
-   specialisation: the kernel, its argument dtypes, the alignment Triton proved
-   (``tt.divisibility``), the constexprs and ``num_warps``, exactly as a GPU run would
-   compile it.
+   ``check_unscale`` and the template ``adam_step`` directly, on both kinds of lists.
+   Each kernel-cache miss is one specialisation: the kernel, its argument dtypes, the
+   alignment Triton proved (``tt.divisibility``), the constexprs and ``num_warps``,
+   exactly as a GPU run would compile it.
 2. **Compile** each distinct specialisation with
    ``triton.compile(ASTSource(fn, signature, constexprs, attrs), target=sm_90)`` (the
    recorded attrs, so the alignment specialisation matches), in a pool of two worker

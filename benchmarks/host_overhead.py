@@ -23,8 +23,9 @@ starts) plus ``optimizer.step()``. ``zero_grad()`` is timed apart. Two gradient 
   the previous two sets are still alive, so every step sees new addresses (the cached
   sweeps are rebuilt).
 
-First step (cache misses: plans, state creation; no compilation, the recorder stubs it)
-is reported apart from the steady state (median over all later steps, rounds of every
+First step (cache misses: plans, state creation, which on a CPU includes filling the
+fp32 state with real stores; no compilation, the recorder stubs it) is reported apart
+from the steady state (median over all later steps, rounds of every
 configuration interleaved). Baseline, in the same process and rounds:
 ``torch.optim.AdamW(fused=True)`` driven by ``torch.amp.GradScaler("cpu")`` (``unscale_``,
 ``step``, ``update``) over 161 one-element CPU tensors: the same tensor count, so its
@@ -33,7 +34,9 @@ Python and dispatch cost with almost no arithmetic.
 Launches per dtype group: the recorded Triton launches plus the torch operators that
 would launch a kernel on a GPU (``count_torch_launches``), in one untimed step, divided
 by the number of dtype groups (distinct model-parameter dtypes: O2 keeps BatchNorm in
-fp32, so two; O1 one). ``torch.set_num_threads(1)``. Writes benchmarks/out/host_overhead.json.
+fp32, so two; O1 one). Every torch operator counts once, ``copy_`` included (the
+scaler's device-to-host snapshot is a memcpy on the stream rather than a kernel).
+``torch.set_num_threads(1)``. Writes benchmarks/out/host_overhead.json.
 """
 import argparse
 import gc
@@ -79,7 +82,8 @@ class Case:
     def __init__(self, level, opt_name, dtype_name, regime):
         from tritamp import amp
         from tritamp.amp._state import _amp_state
-        self.level, self.opt_name, self.dtype_name, self.regime = level, opt_name, dtype_name, regime
+        self.level, self.opt_name, self.dtype_name = level, opt_name, dtype_name
+        self.regime = regime
         self.name = f"{level} {'FusedAdam' if opt_name == 'adam' else 'FusedSGD'} {dtype_name}"
         model = _resnet50()
         opt = _build_optimizer(opt_name, model.parameters())
@@ -207,7 +211,10 @@ def _count_launches(case, recording):
 def _stats(times):
     if not times:
         return None
-    q = statistics.quantiles(times, n=10) if len(times) >= 10 else [min(times)] * 2 + [max(times)] * 8
+    if len(times) >= 10:
+        q = statistics.quantiles(times, n=10)
+    else:
+        q = [min(times)] * 2 + [max(times)] * 8
     return dict(median_us=statistics.median(times) * 1e6, p20_us=q[1] * 1e6, p80_us=q[7] * 1e6,
                 n=len(times))
 
@@ -294,7 +301,8 @@ def table(rows):
             lines.append(f"| {r['config']} | {r['regime']} | error | {r['error'][:90]} | | |")
             continue
         s, z, la = r["steady"], r["zero_grad"], r["launches"]
-        steady = f"{_fmt(s['median_us'])} [{_fmt(s['p20_us'])}–{_fmt(s['p80_us'])}]" if s else "—"
+        steady = (f"{_fmt(s['median_us'])} [{_fmt(s['p20_us'])}–{_fmt(s['p80_us'])}]"
+                  if s else "—")
         if la:
             nt = sum(la["triton"].values())
             nt_ops = ", ".join(f"{k.lstrip('_')}×{v}" for k, v in la["triton"].items())

@@ -229,9 +229,15 @@ def _registered_jit_functions():
 
 def _check_not_interpreted():
     from triton import knobs
-    from . import adam
     from triton.runtime.jit import JITFunction
-    if knobs.runtime.interpret or not isinstance(adam._adam_step_kernel, JITFunction):
+    interpreted = knobs.runtime.interpret
+    if not interpreted:
+        try:  # the template kernel tells how tritamp's kernels were defined
+            from . import adam
+            interpreted = not isinstance(adam._adam_step_kernel, JITFunction)
+        except Exception:
+            pass
+    if interpreted:
         raise RuntimeError(
             "record_launches needs compiled-mode kernels, but Triton's interpreter is on "
             "(TRITON_INTERPRET=1 when tritamp.kernels was imported): interpreted kernels do "
