@@ -6,10 +6,10 @@
     per_tensor = [sqrt(sum over the elements of x_i of (x_i / scale)**2)]    fp32 [n] or None
 
 in fp32 whatever the tensors' dtype, in two stages and without reading anything back
-to the host: every program squares and sums one block of one tensor into a partial
-(one launch per dtype group into one buffer of partials); the total is torch's sum of
-all partials, and per-tensor norms come from a second small launch that sums each
-tensor's run of partials (the block map lays a tensor's blocks out consecutively). Both
+to the host: every program of the sweep (``L2NORM``, one launch per dtype group) squares
+and sums one block of one tensor into a partial; then one small launch sums runs of
+partials: program 0 all of them (the total, and the overflow flag), program 1 + i the
+run of tensor i (the block map lays a tensor's blocks out consecutively). Both
 reductions have a fixed order, so results are deterministic on the GPU.
 
 ``scale`` (a 0-d device tensor) gives the norm of ``x * (1 / scale)``: the norm of
@@ -19,86 +19,132 @@ fp32 gradients cannot overflow the square. ``found_inf`` (Apex's noop flag: any 
 shape ``[]`` or ``[1]``) is set to 1 when the total is not finite, that is when any
 element is inf or NaN or the sum of squares overflows; it is never cleared.
 
-The helpers :func:`segment_table` and :func:`reduce_segments` are shared with the LAMB
-and NovoGrad launchers, which produce per-block partials of their own.
+A norm does not depend on the order of the elements, so any tensor is accepted: one
+that is not dense (a strided view) is read through a contiguous copy. Keep the result of
+:func:`multi_tensor_l2norm_prepare` while the tensors stay the same and call
+:func:`multi_tensor_l2norm_launch` on it: a steady loop then uploads and rebuilds nothing.
+
+:class:`SegmentLayout` and :func:`reduce_segments` are shared with the LAMB and NovoGrad
+launchers, whose first stage also writes per-block partials.
 """
 import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import elementwise_settings, use_triton
-from ._multi_tensor import _upload, plan_columns
-from ._tl_utils import inv_scale, load_f32, sweep_block
-from .check_unscale import _dense
+from ._multi_tensor import Column, Sweep, _dense, _upload
+from ._tl_utils import column, inv_scale, load_f32, sweep_block
 
-# Partials summed per loop iteration of the segment stage (one program per tensor).
+# Partials summed per loop iteration of the segment stage (one program per run).
 SEGMENT_BLOCK = 1024
+# Each group's partials and per-tensor results start at a multiple of this many
+# elements (64 bytes): the per-group pointers the kernels get keep one alignment, so
+# one compiled variant serves every group.
+PAD = 16
+
+L2NORM = Sweep("multi_tensor_l2norm", [
+    Column("tensors", "param",
+           dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64)),
+])
+_X, = (L2NORM.col(n) for n in L2NORM.names)
+_ROW = L2NORM.row_width
 
 
 @triton.jit
 def _l2norm_partial_kernel(
-    meta_ptr,        # int64 [n_tensors, 2]: tensor address, numel
+    meta_ptr,        # int64 [n_tensors, 2]: tensor address, numel (L2NORM's table)
     blocks_ptr,      # int32 [n_blocks, 2]: tensor index, block index within that tensor
+    counters_ptr,    # unused (the sweep has no step column)
     x_proto,         # a tensor of the group: carries the element type
-    partials_ptr,    # fp32 [n_blocks]: this program's sum of squares goes to partials[pid]
+    partials_ptr,    # fp32 [n_blocks]: this group's partials; program pid writes [pid]
     scale_ptr,       # fp32 scalar: the norm is of x * (1 / scale) (HAS_SCALE)
     HAS_SCALE: tl.constexpr,
+    VEC: tl.constexpr,                    # > 1: 16-byte aligned, numel % VEC == 0
     EMULATE_BF16_ROUNDING: tl.constexpr,  # interpreter only: see _tl_utils
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, meta_ptr, 1, False, BLOCK)
-    x_ptr = tl.load(row).to(tl.pointer_type(x_proto.dtype.element_ty))
-    x = load_f32(x_ptr + offs, mask, EMULATE_BF16_ROUNDING)
+    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, scale_ptr, _ROW, False, VEC,
+                                          BLOCK)
+    inv = 1.0
+    if HAS_SCALE:
+        inv = inv_scale(scale_ptr)
+    x = load_f32(column(row, _X, offs, x_proto, VEC), mask, EMULATE_BF16_ROUNDING)
     if HAS_SCALE:
         # Unscale before squaring: a scaled fp32 gradient's square may overflow.
-        x = x * inv_scale(scale_ptr)
+        x = x * inv
     # Masked lanes load 0 and add nothing; inf and NaN propagate into the partial.
-    tl.store(partials_ptr + pid, tl.sum(x * x, axis=0))
+    tl.store(partials_ptr + tl.program_id(0), tl.sum(x * x, axis=0))
 
 
 @triton.jit
 def _l2norm_segment_kernel(
-    partials_ptr,      # fp32 [n_cols, partials_stride]: per-block partial sums
+    partials_ptr,      # fp32 [n_cols, partials_stride]: per-block partials
     partials_stride,   # elements between two columns of partials
-    segments_ptr,      # int64 [n_tensors, 2]: index of a tensor's first partial, their count
-    out_ptr,           # fp32 [n_cols, out_stride]: out[col, tensor] receives the result
+    segments_ptr,      # int64 [n_segments, 2]: index of a run's first partial, its length
+    out_ptr,           # fp32 [n_cols, out_stride]: out[col, segment] receives the result
     out_stride,        # elements between two columns of out
-    SQRT: tl.constexpr,      # store sqrt(sum) (a norm) rather than the sum of squares
+    found_ptr,         # Apex's noop flag, any dtype: set to 1 when out[0, 0] is not finite
+    SQRT: tl.constexpr,       # store sqrt(sum) (a norm) rather than the sum
+    MAX_NORM: tl.constexpr,   # the max of the partials (NaN kept) rather than their sum
+    FLAG_FIRST: tl.constexpr, # segment 0 of column 0 sets found_ptr when not finite
     BLOCK_R: tl.constexpr,
 ):
-    # grid (n_tensors, n_cols): a fixed summation order, so the result is deterministic.
+    # grid (n_segments, n_cols): a fixed summation order, so the result is deterministic.
     t = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1).to(tl.int64)
     start = tl.load(segments_ptr + 2 * t)
     count = tl.load(segments_ptr + 2 * t + 1)
     base = partials_ptr + col * partials_stride + start
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for off in range(0, count, BLOCK_R):
-        idx = off + tl.arange(0, BLOCK_R)
-        acc += tl.load(base + idx, mask=idx < count, other=0.0)
-    total = tl.sum(acc, axis=0)
+    if MAX_NORM:
+        # tl.max drops NaN (the GPU's max.f32 and the interpreter alike): count it apart.
+        bad = tl.zeros([BLOCK_R], dtype=tl.int32)
+        for off in range(0, count, BLOCK_R):
+            idx = off + tl.arange(0, BLOCK_R)
+            x = tl.load(base + idx, mask=idx < count, other=0.0)
+            bad = bad | (x != x).to(tl.int32)
+            acc = tl.maximum(acc, x)
+        total = tl.where(tl.max(bad, axis=0) > 0, float("nan"), tl.max(acc, axis=0))
+    else:
+        for off in range(0, count, BLOCK_R):
+            idx = off + tl.arange(0, BLOCK_R)
+            acc += tl.load(base + idx, mask=idx < count, other=0.0)
+        total = tl.sum(acc, axis=0)
     if SQRT:
+        # Correctly rounded: the same value as sqrt in fp64 rounded to fp32.
         total = tl.sqrt_rn(total)
     tl.store(out_ptr + col * out_stride + t, total)
+    if FLAG_FIRST:
+        bad_total = (total != total) | (tl.abs(total) == float("inf"))
+        tl.store(found_ptr, 1, mask=bad_total & (t == 0) & (col == 0))
 
 
-_tables = {}
-_TABLE_CACHE_SIZE = 64
+def reduce_segments(partials, segments, n_segments, sqrt=True, out=None, max_norm=False,
+                    found_inf=None):
+    """out[c, i] = (sqrt of) the sum (or with ``max_norm`` the max) of
+    partials[c, start_i : start_i + count_i]; with ``found_inf``, out[0, 0] not finite
+    sets it to 1.
+
+    ``partials`` fp32 [n_cols, n_partials] on a device where Triton runs; ``segments``
+    an int64 [n_segments, 2] device table (:func:`segment_table`); one launch of
+    ``n_segments * n_cols`` small programs."""
+    n_cols = partials.shape[0]
+    if out is None:
+        out = torch.empty((n_cols, n_segments), dtype=torch.float32, device=partials.device)
+    if n_segments == 0:
+        return out
+    # A single column's stride is never used: 0 keeps one specialisation for every size.
+    _l2norm_segment_kernel[(n_segments, n_cols)](
+        partials, partials.stride(0) if n_cols > 1 else 0, segments, out,
+        out.stride(0) if n_cols > 1 else 0,
+        found_inf if found_inf is not None else out, SQRT=bool(sqrt), MAX_NORM=bool(max_norm),
+        FLAG_FIRST=found_inf is not None, BLOCK_R=SEGMENT_BLOCK, num_warps=4)
+    return out
 
 
 def segment_pairs(pairs, device):
-    """Cached int64 [n, 2] device table of (first partial, number of partials) pairs,
-    uploaded once per distinct list: a steady training loop uploads nothing."""
-    key = (device, tuple(pairs))
-    table = _tables.get(key)
-    if table is None:
-        host = torch.tensor(key[1], dtype=torch.int64).reshape(-1, 2)
-        table = _upload(host, device)
-        if len(_tables) >= _TABLE_CACHE_SIZE:
-            _tables.pop(next(iter(_tables)))
-        _tables[key] = table
-    return table
+    """int64 [n, 2] device table of (first partial, number of partials) pairs."""
+    host = torch.tensor(list(pairs), dtype=torch.int64).reshape(-1, 2)
+    return _upload(host, device)
 
 
 def segment_table(counts, device):
@@ -115,81 +161,118 @@ def block_counts(numels, block):
     return [(n + block - 1) // block for n in numels]
 
 
-def reduce_segments(partials, segments, n_tensors, sqrt=True, out=None):
-    """out[c, i] = (sqrt of) the sum of partials[c, start_i : start_i + count_i].
-
-    ``partials`` fp32 [n_cols, n_partials] on a device where :func:`use_triton` holds;
-    one launch of ``n_tensors * n_cols`` small programs."""
-    n_cols = partials.shape[0]
-    if out is None:
-        out = torch.empty((n_cols, n_tensors), dtype=torch.float32, device=partials.device)
-    if n_tensors == 0:
-        return out
-    _l2norm_segment_kernel[(n_tensors, n_cols)](
-        partials, partials.stride(0), segments, out, out.stride(0), SQRT=sqrt,
-        BLOCK_R=SEGMENT_BLOCK, num_warps=4)
-    return out
+def _round_up(x, k):
+    return (x + k - 1) // k * k
 
 
-def _flat(t):
-    """A tensor whose storage holds exactly its elements (any order suits a norm)."""
-    return t if _dense(t) else t.contiguous()
+class SegmentLayout:
+    """Where a prepared sweep's per-block partials and per-tensor results go.
+
+    Group ``k`` writes its partials from index ``block_bases[k]`` of one shared buffer
+    (``n_partials`` long) and finds its tensors' results from ``result_bases[k]`` of one
+    results buffer (``n_results`` long); both bases are multiples of :data:`PAD`.
+    ``runs[i]`` is the (first partial, count) run of row ``i`` of the prepared lists
+    ((0, 0) for an empty tensor) and ``result_rows`` the results row of each run, in
+    results order, padding rows included as (0, 0). Host data only: the op uploads the
+    table it needs once."""
+    __slots__ = ("block_bases", "result_bases", "n_partials", "n_results", "runs", "result_runs")
+
+    def __init__(self, prepared):
+        anchor = prepared.lists[prepared.sweep.columns[0].name]
+        self.runs = [(0, 0)] * prepared.n
+        self.block_bases, self.result_bases = [], []
+        result_runs = []
+        pos = 0
+        for g in prepared.groups:
+            pos = _round_up(pos, PAD)
+            self.block_bases.append(pos)
+            result_runs += [(0, 0)] * (_round_up(len(result_runs), PAD) - len(result_runs))
+            self.result_bases.append(len(result_runs))
+            for i in g.rows:
+                count = (anchor[i].numel() + g.block - 1) // g.block
+                self.runs[i] = (pos, count)
+                result_runs.append((pos, count))
+                pos += count
+        self.n_partials = max(PAD, _round_up(pos, PAD))
+        self.n_results = max(PAD, _round_up(len(result_runs), PAD))
+        self.result_runs = result_runs + [(0, 0)] * (self.n_results - len(result_runs))
 
 
-def _flag(found_inf, total):
-    if found_inf is not None:
-        found_inf.masked_fill_(~torch.isfinite(total).reshape(()), 1)
+def launch_groups(prepared, kernel, group_args, args, constexprs):
+    """:meth:`Prepared.launch` with per-group leading arguments: group ``k`` gets
+    ``kernel[(n_blocks,)](meta, blocks, counters, *protos, *group_args[k], *args, **cx)``
+    (each group writes its own slice of a shared partials or results buffer)."""
+    for g, extra in zip(prepared.groups, group_args):
+        kernel[(g.n_blocks,)](g.meta, g.blocks, g.counters, *g.protos, *extra, *args,
+                              num_warps=g.warps, **{**g.constexprs, **constexprs})
+
+
+class L2NormPrepared:
+    """A prepared :data:`L2NORM` sweep with its segment table and partials buffer.
+
+    ``partials`` is allocated once and zeroed once: the padding between groups is never
+    written, so the total (program 0 of the segment stage) can sum the whole buffer."""
+    __slots__ = ("prepared", "n", "lists", "triton", "device", "partials", "group_partials",
+                 "segments")
+
+    def __init__(self, prepared):
+        self.prepared = prepared
+        self.n = prepared.n
+        self.lists = prepared.lists
+        self.triton = prepared.triton
+        self.device = prepared.device
+        self.partials = self.group_partials = self.segments = None
+        if not self.triton:
+            return
+        layout = SegmentLayout(prepared)
+        self.partials = torch.zeros((1, layout.n_partials), dtype=torch.float32,
+                                    device=self.device)
+        self.group_partials = [(self.partials[0, b:],) for b in layout.block_bases]
+        # Row 0: every partial (the total); row 1 + i: tensor i's run, in the caller's order.
+        pairs = [(0, layout.n_partials)] + layout.runs
+        self.segments = segment_pairs(pairs, self.device)
+
+
+def multi_tensor_l2norm_prepare(tensors):
+    """Validate and plan the norm of ``tensors`` (one device; fp32/fp16/bf16/fp64; any
+    layout: a tensor that is not dense is read through a contiguous copy, taken now).
+    Keep the result while the tensors stay the same (a copy taken here would not see
+    later writes to a strided view)."""
+    tensors = [t if not isinstance(t, torch.Tensor) or _dense(t) else t.contiguous()
+               for t in tensors]
+    return L2NormPrepared(L2NORM.prepare(dict(tensors=tensors)))
+
+
+@torch.no_grad()
+def multi_tensor_l2norm_launch(prepared, per_tensor=False, scale=None, found_inf=None):
+    """(total norm 0-d fp32, per-tensor norms fp32 [n] or None) of a prepared list: one
+    launch per dtype group and one small launch for the totals. No host sync."""
+    if not prepared.triton or prepared.n == 0:
+        return multi_tensor_l2norm_ref(prepared.lists.get("tensors", []), per_tensor, scale,
+                                       found_inf)
+    launch_groups(prepared.prepared, _l2norm_partial_kernel, prepared.group_partials,
+                  (scale if scale is not None else prepared.partials,),
+                  dict(HAS_SCALE=scale is not None))
+    n_out = prepared.n + 1 if per_tensor else 1
+    out = torch.empty((1, n_out), dtype=torch.float32, device=prepared.device)
+    reduce_segments(prepared.partials, prepared.segments, n_out, sqrt=True, out=out,
+                    found_inf=found_inf)
+    return out[0, 0], (out[0, 1:] if per_tensor else None)
 
 
 @torch.no_grad()
 def multi_tensor_l2norm(tensors, per_tensor=False, scale=None, found_inf=None):
     """(total norm 0-d fp32, per-tensor norms fp32 [n] or None): see the module docstring.
 
-    One launch per dtype group, a torch sum, and with ``per_tensor`` one more small
-    launch. All tensors on one device. No host sync."""
-    tensors = [_flat(t) for t in tensors]
-    if not tensors or not use_triton(tensors[0]):
-        return multi_tensor_l2norm_ref(tensors, per_tensor, scale, found_inf)
-    device = tensors[0].device
-    for t in tensors:
-        if t.device != device:
-            raise ValueError(f"multi_tensor_l2norm: tensors on {device} and {t.device}; "
-                             "call it once per device")
-    block, warps = elementwise_settings(device)
-    groups = {}
-    for i, t in enumerate(tensors):
-        if t.numel() > 0:
-            groups.setdefault(t.dtype, []).append(i)
-    counts = block_counts([t.numel() for t in tensors], block)
-    # Partials in group order; each tensor's blocks are consecutive within its group.
-    order = [i for idx in groups.values() for i in idx]
-    partials = torch.empty((1, max(1, sum(counts))), dtype=torch.float32, device=device)
-    if not order:
-        partials.zero_()
-    base = 0
-    for idx in groups.values():
-        members = [tensors[i] for i in idx]
-        pl = plan_columns([members], block)
-        _l2norm_partial_kernel[(pl.n_blocks,)](
-            pl.meta, pl.blocks, members[0], partials[0, base:],
-            scale if scale is not None else partials,
-            HAS_SCALE=scale is not None, EMULATE_BF16_ROUNDING=device.type != "cuda",
-            BLOCK=block, num_warps=warps)
-        base += pl.n_blocks
-    total = partials.sum().double().sqrt().float()
-    _flag(found_inf, total)
-    if not per_tensor:
-        return total, None
-    # Segments in the caller's order, pointing into the group-ordered partials.
-    start = {}
-    pos = 0
-    for i in order:
-        start[i] = pos
-        pos += counts[i]
-    key = tuple((start.get(i, 0), counts[i] if i in start else 0) for i in range(len(tensors)))
-    table = segment_pairs(key, device)
-    norms = reduce_segments(partials, table, len(tensors), sqrt=True)
-    return total, norms[0]
+    One launch per dtype group and one small launch for the totals. All tensors on one
+    device. No host sync."""
+    return multi_tensor_l2norm_launch(multi_tensor_l2norm_prepare(tensors), per_tensor, scale,
+                                      found_inf)
+
+
+def _flag(found_inf, total):
+    if found_inf is not None:
+        found_inf.masked_fill_(~torch.isfinite(total).reshape(()), 1)
 
 
 @torch.no_grad()

@@ -18,40 +18,52 @@ clip = global_grad_norm / max_grad_norm when the global norm exceeds max_grad_no
 Apex's order of operations, in fp32 whatever the parameter dtype; the weight-decay term
 is left out entirely (not multiplied by 0) when wd == 0, as Apex's kernel does.
 
-Three launches per dtype group whatever the number of tensors:
+One sweep (``LAMB``), two launches per dtype group and one shared launch, whatever the
+number of tensors:
 
-1. ``_lamb_moments_kernel``: m and v updated in place; per-block partial sums of p*p and
-   u*u written to a small fp32 buffer. The update u is not stored anywhere (Apex writes
-   it over the gradient; tritamp never writes gradients).
-2. ``_l2norm_segment_kernel`` (from l2norm.py): per-tensor ||p|| and ||u||.
-3. ``_lamb_apply_kernel``: recomputes u from the new m, v and the unchanged p with the
-   same instructions as stage 1 (same memory traffic as storing u and reading it back,
-   and no buffer the size of the model), scales it by the trust ratio and updates p;
-   ``copies`` (optional) receive the new parameter in their own dtype.
+1. ``_lamb_moments_kernel`` (per group): m and v updated in place; where the trust ratio
+   applies, per-block partial sums of p*p and u*u written to a small fp32 buffer. The
+   update u is not stored anywhere (Apex writes it over the gradient; tritamp never
+   writes gradients).
+2. ``_l2norm_segment_kernel`` (l2norm.py, one launch for every group): per-tensor ||p||
+   and ||u||. Left out where no group uses the trust ratio.
+3. ``_lamb_apply_kernel`` (per group): recomputes u from the new m, v and the unchanged
+   p with the same instructions as stage 1 (same memory traffic as storing u and reading
+   it back, and no buffer the size of the model), scales it by the trust ratio and
+   updates p; ``copies`` (optional, None per row allowed) receive the new parameter in
+   their own dtype. The last program of each tensor advances its step count (stage 3
+   is the last to read it): no extra launch.
 
 The global gradient norm is the caller's (``multi_tensor_l2norm`` over every gradient
 of every group, ``scale=grad_scale``): a 0-d fp32 device tensor read on the device.
 When ``found_inf`` holds a non-zero value nothing is read or written and the step
-counts stay: the skipped step leaves no trace.
+counts stay: the skipped step leaves no trace. :func:`lamb_prepare` validates and plans
+once (tables, segment table, buffers); :func:`lamb_launch` then uploads nothing.
 """
 import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import elementwise_settings, use_triton
-from ._ref_utils import f32 as _f32
-from ._multi_tensor import check_lists, dtype_groups, plan_columns
-from ._tl_utils import bias_corrections, load_f32, load_grad, load_lr, store_param, sweep_block
-from ._ref_utils import advance_steps
-from .adam import _betas
-from .l2norm import block_counts, reduce_segments, segment_table
+from ._multi_tensor import Column, Sweep, device_constants, scalar_arg
+from ._ref_utils import advance_steps, f32 as _f32
+from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step, inv_scale,
+                        load_f32, load_grad, load_lr, scalar_ptr, store_param, sweep_block)
+from .l2norm import SegmentLayout, launch_groups, reduce_segments, segment_pairs
+
+LAMB = Sweep("lamb_step", [
+    Column("params", "param"), Column("grads", "grad"), Column("exp_avgs", "state"),
+    Column("exp_avg_sqs", "state"), Column("copies", "copy", optional=True),
+    Column("steps", "scalar"),
+])
+_P, _G, _M, _V, _C, _S = (LAMB.col(n) for n in LAMB.names)
+_ROW = LAMB.row_width
 
 
 @triton.jit
-def _lamb_bias_corrections(step_ptr, betas_ptr, BIAS_CORRECTION: tl.constexpr):
+def _lamb_bias_corrections(step, betas_ptr, BIAS_CORRECTION: tl.constexpr):
     # 1 - beta**t in fp64 (t the step after this one), rounded once to fp32.
     if BIAS_CORRECTION:
-        c1, c2 = bias_corrections(step_ptr, betas_ptr)
+        c1, c2 = bias_corrections(step, betas_ptr)
         bc1 = c1.to(tl.float32)
         bc2 = c2.to(tl.float32)
     else:
@@ -74,12 +86,14 @@ def _lamb_update(m, v, p, bc1, bc2, eps, weight_decay, ADAM_W: tl.constexpr,
 
 @triton.jit
 def _lamb_moments_kernel(
-    meta_ptr,        # int64 [n, 7]: param, grad, exp_avg, exp_avg_sq, copy, step addresses; numel
+    meta_ptr,        # int64 [n_tensors, 7]: the LAMB columns' addresses, then numel
     blocks_ptr,      # int32 [n_blocks, 2]: tensor index, block index within that tensor
-    partials_ptr,    # fp32 [2, partials_stride]: per-block sums of p*p (row 0) and u*u (row 1)
-    partials_stride, # elements between the two rows of partials (>= n_blocks)
+    counters_ptr,    # int32 [n_tensors]: unused here (stage 3 advances the steps)
     p_proto,         # a param tensor: carries the parameter element type
     g_proto,         # a gradient tensor: carries the gradient element type
+    c_proto,         # a copy tensor (or any tensor): unused here
+    pp_ptr,          # fp32 [n_blocks]: this group's per-block sums of p*p (USE_RATIO)
+    uu_ptr,          # fp32 [n_blocks]: this group's per-block sums of u*u (USE_RATIO)
     betas_ptr,       # fp64 [2]: beta1, beta2 (bias corrections in fp64)
     beta1, beta3, beta2, one_minus_beta2, eps, weight_decay,
     grad_norm_ptr,   # fp32 scalar: the global norm of the (unscaled) gradients (HAS_CLIP)
@@ -93,51 +107,61 @@ def _lamb_moments_kernel(
     HAS_DECAY: tl.constexpr,       # weight_decay != 0
     USE_RATIO: tl.constexpr,       # the trust ratio applies (weight decay, or NVLAMB)
     BIAS_CORRECTION: tl.constexpr,
+    HAS_COPIES: tl.constexpr,
+    VEC: tl.constexpr,             # > 1: every address 16-byte aligned, numel % VEC == 0
     EMULATE_BF16_ROUNDING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, 6, HAS_FOUND_INF, BLOCK)
-    m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    step_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
-
-    g = load_grad(row, g_proto, offs, mask, scale_ptr, HAS_SCALE, EMULATE_BF16_ROUNDING)
+    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, _ROW,
+                                          HAS_FOUND_INF, VEC, BLOCK)
+    # Per-tensor scalars first: they are live across the element loads otherwise.
+    inv = 1.0
+    if HAS_SCALE:
+        inv = inv_scale(scale_ptr)
     if HAS_CLIP:
         gn = tl.load(grad_norm_ptr)
-        g = tl.div_rn(g, tl.where(gn > max_grad_norm, tl.div_rn(gn, max_grad_norm), 1.0))
+        clip = tl.where(gn > max_grad_norm, tl.div_rn(gn, max_grad_norm), 1.0)
+    if USE_RATIO:
+        bc1, bc2 = _lamb_bias_corrections(tl.load(scalar_ptr(row, _S)), betas_ptr,
+                                          BIAS_CORRECTION)
+
+    m_ptrs = column_f32(row, _M, offs, VEC)
+    v_ptrs = column_f32(row, _V, offs, VEC)
+    g = load_grad(column(row, _G, offs, g_proto, VEC), mask, inv, HAS_SCALE,
+                  EMULATE_BF16_ROUNDING)
+    if HAS_CLIP:
+        g = tl.div_rn(g, clip)
     if HAS_DECAY or USE_RATIO:
-        p_ptr = tl.load(row + 0).to(tl.pointer_type(p_proto.dtype.element_ty))
-        p = load_f32(p_ptr + offs, mask, EMULATE_BF16_ROUNDING)
+        p = load_f32(column(row, _P, offs, p_proto, VEC), mask, EMULATE_BF16_ROUNDING)
     else:
         p = tl.zeros([BLOCK], dtype=tl.float32)
     if not ADAM_W:
         if HAS_DECAY:
             g = g + weight_decay * p
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    m = tl.load(m_ptrs, mask=mask, other=0.0)
+    v = tl.load(v_ptrs, mask=mask, other=0.0)
     m = m * beta1 + beta3 * g
     v = v * beta2 + one_minus_beta2 * g * g
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
-    bc1, bc2 = _lamb_bias_corrections(step_ptr, betas_ptr, BIAS_CORRECTION)
-    u = _lamb_update(m, v, p, bc1, bc2, eps, weight_decay, ADAM_W, HAS_DECAY)
-    u = tl.where(mask, u, 0.0)  # masked lanes would add eps-sized noise
-    tl.store(partials_ptr + partials_stride + pid, tl.sum(u * u, axis=0))
+    tl.store(m_ptrs, m, mask=mask)
+    tl.store(v_ptrs, v, mask=mask)
     if USE_RATIO:
-        tl.store(partials_ptr + pid, tl.sum(p * p, axis=0))
-    else:
-        tl.store(partials_ptr + pid, 0.0)
+        u = _lamb_update(m, v, p, bc1, bc2, eps, weight_decay, ADAM_W, HAS_DECAY)
+        u = tl.where(mask, u, 0.0)  # masked lanes would add eps-sized noise
+        pid = tl.program_id(0)
+        tl.store(uu_ptr + pid, tl.sum(u * u, axis=0))
+        tl.store(pp_ptr + pid, tl.sum(p * p, axis=0))
 
 
 @triton.jit
 def _lamb_apply_kernel(
-    meta_ptr,        # int64 [n, 7]: param, grad, exp_avg, exp_avg_sq, copy, step addresses; numel
+    meta_ptr,        # int64 [n_tensors, 7]: the LAMB columns' addresses, then numel
     blocks_ptr,      # int32 [n_blocks, 2]: tensor index, block index within that tensor
-    norms_ptr,       # fp32 [2, norms_stride]: ||p|| (row 0) and ||u|| (row 1) per tensor
-    norms_stride,    # elements between the two rows of norms (= n_tensors)
+    counters_ptr,    # int32 [n_tensors]: programs done per tensor (step advance), zeroed
     p_proto,         # a param tensor: carries the parameter element type
+    g_proto,         # a gradient tensor: unused here
     c_proto,         # a copy tensor (or any tensor without copies): carries the copy type
+    p_norm_ptr,      # fp32 [n_tensors]: this group's ||p|| per tensor (USE_RATIO)
+    u_norm_ptr,      # fp32 [n_tensors]: this group's ||u|| per tensor (USE_RATIO)
     lr,              # learning rate: a float, or an fp32 scalar tensor when LR_IS_TENSOR
     betas_ptr,       # fp64 [2]: beta1, beta2
     eps, weight_decay,
@@ -148,35 +172,117 @@ def _lamb_apply_kernel(
     HAS_DECAY: tl.constexpr,
     USE_RATIO: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr,
-    HAS_COPY: tl.constexpr,
+    HAS_COPIES: tl.constexpr,
+    VEC: tl.constexpr,
     EMULATE_BF16_ROUNDING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, 6, HAS_FOUND_INF, BLOCK)
-    p_ptr = tl.load(row + 0).to(tl.pointer_type(p_proto.dtype.element_ty))
-    m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    step_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
-
-    p = load_f32(p_ptr + offs, mask, EMULATE_BF16_ROUNDING)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-    bc1, bc2 = _lamb_bias_corrections(step_ptr, betas_ptr, BIAS_CORRECTION)
-    u = _lamb_update(m, v, p, bc1, bc2, eps, weight_decay, ADAM_W, HAS_DECAY)
+    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, _ROW,
+                                          HAS_FOUND_INF, VEC, BLOCK)
     ratio = load_lr(lr, LR_IS_TENSOR)
     if USE_RATIO:
-        p_norm = tl.load(norms_ptr + tensor)
-        u_norm = tl.load(norms_ptr + norms_stride + tensor)
+        p_norm = tl.load(p_norm_ptr + tensor)
+        u_norm = tl.load(u_norm_ptr + tensor)
         usable = (p_norm != 0.0) & (u_norm != 0.0)
         # Divide by 1 where unusable, so no 0/0 is formed even in the discarded branch.
         ratio = tl.where(usable, ratio * tl.div_rn(p_norm, tl.where(usable, u_norm, 1.0)), ratio)
+    step_ptr = scalar_ptr(row, _S)
+    step = tl.load(step_ptr)
+    bc1, bc2 = _lamb_bias_corrections(step, betas_ptr, BIAS_CORRECTION)
+
+    p_ptrs = column(row, _P, offs, p_proto, VEC)
+    p = load_f32(p_ptrs, mask, EMULATE_BF16_ROUNDING)
+    m = tl.load(column_f32(row, _M, offs, VEC), mask=mask, other=0.0)
+    v = tl.load(column_f32(row, _V, offs, VEC), mask=mask, other=0.0)
+    u = _lamb_update(m, v, p, bc1, bc2, eps, weight_decay, ADAM_W, HAS_DECAY)
     p = p - ratio * u
-    store_param(row, p_ptr, p, offs, mask, c_proto, 4, HAS_COPY, EMULATE_BF16_ROUNDING)
+    store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
+                EMULATE_BF16_ROUNDING)
+    finish_tensor_step(counters_ptr, tensor, row, step_ptr, step, found_inf_ptr, _ROW,
+                       HAS_FOUND_INF, BLOCK)
 
 
-def _check(params, grads, exp_avgs, exp_avg_sqs, steps, copies):
-    check_lists("lamb_step", params, fp32=("exp_avgs", "exp_avg_sqs"), grads=grads,
-                exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps, copies=copies)
+class LambPrepared:
+    """A prepared ``LAMB`` sweep and what its three stages share, built once: the
+    per-group slices of the partials and norms buffers and the segment table."""
+    __slots__ = ("prepared", "n", "lists", "triton", "device", "partials", "norms",
+                 "segments", "moments_args", "apply_args", "empty_steps")
+
+    def __init__(self, prepared):
+        self.prepared = prepared
+        self.n = prepared.n
+        self.lists = prepared.lists
+        self.triton = prepared.triton
+        self.device = prepared.device
+        self.empty_steps = [s for p, s in zip(self.lists["params"], self.lists["steps"])
+                            if p.numel() == 0] if self.triton else []
+        self.partials = self.norms = self.segments = None
+        self.moments_args = self.apply_args = ()
+        if not self.triton or not prepared.groups:
+            return
+        layout = SegmentLayout(prepared)
+        # Rows: p*p, u*u. Reused every step: launches on one stream are ordered.
+        self.partials = torch.empty((2, layout.n_partials), dtype=torch.float32,
+                                    device=self.device)
+        self.norms = torch.empty((2, layout.n_results), dtype=torch.float32, device=self.device)
+        self.segments = segment_pairs(layout.result_runs, self.device)
+        self.moments_args = [(self.partials[0, b:], self.partials[1, b:])
+                             for b in layout.block_bases]
+        self.apply_args = [(self.norms[0, b:], self.norms[1, b:]) for b in layout.result_bases]
+
+
+def lamb_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None):
+    """Validate and plan a LAMB sweep over these lists (see _multi_tensor): keep the
+    result and pass it to :func:`lamb_launch` while the tensors stay the same."""
+    return LambPrepared(LAMB.prepare(dict(params=params, grads=grads, exp_avgs=exp_avgs,
+                                          exp_avg_sqs=exp_avg_sqs, steps=steps,
+                                          copies=copies)))
+
+
+@torch.no_grad()
+def lamb_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=True,
+                grad_averaging=True, bias_correction=True, use_nvlamb=False,
+                global_grad_norm=None, max_grad_norm=1.0, grad_scale=None, found_inf=None):
+    """One LAMB step over a prepared sweep: per dtype group the moments and apply
+    launches, and one segment launch between them where the trust ratio applies."""
+    if prepared.n == 0:
+        return
+    if not prepared.triton:
+        lamb_step_ref(**prepared.lists, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                      weight_decay=weight_decay, adam_w_mode=adam_w_mode,
+                      grad_averaging=grad_averaging, bias_correction=bias_correction,
+                      use_nvlamb=use_nvlamb, global_grad_norm=global_grad_norm,
+                      max_grad_norm=max_grad_norm, grad_scale=grad_scale, found_inf=found_inf)
+        return
+    if prepared.empty_steps:
+        # Empty tensors have no programs to advance their counts (torch counts them too).
+        advance_steps(prepared.empty_steps, found_inf)
+    if not prepared.moments_args:
+        return  # every tensor is empty
+    device = prepared.device
+    lr = scalar_arg(lr, "lr", device)
+    has_decay = weight_decay != 0
+    use_ratio = bool(use_nvlamb) or has_decay
+    anchor = prepared.partials
+    betas = device_constants(device, (beta1, beta2))
+    flags = dict(HAS_FOUND_INF=found_inf is not None, ADAM_W=bool(adam_w_mode),
+                 HAS_DECAY=has_decay, USE_RATIO=use_ratio,
+                 BIAS_CORRECTION=bool(bias_correction))
+    skip = found_inf if found_inf is not None else anchor
+    launch_groups(prepared.prepared, _lamb_moments_kernel, prepared.moments_args, (
+        betas, float(beta1), 1.0 - beta1 if grad_averaging else 1.0, float(beta2), 1.0 - beta2,
+        float(eps), float(weight_decay),
+        global_grad_norm if global_grad_norm is not None else anchor,
+        float(max_grad_norm or 0.0), grad_scale if grad_scale is not None else anchor, skip),
+        # HAS_COPIES=False: this stage writes no copy.
+        dict(flags, HAS_CLIP=global_grad_norm is not None, HAS_SCALE=grad_scale is not None,
+             HAS_COPIES=False))
+    if use_ratio:
+        reduce_segments(prepared.partials, prepared.segments, prepared.norms.shape[1],
+                        sqrt=True, out=prepared.norms)
+    launch_groups(prepared.prepared, _lamb_apply_kernel, prepared.apply_args, (
+        lr, betas, float(eps), float(weight_decay), skip),
+        dict(flags, LR_IS_TENSOR=isinstance(lr, torch.Tensor)))
 
 
 @torch.no_grad()
@@ -187,61 +293,16 @@ def lamb_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, lr, b
     """One LAMB step for lists of same-shaped tensors (see the module docstring).
 
     ``global_grad_norm`` (0-d fp32 device tensor, or None for no clipping) is the norm
-    of the unscaled gradients; ``steps`` are fp32 0-d tensors, advanced by one unless
-    ``found_inf`` is non-zero; ``lr`` a float or an fp32 0-d tensor. No host sync."""
-    params = list(params)
-    if not params:
-        return
-    _check(params, grads, exp_avgs, exp_avg_sqs, steps, copies)
-    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-              adam_w_mode=adam_w_mode, grad_averaging=grad_averaging,
-              bias_correction=bias_correction, use_nvlamb=use_nvlamb,
-              global_grad_norm=global_grad_norm, max_grad_norm=max_grad_norm,
-              grad_scale=grad_scale, found_inf=found_inf)
-    if not use_triton(params[0]):
-        lamb_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies, **kw)
-        return
-    groups = dtype_groups(params, grads, copies)
-    lr_is_tensor = isinstance(lr, torch.Tensor)
-    has_decay = weight_decay != 0
-    use_ratio = bool(use_nvlamb) or has_decay
-    for (device, _, _, copy_dtype), idx in groups.items():
-        block, warps = elementwise_settings(device)
-        emulate = device.type != "cuda"
-        cols = [[params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
-                [exp_avg_sqs[i] for i in idx],
-                None if copy_dtype is None else [copies[i] for i in idx],
-                [steps[i] for i in idx]]
-        pl = plan_columns(cols, block)
-        anchor = cols[0][0]
-        betas = _betas(device, beta1, beta2)
-        partials = torch.empty((2, pl.n_blocks), dtype=torch.float32, device=device)
-        _lamb_moments_kernel[(pl.n_blocks,)](
-            pl.meta, pl.blocks, partials, partials.stride(0), anchor, cols[1][0], betas,
-            float(beta1), 1.0 - beta1 if grad_averaging else 1.0, float(beta2), 1.0 - beta2,
-            float(eps), float(weight_decay),
-            global_grad_norm if global_grad_norm is not None else partials,
-            float(max_grad_norm if max_grad_norm is not None else 0.0),
-            grad_scale if grad_scale is not None else partials,
-            found_inf if found_inf is not None else partials,
-            HAS_CLIP=global_grad_norm is not None, HAS_SCALE=grad_scale is not None,
-            HAS_FOUND_INF=found_inf is not None, ADAM_W=bool(adam_w_mode),
-            HAS_DECAY=has_decay, USE_RATIO=use_ratio, BIAS_CORRECTION=bool(bias_correction),
-            EMULATE_BF16_ROUNDING=emulate, BLOCK=block, num_warps=warps)
-        if use_ratio:
-            table = segment_table(block_counts([t.numel() for t in cols[0]], block), device)
-            norms = reduce_segments(partials, table, len(idx), sqrt=True)
-        else:
-            norms = partials  # not read
-        _lamb_apply_kernel[(pl.n_blocks,)](
-            pl.meta, pl.blocks, norms, norms.stride(0), anchor,
-            cols[4][0] if cols[4] else anchor, lr, betas, float(eps), float(weight_decay),
-            found_inf if found_inf is not None else partials,
-            LR_IS_TENSOR=lr_is_tensor, HAS_FOUND_INF=found_inf is not None,
-            ADAM_W=bool(adam_w_mode), HAS_DECAY=has_decay, USE_RATIO=use_ratio,
-            BIAS_CORRECTION=bool(bias_correction), HAS_COPY=copy_dtype is not None,
-            EMULATE_BF16_ROUNDING=emulate, BLOCK=block, num_warps=warps)
-    advance_steps(list(steps), found_inf)
+    of the unscaled gradients; ``steps`` are fp32 one-element tensors, advanced by one
+    unless ``found_inf`` is non-zero; ``lr`` a float or an fp32 one-element tensor;
+    ``copies`` may hold None for parameters without a copy. Bad lists raise before
+    anything is written. No host sync."""
+    lamb_launch(lamb_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies), lr=lr,
+                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                adam_w_mode=adam_w_mode, grad_averaging=grad_averaging,
+                bias_correction=bias_correction, use_nvlamb=use_nvlamb,
+                global_grad_norm=global_grad_norm, max_grad_norm=max_grad_norm,
+                grad_scale=grad_scale, found_inf=found_inf)
 
 
 @torch.no_grad()
@@ -275,7 +336,7 @@ def lamb_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, l
         m = exp_avgs[i] * _f32(beta1) + beta3 * g
         v = exp_avg_sqs[i] * _f32(beta2) + _f32(1.0 - beta2) * g * g
         if bias_correction:
-            b = _betas(p.device, beta1, beta2)
+            b = device_constants(p.device, (beta1, beta2))
             t = steps[i].double() + 1.0
             bc1 = (1.0 - torch.exp2(t * torch.log2(b[0]))).float()
             bc2 = (1.0 - torch.exp2(t * torch.log2(b[1]))).float()
@@ -297,7 +358,7 @@ def lamb_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, l
         p.copy_(new_p)
         exp_avgs[i].copy_(m)
         exp_avg_sqs[i].copy_(v)
-        if copies is not None:
+        if copies is not None and copies[i] is not None:
             if keep is None:
                 copies[i].copy_(new_p)
             else:

@@ -15,60 +15,87 @@ averaging), and n the norm of g (L2 for norm_type=2, max |g| for norm_type=0):
     reg_inside_moment=True (the paper's form):
         g = g / denom + wd * p;      m = beta1 * m + beta3 * g;   p -= lr * (m / bc1)
 
-Apex's order of operations, in fp32 whatever the parameter dtype. ``v`` is one fp32 0-d
-tensor per parameter (``exp_avg_sqs``); "first step" is read from the tensor's step
-count on the device, so a skipped first step still initialises on the next one.
+Apex's order of operations, in fp32 whatever the parameter dtype. ``v`` is one fp32
+one-element tensor per parameter (``exp_avg_sqs``); "first step" is read from the
+tensor's step count on the device, so a skipped first step still initialises on the
+next one.
 
-Three launches per dtype group whatever the number of tensors: per-block partial norms
-of the gradients, one small program per tensor that reduces its partials and blends v,
-and the elementwise update. ``copies`` (optional) receive the new parameter in their own
-dtype. When ``found_inf`` holds a non-zero value nothing is written and the step counts
-stay: the skipped step leaves no trace.
+One sweep (``NOVOGRAD``), two launches per dtype group and one shared launch, whatever
+the number of tensors:
+
+1. ``_novograd_norm_kernel`` (per group): per-block partial norms of the gradients
+   (sums of squares, or maxima of |g|).
+2. ``_novograd_blend_kernel`` (one launch for every group, one small program per
+   tensor): reduces the tensor's run of partials in a fixed order and blends v.
+3. ``_novograd_step_kernel`` (per group): the elementwise update of m and p; ``copies``
+   (optional, None per row allowed) receive the new parameter in their own dtype. The
+   last program of each tensor advances its step count (stage 3 is the last to read
+   it): no extra launch.
+
+When ``found_inf`` holds a non-zero value nothing is written and the step counts stay:
+the skipped step leaves no trace. :func:`novograd_prepare` validates and plans once
+(tables, blend table, buffers); :func:`novograd_launch` then uploads nothing.
 """
 import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import elementwise_settings, use_triton
-from ._ref_utils import f32 as _f32
-from ._multi_tensor import check_lists, dtype_groups, plan_columns
-from ._tl_utils import bias_corrections, load_f32, load_grad, load_lr, store_param, sweep_block
-from ._ref_utils import advance_steps
-from .adam import _betas
-from .l2norm import SEGMENT_BLOCK, block_counts, segment_table
+from ._multi_tensor import Column, Sweep, _upload, device_constants, scalar_arg
+from ._ref_utils import advance_steps, f32 as _f32
+from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step, inv_scale,
+                        load_f32, load_grad, load_lr, scalar_ptr, store_param, sweep_block)
+from .l2norm import SEGMENT_BLOCK, SegmentLayout, launch_groups
+
+NOVOGRAD = Sweep("novograd_step", [
+    Column("params", "param"), Column("grads", "grad"), Column("exp_avgs", "state"),
+    Column("copies", "copy", optional=True),
+    Column("exp_avg_sqs", "scalar"),   # the per-tensor second moment: one fp32 value
+    Column("steps", "scalar"),
+])
+_P, _G, _M, _C, _VS, _S = (NOVOGRAD.col(n) for n in NOVOGRAD.names)
+_ROW = NOVOGRAD.row_width
 
 
 @triton.jit
 def _novograd_norm_kernel(
-    meta_ptr,        # int64 [n, 7]: param, grad, exp_avg, copy, step, exp_avg_sq addresses; numel
+    meta_ptr,        # int64 [n_tensors, 7]: the NOVOGRAD columns' addresses, then numel
     blocks_ptr,      # int32 [n_blocks, 2]: tensor index, block index within that tensor
+    counters_ptr,    # int32 [n_tensors]: unused here (stage 3 advances the steps)
+    p_proto,         # a param tensor: unused here
     g_proto,         # a gradient tensor: carries the gradient element type
-    partials_ptr,    # fp32 [n_blocks]: the block's sum of g*g (L2) or max |g| (MAX_NORM)
+    c_proto,         # a copy tensor (or any tensor): unused here
+    partials_ptr,    # fp32 [n_blocks]: this group's per-block sum of g*g, or max |g|
     scale_ptr,       # fp32 scalar: the loss scale the gradients carry (HAS_SCALE)
     found_inf_ptr,   # fp32 scalar: non-zero means skip this step (HAS_FOUND_INF)
     HAS_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
     MAX_NORM: tl.constexpr,        # norm_type 0
+    HAS_COPIES: tl.constexpr,
+    VEC: tl.constexpr,             # > 1: every address 16-byte aligned, numel % VEC == 0
     EMULATE_BF16_ROUNDING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, 6, HAS_FOUND_INF, BLOCK)
-    g = load_grad(row, g_proto, offs, mask, scale_ptr, HAS_SCALE, EMULATE_BF16_ROUNDING)
+    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, _ROW,
+                                          HAS_FOUND_INF, VEC, BLOCK)
+    inv = 1.0
+    if HAS_SCALE:
+        inv = inv_scale(scale_ptr)
+    g = load_grad(column(row, _G, offs, g_proto, VEC), mask, inv, HAS_SCALE,
+                  EMULATE_BF16_ROUNDING)
     if MAX_NORM:
-        # tl.max may drop NaN (the interpreter does): carry it through by hand.
+        # tl.max may drop NaN (the GPU and the interpreter do): carry it through by hand.
         has_nan = tl.max((g != g).to(tl.int32), axis=0) > 0
         part = tl.where(has_nan, float("nan"), tl.max(tl.abs(g), axis=0))
     else:
         part = tl.sum(g * g, axis=0)
-    tl.store(partials_ptr + pid, part)
+    tl.store(partials_ptr + tl.program_id(0), part)
 
 
 @triton.jit
 def _novograd_blend_kernel(
-    meta_ptr,        # int64 [n_tensors, 7]: as above; exp_avg_sq (col 5) is read and written
-    segments_ptr,    # int64 [n_tensors, 2]: index of a tensor's first partial, their count
-    partials_ptr,    # fp32 [n_blocks]: from _novograd_norm_kernel
+    tensors_ptr,     # int64 [n_tensors, 4]: first partial, number of partials, v address,
+                     # step address (every non-empty tensor of every group)
+    partials_ptr,    # fp32 [n_partials]: from _novograd_norm_kernel
     beta2, one_minus_beta2,
     found_inf_ptr,   # fp32 scalar: non-zero means skip this step (HAS_FOUND_INF)
     HAS_FOUND_INF: tl.constexpr,
@@ -78,11 +105,13 @@ def _novograd_blend_kernel(
 ):
     # One program per tensor, a fixed summation order: deterministic.
     t = tl.program_id(0).to(tl.int64)
-    row = meta_ptr + 7 * t
-    start = tl.load(segments_ptr + 2 * t)
-    count = tl.load(segments_ptr + 2 * t + 1)
+    start = tl.load(tensors_ptr + 4 * t)
+    count = tl.load(tensors_ptr + 4 * t + 1)
+    v_ptr = tl.load(tensors_ptr + 4 * t + 2).to(tl.pointer_type(tl.float32))
+    step_ptr = tl.load(tensors_ptr + 4 * t + 3).to(tl.pointer_type(tl.float32))
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     if MAX_NORM:
-        acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+        # tl.max drops NaN (the GPU's max.f32 and the interpreter alike): count it apart.
         bad = tl.zeros([BLOCK_R], dtype=tl.int32)
         for off in range(0, count, BLOCK_R):
             idx = off + tl.arange(0, BLOCK_R)
@@ -91,14 +120,11 @@ def _novograd_blend_kernel(
             acc = tl.maximum(acc, x)
         n = tl.where(tl.max(bad, axis=0) > 0, float("nan"), tl.max(acc, axis=0))
     else:
-        acc = tl.zeros([BLOCK_R], dtype=tl.float32)
         for off in range(0, count, BLOCK_R):
             idx = off + tl.arange(0, BLOCK_R)
             acc += tl.load(partials_ptr + start + idx, mask=idx < count, other=0.0)
         sq = tl.sum(acc, axis=0)
         n = tl.sqrt_rn(sq)
-    v_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
-    step_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
     v = tl.load(v_ptr)
     if not INIT_ZERO:
         v = tl.where(tl.load(step_ptr) == 0.0, n, v)
@@ -114,8 +140,9 @@ def _novograd_blend_kernel(
 
 @triton.jit
 def _novograd_step_kernel(
-    meta_ptr,        # int64 [n, 7]: param, grad, exp_avg, copy, step, exp_avg_sq addresses; numel
+    meta_ptr,        # int64 [n_tensors, 7]: the NOVOGRAD columns' addresses, then numel
     blocks_ptr,      # int32 [n_blocks, 2]: tensor index, block index within that tensor
+    counters_ptr,    # int32 [n_tensors]: programs done per tensor (step advance), zeroed
     p_proto,         # a param tensor: carries the parameter element type
     g_proto,         # a gradient tensor: carries the gradient element type
     c_proto,         # a copy tensor (or any tensor without copies): carries the copy type
@@ -129,28 +156,35 @@ def _novograd_step_kernel(
     HAS_FOUND_INF: tl.constexpr,
     REG_INSIDE_MOMENT: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr,
-    HAS_COPY: tl.constexpr,
+    HAS_COPIES: tl.constexpr,
+    VEC: tl.constexpr,
     EMULATE_BF16_ROUNDING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, 6, HAS_FOUND_INF, BLOCK)
-    p_ptr = tl.load(row + 0).to(tl.pointer_type(p_proto.dtype.element_ty))
-    m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    step_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
-
-    g = load_grad(row, g_proto, offs, mask, scale_ptr, HAS_SCALE, EMULATE_BF16_ROUNDING)
-    p = load_f32(p_ptr + offs, mask, EMULATE_BF16_ROUNDING)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    lr_v = load_lr(lr, LR_IS_TENSOR)
+    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, _ROW,
+                                          HAS_FOUND_INF, VEC, BLOCK)
+    # Per-tensor scalars first: they are live across the element loads otherwise.
+    step_ptr = scalar_ptr(row, _S)
+    step = tl.load(step_ptr)
     if BIAS_CORRECTION:
-        c1, c2 = bias_corrections(step_ptr, betas_ptr)
+        c1, c2 = bias_corrections(step, betas_ptr)
         bc1 = c1.to(tl.float32)
         bc2 = tl.sqrt(c2).to(tl.float32)
     else:
         bc1 = 1.0
         bc2 = 1.0
-    denom = tl.div_rn(tl.load(v_ptr), bc2) + eps
+    denom = tl.div_rn(tl.load(scalar_ptr(row, _VS)), bc2) + eps
+    inv = 1.0
+    if HAS_SCALE:
+        inv = inv_scale(scale_ptr)
+    lr_v = load_lr(lr, LR_IS_TENSOR)
+
+    p_ptrs = column(row, _P, offs, p_proto, VEC)
+    m_ptrs = column_f32(row, _M, offs, VEC)
+    g = load_grad(column(row, _G, offs, g_proto, VEC), mask, inv, HAS_SCALE,
+                  EMULATE_BF16_ROUNDING)
+    p = load_f32(p_ptrs, mask, EMULATE_BF16_ROUNDING)
+    m = tl.load(m_ptrs, mask=mask, other=0.0)
     if REG_INSIDE_MOMENT:
         g = tl.div_rn(g, denom) + weight_decay * p
         m = beta1 * m + beta3 * g
@@ -158,18 +192,101 @@ def _novograd_step_kernel(
     else:
         m = beta1 * m + beta3 * g
         p = p - lr_v * (tl.div_rn(tl.div_rn(m, bc1), denom) + weight_decay * p)
-    store_param(row, p_ptr, p, offs, mask, c_proto, 3, HAS_COPY, EMULATE_BF16_ROUNDING)
-    tl.store(m_ptr + offs, m, mask=mask)
+    store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
+                EMULATE_BF16_ROUNDING)
+    tl.store(m_ptrs, m, mask=mask)
+    finish_tensor_step(counters_ptr, tensor, row, step_ptr, step, found_inf_ptr, _ROW,
+                       HAS_FOUND_INF, BLOCK)
 
 
-def _check(params, grads, exp_avgs, exp_avg_sqs, steps, copies, norm_type):
-    check_lists("novograd_step", params, fp32=("exp_avgs", "exp_avg_sqs"), grads=grads,
-                exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps, copies=copies)
+def _check_norm_type(norm_type):
     if norm_type not in (0, 2):
         raise ValueError(f"novograd_step: norm_type must be 2 (L2) or 0 (max norm), "
                          f"got {norm_type}")
-    if any(v.numel() != 1 for v in exp_avg_sqs):
-        raise ValueError("novograd_step: exp_avg_sqs holds one scalar per tensor")
+
+
+class NovoGradPrepared:
+    """A prepared ``NOVOGRAD`` sweep and what its three stages share, built once: the
+    per-group slices of the partials buffer and the blend stage's table (per non-empty
+    tensor: its run of partials, the addresses of its v and step)."""
+    __slots__ = ("prepared", "n", "lists", "triton", "device", "partials", "tensors",
+                 "n_tensors", "norm_args", "empty_steps")
+
+    def __init__(self, prepared):
+        self.prepared = prepared
+        self.n = prepared.n
+        self.lists = prepared.lists
+        self.triton = prepared.triton
+        self.device = prepared.device
+        self.empty_steps = [s for p, s in zip(self.lists["params"], self.lists["steps"])
+                            if p.numel() == 0] if self.triton else []
+        self.partials = self.tensors = None
+        self.n_tensors = 0
+        self.norm_args = ()
+        if not self.triton or not prepared.groups:
+            return
+        layout = SegmentLayout(prepared)
+        # Reused every step: launches on one stream are ordered.
+        self.partials = torch.empty(layout.n_partials, dtype=torch.float32, device=self.device)
+        self.norm_args = [(self.partials[b:],) for b in layout.block_bases]
+        vs, steps = self.lists["exp_avg_sqs"], self.lists["steps"]
+        rows = [layout.runs[i] + (vs[i].data_ptr(), steps[i].data_ptr())
+                for g in prepared.groups for i in g.rows]
+        self.n_tensors = len(rows)
+        self.tensors = _upload(torch.tensor(rows, dtype=torch.int64), self.device)
+
+
+def novograd_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None):
+    """Validate and plan a NovoGrad sweep over these lists (see _multi_tensor;
+    ``exp_avg_sqs`` and ``steps`` hold one fp32 one-element tensor per parameter): keep
+    the result and pass it to :func:`novograd_launch` while the tensors stay the same."""
+    return NovoGradPrepared(NOVOGRAD.prepare(dict(
+        params=params, grads=grads, exp_avgs=exp_avgs, copies=copies, exp_avg_sqs=exp_avg_sqs,
+        steps=steps)))
+
+
+@torch.no_grad()
+def novograd_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, reg_inside_moment=False,
+                    grad_averaging=True, norm_type=2, init_zero=False, bias_correction=True,
+                    grad_scale=None, found_inf=None):
+    """One NovoGrad step over a prepared sweep: per dtype group the norm and step
+    launches, and one blend launch (every tensor of every group) between them."""
+    _check_norm_type(norm_type)
+    if prepared.n == 0:
+        return
+    if not prepared.triton:
+        novograd_step_ref(**prepared.lists, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                          weight_decay=weight_decay, reg_inside_moment=reg_inside_moment,
+                          grad_averaging=grad_averaging, norm_type=norm_type,
+                          init_zero=init_zero, bias_correction=bias_correction,
+                          grad_scale=grad_scale, found_inf=found_inf)
+        return
+    if prepared.empty_steps:
+        # Empty tensors have no programs to advance their counts (torch counts them too).
+        advance_steps(prepared.empty_steps, found_inf)
+    if not prepared.norm_args:
+        return  # every tensor is empty
+    device = prepared.device
+    lr = scalar_arg(lr, "lr", device)
+    anchor = prepared.partials
+    max_norm = norm_type == 0
+    scale = grad_scale if grad_scale is not None else anchor
+    skip = found_inf if found_inf is not None else anchor
+    has_inf = found_inf is not None
+    launch_groups(prepared.prepared, _novograd_norm_kernel, prepared.norm_args, (scale, skip),
+                  # HAS_COPIES=False: this stage writes no copy.
+                  dict(HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=has_inf,
+                       MAX_NORM=max_norm, HAS_COPIES=False))
+    _novograd_blend_kernel[(prepared.n_tensors,)](
+        prepared.tensors, prepared.partials, float(beta2), 1.0 - beta2, skip,
+        HAS_FOUND_INF=has_inf, MAX_NORM=max_norm, INIT_ZERO=bool(init_zero),
+        BLOCK_R=SEGMENT_BLOCK, num_warps=4)
+    prepared.prepared.launch(_novograd_step_kernel, (
+        lr, device_constants(device, (beta1, beta2)), float(beta1),
+        1.0 - beta1 if grad_averaging else 1.0, float(eps), float(weight_decay), scale, skip),
+        dict(LR_IS_TENSOR=isinstance(lr, torch.Tensor), HAS_SCALE=grad_scale is not None,
+             HAS_FOUND_INF=has_inf, REG_INSIDE_MOMENT=bool(reg_inside_moment),
+             BIAS_CORRECTION=bool(bias_correction)))
 
 
 @torch.no_grad()
@@ -179,57 +296,17 @@ def novograd_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, l
                   found_inf=None):
     """One NovoGrad step for lists of tensors (see the module docstring).
 
-    ``exp_avg_sqs`` are fp32 0-d tensors (the per-tensor running gradient norm),
-    ``steps`` fp32 0-d tensors advanced by one unless ``found_inf`` is non-zero; ``lr`` a
-    float or an fp32 0-d tensor. No host sync."""
-    params = list(params)
-    if not params:
-        return
-    _check(params, grads, exp_avgs, exp_avg_sqs, steps, copies, norm_type)
-    if not use_triton(params[0]):
-        novograd_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies, lr=lr,
-                          beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                          reg_inside_moment=reg_inside_moment, grad_averaging=grad_averaging,
-                          norm_type=norm_type, init_zero=init_zero,
-                          bias_correction=bias_correction, grad_scale=grad_scale,
-                          found_inf=found_inf)
-        return
-    groups = dtype_groups(params, grads, copies)
-    lr_is_tensor = isinstance(lr, torch.Tensor)
-    has_inf = found_inf is not None
-    max_norm = norm_type == 0
-    for (device, _, _, copy_dtype), idx in groups.items():
-        block, warps = elementwise_settings(device)
-        emulate = device.type != "cuda"
-        cols = [[params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
-                None if copy_dtype is None else [copies[i] for i in idx],
-                [steps[i] for i in idx], [exp_avg_sqs[i] for i in idx]]
-        pl = plan_columns(cols, block)
-        anchor = cols[0][0]
-        partials = torch.empty(pl.n_blocks, dtype=torch.float32, device=device)
-        _novograd_norm_kernel[(pl.n_blocks,)](
-            pl.meta, pl.blocks, cols[1][0], partials,
-            grad_scale if grad_scale is not None else partials,
-            found_inf if has_inf else partials,
-            HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=has_inf, MAX_NORM=max_norm,
-            EMULATE_BF16_ROUNDING=emulate, BLOCK=block, num_warps=warps)
-        table = segment_table(block_counts([t.numel() for t in cols[0]], block), device)
-        _novograd_blend_kernel[(len(idx),)](
-            pl.meta, table, partials, float(beta2), 1.0 - beta2,
-            found_inf if has_inf else partials,
-            HAS_FOUND_INF=has_inf, MAX_NORM=max_norm, INIT_ZERO=bool(init_zero),
-            BLOCK_R=SEGMENT_BLOCK, num_warps=4)
-        _novograd_step_kernel[(pl.n_blocks,)](
-            pl.meta, pl.blocks, anchor, cols[1][0], cols[3][0] if cols[3] else anchor,
-            lr, _betas(device, beta1, beta2), float(beta1),
-            1.0 - beta1 if grad_averaging else 1.0, float(eps), float(weight_decay),
-            grad_scale if grad_scale is not None else partials,
-            found_inf if has_inf else partials,
-            LR_IS_TENSOR=lr_is_tensor, HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=has_inf,
-            REG_INSIDE_MOMENT=bool(reg_inside_moment), BIAS_CORRECTION=bool(bias_correction),
-            HAS_COPY=copy_dtype is not None, EMULATE_BF16_ROUNDING=emulate, BLOCK=block,
-            num_warps=warps)
-    advance_steps(list(steps), found_inf)
+    ``exp_avg_sqs`` are fp32 one-element tensors (the per-tensor running gradient norm),
+    ``steps`` fp32 one-element tensors advanced by one unless ``found_inf`` is non-zero;
+    ``lr`` a float or an fp32 one-element tensor; ``copies`` may hold None for
+    parameters without a copy. Bad lists raise before anything is written. No host
+    sync."""
+    _check_norm_type(norm_type)
+    novograd_launch(novograd_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies),
+                    lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                    reg_inside_moment=reg_inside_moment, grad_averaging=grad_averaging,
+                    norm_type=norm_type, init_zero=init_zero, bias_correction=bias_correction,
+                    grad_scale=grad_scale, found_inf=found_inf)
 
 
 @torch.no_grad()
@@ -242,9 +319,7 @@ def novograd_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, 
     params = list(params)
     if not params:
         return
-    if norm_type not in (0, 2):
-        raise ValueError(f"novograd_step: norm_type must be 2 (L2) or 0 (max norm), "
-                         f"got {norm_type}")
+    _check_norm_type(norm_type)
     inv = None if grad_scale is None else grad_scale.double().reciprocal().float().reshape(())
     keep = None if found_inf is None else found_inf.reshape(()) == 0
     beta3 = _f32(1.0 - beta1 if grad_averaging else 1.0)
@@ -266,7 +341,7 @@ def novograd_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, 
         else:
             v = torch.sqrt(_f32(beta2) * v * v + _f32(1.0 - beta2) * sq)
         if bias_correction:
-            b = _betas(p.device, beta1, beta2)
+            b = device_constants(p.device, (beta1, beta2))
             t = steps[i].double() + 1.0
             bc1 = (1.0 - torch.exp2(t * torch.log2(b[0]))).float()
             bc2 = torch.sqrt(1.0 - torch.exp2(t * torch.log2(b[1]))).float()
@@ -289,7 +364,7 @@ def novograd_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, 
         p.copy_(new_p)
         exp_avgs[i].copy_(m)
         exp_avg_sqs[i].copy_(v.reshape(exp_avg_sqs[i].shape))
-        if copies is not None:
+        if copies is not None and copies[i] is not None:
             if keep is None:
                 copies[i].copy_(new_p)
             else:
