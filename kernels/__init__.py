@@ -5,7 +5,8 @@ This package knows nothing of opt levels or optimizers.
 """
 from ._dispatch import elementwise_settings, interpreter_on, use_triton
 from .axpby import multi_tensor_axpby, multi_tensor_axpby_ref, multi_tensor_scale, multi_tensor_scale_ref
-from .check_unscale import check_unscale, check_unscale_ref
+from .check_unscale import (check_unscale, check_unscale_launch, check_unscale_prepare,
+                            check_unscale_ref)
 from .l2norm import multi_tensor_l2norm, multi_tensor_l2norm_ref
 from .scale_update import (FLOOR_STREAK, FOUND_INF, FOUND_INF_NEXT, HYSTERESIS, SCALE, SKIPPED,
                            STATE_SIZE, UNSKIPPED, USED_SCALE, other_found_slot, scale_update,
@@ -13,7 +14,7 @@ from .scale_update import (FLOOR_STREAK, FOUND_INF, FOUND_INF_NEXT, HYSTERESIS, 
 
 __all__ = [
     "use_triton", "interpreter_on", "elementwise_settings",
-    "check_unscale", "check_unscale_ref",
+    "check_unscale", "check_unscale_ref", "check_unscale_prepare", "check_unscale_launch",
     "multi_tensor_l2norm", "multi_tensor_l2norm_ref",
     "multi_tensor_scale", "multi_tensor_scale_ref", "multi_tensor_axpby", "multi_tensor_axpby_ref",
     "scale_update", "scale_update_ref",

@@ -1,7 +1,7 @@
 """Fused non-finite check and unscale over a list of tensors, one launch per dtype group.
 
 ``check_unscale(srcs, scale, found_inf, dsts=None, adds=None, write=True)`` does, for
-every tensor ``x`` in ``srcs`` and in one launch per (src, dst, addend) dtype group:
+every tensor ``x`` in ``srcs`` and in one launch per (dst, src, addend) dtype group:
 
     found_inf = 1.0                    if any element of x is inf or NaN  (found_inf given)
     dst = (x * (1 / scale) [+ add])    cast to dst's dtype                (write=True)
@@ -11,98 +11,275 @@ fp32, as ``torch.amp.GradScaler`` does, so the unscaled values match torch's
 ``_amp_foreach_non_finite_check_and_unscale_`` bit for bit. ``scale=None`` copies
 (casting) without scaling: the master -> model weight copy. ``dsts`` defaults to
 ``srcs`` (in place); ``write=False`` only checks (reads each gradient once).
+
+The sweep is declared once (``CHECK_UNSCALE``) and goes through the multi-tensor engine.
+Layouts, per row:
+
+- the written tensor (the dst, or the src itself in place) is the row's layout anchor;
+  a source or addend laid out otherwise (column-major against contiguous, expanded) is
+  read through a dense copy in the anchor's layout, refreshed at every launch;
+- a check-only sweep (``write=False``) reads a non-dense source (an expanded tensor)
+  through a dense copy;
+- a written tensor that is not dense but does not overlap itself (a strided view) is
+  swept through a dense copy and the result copied back; one that overlaps itself (an
+  expanded tensor unscaled in place) is refused with a ``ValueError`` before anything
+  is written.
+
+Keep the result of :func:`check_unscale_prepare` while the tensors stay the same (same
+addresses and strides) and call :func:`check_unscale_launch` on it: the steady state
+uploads and re-derives nothing.
 """
 import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import elementwise_settings, use_triton
-from ._multi_tensor import plan
-from ._tl_utils import inv_scale, load_f32, store_cast, sweep_block
+from ._multi_tensor import HALF_OR_FLOAT, Column, Sweep, _dense, same_layout
+from ._tl_utils import column, inv_scale, load_f32, store_cast, sweep_block
+
+CHECK_UNSCALE = Sweep("check_unscale", [
+    Column("dsts", "param"),            # the written tensor: the dst, or the src in place
+    Column("srcs", "grad"),             # (the src itself in a check-only sweep)
+    Column("adds", "grad", optional=True),
+])
+_D, _S, _A = (CHECK_UNSCALE.col(n) for n in CHECK_UNSCALE.names)
+_ROW = CHECK_UNSCALE.row_width
+
+# fp16util decides with these which pairs it copies through the sweep.
+_same_layout = same_layout
 
 
 @triton.jit
 def _check_unscale_sweep_kernel(
-    meta_ptr,        # int64 [n_tensors, 4]: src address, dst address, addend address, numel
+    meta_ptr,        # int64 [n_tensors, 4]: the CHECK_UNSCALE columns' addresses, then numel
     blocks_ptr,      # int32 [n_blocks, 2]: tensor index, block index within that tensor
-    src_proto,       # first source tensor of the group: carries the source element type
-    dst_proto,       # first destination tensor: carries the destination element type
-    add_proto,       # first addend tensor (or any tensor when HAS_ADD is off)
-    scale_ptr,       # fp32 scalar: the loss scale the sources carry
-    found_inf_ptr,   # fp32 scalar: set to 1.0 when a source holds inf or NaN
+    counters_ptr,    # unused (the sweep has no step column)
+    dst_proto,       # a destination tensor of the group: carries the destination type
+    src_proto,       # a source tensor: carries the source element type
+    add_proto,       # an addend tensor (any tensor without HAS_ADDS): the addend type
+    scale_ptr,       # fp32 scalar: the loss scale the sources carry (HAS_SCALE)
+    found_inf_ptr,   # fp32 scalar: set to 1.0 when a source holds inf or NaN (CHECK)
     HAS_SCALE: tl.constexpr,
     CHECK: tl.constexpr,
     WRITE: tl.constexpr,
-    HAS_ADD: tl.constexpr,
+    HAS_ADDS: tl.constexpr,
+    VEC: tl.constexpr,             # > 1: every address 16-byte aligned, numel % VEC == 0
     EMULATE_BF16_ROUNDING: tl.constexpr,  # interpreter only: see _tl_utils
     BLOCK: tl.constexpr,
 ):
-    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, meta_ptr, 3, False, BLOCK)
-    src = tl.load(row).to(tl.pointer_type(src_proto.dtype.element_ty))
-    x = load_f32(src + offs, mask, EMULATE_BF16_ROUNDING)
+    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, _ROW, False,
+                                          VEC, BLOCK)
+    # The per-tensor scalar first: it is live across the element loads otherwise.
+    inv = 1.0
+    if WRITE:
+        if HAS_SCALE:
+            inv = inv_scale(scale_ptr)
+    x = load_f32(column(row, _S, offs, src_proto, VEC), mask, EMULATE_BF16_ROUNDING)
     if CHECK:
         bad = (x != x) | (tl.abs(x) == float("inf"))
-        if tl.sum(bad.to(tl.int32), axis=0) > 0:
+        if tl.max(bad.to(tl.int32), axis=0) > 0:
             # Every writer stores the same value, so the race is benign.
             tl.store(found_inf_ptr, 1.0)
     if WRITE:
         if HAS_SCALE:
-            inv = inv_scale(scale_ptr)
             x = x * inv
-        if HAS_ADD:
-            add = tl.load(row + 2).to(tl.pointer_type(add_proto.dtype.element_ty))
-            x = x + load_f32(add + offs, mask, EMULATE_BF16_ROUNDING)
-        dst = tl.load(row + 1).to(tl.pointer_type(dst_proto.dtype.element_ty))
-        store_cast(dst + offs, x, mask, EMULATE_BF16_ROUNDING)
+        if HAS_ADDS:
+            x = x + load_f32(column(row, _A, offs, add_proto, VEC), mask, EMULATE_BF16_ROUNDING)
+        store_cast(column(row, _D, offs, dst_proto, VEC), x, mask, EMULATE_BF16_ROUNDING)
 
 
-def _groups(srcs, dsts, adds):
-    """Indices of the tensors grouped by (device, src dtype, dst dtype, addend dtype)."""
-    groups = {}
-    for i, x in enumerate(srcs):
-        if x.numel() == 0:
-            continue
-        key = (x.device, x.dtype, dsts[i].dtype, None if adds is None else adds[i].dtype)
-        groups.setdefault(key, []).append(i)
-    return groups
+# --- layouts: what a flat sweep can walk, and dense stand-ins for the rest -------------
 
-
-def _dense(t):
-    """Non-overlapping and dense: the elements fill ``numel`` slots of storage in some
-    order (contiguous, channels-last, a transpose). Elementwise sweeps can then walk the
-    storage flat, provided every partner tensor is laid out the same way."""
-    if t.is_contiguous():
-        return True
-    expected = 1
+def _non_overlapping(t):
+    """No two elements of ``t`` share a storage slot (sufficient test: each stride, in
+    increasing order, clears the extent of the dimensions below it)."""
+    extent = 1
     for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
-        if stride != expected:
+        if stride < extent:
             return False
-        expected *= size
+        extent += stride * (size - 1)
     return True
 
 
-def _same_layout(a, b):
-    return a.is_contiguous() and b.is_contiguous() or all(
-        sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n != 1)
+def _same_view(a, b):
+    """``a`` and ``b`` are the same elements (one tensor, or two views of it)."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype
+                      and a.shape == b.shape and a.stride() == b.stride())
 
 
-def _validate(srcs, dsts, adds):
-    for name, other in (("dsts", dsts), ("adds", adds)):
-        if other is not None and len(other) != len(srcs):
-            raise ValueError(f"check_unscale: {name} has {len(other)} tensors but srcs has {len(srcs)}")
-    for i, x in enumerate(srcs):
-        ok = _dense(x)
-        for other in (dsts, adds):
-            if other is None:
-                continue
-            if other[i].shape != x.shape or other[i].device != x.device:
+def check_lists(op, lists, dtypes=HALF_OR_FLOAT):
+    """Validate parallel tensor lists before anything is touched: ``lists`` is
+    [(name, list or None)], the first one the reference. Equal lengths, tensors, one
+    device, fp32/fp16/bf16, and per row every partner with the reference's shape.
+    ValueError (TypeError for types and dtypes) naming the list and the index."""
+    first, ref = lists[0]
+    n = len(ref)
+    for name, col in lists[1:]:
+        if col is not None and len(col) != n:
+            raise ValueError(f"{op}: {name} has {len(col)} tensors but {first} has {n}; the "
+                             "lists need equal lengths, one tensor per row")
+    device = None
+    for name, col in lists:
+        if col is None:
+            continue
+        for i, t in enumerate(col):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{op}: {name}[{i}] is a {type(t).__name__}, expected a tensor")
+            if t.dtype not in dtypes:
+                raise TypeError(f"{op}: {name}[{i}] is {str(t.dtype).replace('torch.', '')}, "
+                                "expected float32, float16 or bfloat16")
+            if device is None:
+                device = t.device
+            elif t.device != device:
+                raise ValueError(f"{op}: {name}[{i}] is on {t.device} but {first}[0] is on "
+                                 f"{device}; call it once per device")
+            if col is not ref and t.shape != ref[i].shape:
                 raise ValueError(
-                    f"check_unscale: tensor {i} has shape {tuple(x.shape)} on {x.device} but its "
-                    f"partner has shape {tuple(other[i].shape)} on {other[i].device}")
-            ok = ok and _same_layout(x, other[i])
-        if not ok:
-            raise ValueError(f"check_unscale: tensor {i} is not contiguous (nor dense in the same "
-                             "layout as its partners); call .contiguous() first")
+                    f"{op}: tensor {i} has shape {tuple(ref[i].shape)} but {name}[{i}] has shape "
+                    f"{tuple(t.shape)}; each {name} entry must have its {first} entry's shape")
+    return n
+
+
+class Layouts:
+    """Dense stand-ins for the tensors a flat sweep cannot walk as they are.
+
+    ``reads``: (original, stand-in) copied original -> stand-in before every launch;
+    ``writeback``: (original, stand-in) copied back after it."""
+    __slots__ = ("reads", "writeback")
+
+    def __init__(self):
+        self.reads = []
+        self.writeback = []
+
+    def _read_copy(self, original, buf):
+        if not any(o is original and b is buf for o, b in self.reads):
+            self.reads.append((original, buf))
+        return buf
+
+    def anchor(self, op, name, i, w, in_place):
+        """The tensor the sweep writes for ``w`` (``name[i]``): ``w`` itself when dense,
+        else a dense stand-in copied back after the launch (and refreshed before it
+        when the sweep also reads ``w``). Refuses a ``w`` that overlaps itself."""
+        if _dense(w):
+            return w
+        if not _non_overlapping(w):
+            how = "in place " if in_place else ""
+            raise ValueError(
+                f"{op}: {name}[{i}] of shape {tuple(w.shape)} has strides {w.stride()}: it "
+                f"overlaps itself (an expanded tensor), so writing it {how}would store several "
+                "results in one element. Nothing was written. Pass a dense tensor "
+                f"({name}[{i}].contiguous()) or write into a separate dense destination "
+                "(torch.empty_like(src))")
+        buf = torch.empty_like(w)  # dense: w's dimension order, contiguous otherwise
+        self.writeback.append((w, buf))
+        if in_place:
+            self._read_copy(w, buf)
+        return buf
+
+    def source(self, t, w, anchor):
+        """What the sweep reads for ``t`` in a row written through ``anchor`` (the stand-in
+        of ``w``, or ``w``): ``t`` when laid out as ``anchor``, else a dense copy in its
+        layout, refreshed before every launch."""
+        if t is None:
+            return None
+        if same_layout(t, anchor):
+            return t
+        if w is not None and _same_view(t, w):
+            return self._read_copy(w, anchor)
+        buf = torch.empty_like(anchor, dtype=t.dtype, memory_format=torch.preserve_format)
+        return self._read_copy(t, buf)
+
+    def checked(self, t):
+        """A source of a read-only sweep: ``t`` when dense, else a dense copy."""
+        if _dense(t):
+            return t
+        buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        return self._read_copy(t, buf)
+
+    def before(self):
+        for original, buf in self.reads:
+            buf.copy_(original)
+
+    def after(self):
+        for original, buf in self.writeback:
+            original.copy_(buf)
+
+
+class LayoutPrepared:
+    """A validated, planned sweep (:class:`~._multi_tensor.Prepared`) with the dense
+    stand-ins it reads and writes through. ``lists`` holds the caller's validated lists
+    (what the torch reference runs on); ``options`` what the launcher needs to know of
+    the lists (check_unscale: whether it writes)."""
+    __slots__ = ("prepared", "lists", "layouts", "options", "n", "triton", "device")
+
+    def __init__(self, prepared, lists, layouts, options=None):
+        self.prepared = prepared
+        self.lists = lists
+        self.layouts = layouts
+        self.options = options or {}
+        self.n = prepared.n
+        self.triton = prepared.triton
+        self.device = prepared.device
+
+    def launch(self, kernel, args, constexprs):
+        """Refresh the read copies, launch once per dtype group, copy results back."""
+        self.layouts.before()
+        self.prepared.launch(kernel, args, constexprs)
+        self.layouts.after()
+
+    @property
+    def anchor(self):
+        """A device tensor to pass for pointer arguments a variant does not read."""
+        groups = self.prepared.groups
+        return groups[0].meta if groups else None
+
+
+def check_unscale_prepare(srcs, dsts=None, adds=None, write=True):
+    """Validate and plan a check/unscale sweep over these lists: keep the result and pass
+    it to :func:`check_unscale_launch` while the tensors stay the same. Bad lists raise
+    (ValueError; TypeError for dtypes) before anything is written."""
+    srcs = list(srcs)
+    dsts = None if dsts is None else list(dsts)
+    adds = None if adds is None else list(adds)
+    op = CHECK_UNSCALE.name
+    n = check_lists(op, [("srcs", srcs), ("dsts", dsts), ("adds", adds)])
+    write = bool(write)
+    layouts = Layouts()
+    if not write:
+        swept = [layouts.checked(s) for s in srcs]
+        cols = dict(dsts=swept, srcs=swept, adds=None)
+    else:
+        cols = dict(dsts=[], srcs=[], adds=None if adds is None else [])
+        for i in range(n):
+            s = srcs[i]
+            w = s if dsts is None else dsts[i]
+            in_place = _same_view(w, s)
+            a = layouts.anchor(op, "srcs" if dsts is None else "dsts", i, w, in_place)
+            cols["dsts"].append(a)
+            cols["srcs"].append(a if in_place else layouts.source(s, w, a))
+            if adds is not None:
+                cols["adds"].append(layouts.source(adds[i], w, a))
+    prepared = CHECK_UNSCALE.prepare(cols)
+    lists = dict(srcs=srcs, dsts=dsts, adds=adds if write else None, write=write)
+    return LayoutPrepared(prepared, lists, layouts, dict(write=write))
+
+
+@torch.no_grad()
+def check_unscale_launch(prepared, scale=None, found_inf=None):
+    """One check/unscale over a prepared sweep: one launch per dtype group (none when
+    there is nothing to do). On a device where Triton does not run, the torch reference.
+    Nothing is synchronised with the host."""
+    write = prepared.options["write"]
+    if prepared.n == 0 or (not write and found_inf is None):
+        return
+    if not prepared.triton:
+        check_unscale_ref(scale=scale, found_inf=found_inf, **prepared.lists)
+        return
+    anchor = prepared.anchor
+    has_scale = write and scale is not None
+    prepared.launch(_check_unscale_sweep_kernel, (
+        scale if has_scale else anchor,
+        found_inf if found_inf is not None else anchor), dict(
+        HAS_SCALE=has_scale, CHECK=found_inf is not None, WRITE=write))
 
 
 @torch.no_grad()
@@ -110,36 +287,11 @@ def check_unscale(srcs, scale=None, found_inf=None, dsts=None, adds=None, write=
     """Check ``srcs`` for inf/NaN into ``found_inf`` and write ``srcs * (1/scale) (+ adds)`` to ``dsts``.
 
     One kernel launch per dtype group on CUDA (or under the interpreter); the torch
-    reference otherwise. Nothing is synchronised with the host.
+    reference otherwise. Bad lists raise before anything is written. Nothing is
+    synchronised with the host.
     """
-    srcs = list(srcs)
-    dsts_l = None if dsts is None else list(dsts)
-    adds_l = None if adds is None else list(adds)
-    if not srcs:
-        return
-    _validate(srcs, dsts_l, adds_l)
-    if not use_triton(srcs[0]):
-        check_unscale_ref(srcs, scale, found_inf, dsts_l, adds_l, write)
-        return
-    out = srcs if dsts_l is None else dsts_l
-    check = found_inf is not None
-    for (device, _, _, _), idx in _groups(srcs, out, adds_l).items():
-        block, warps = elementwise_settings(device)
-        g_src = [srcs[i] for i in idx]
-        g_dst = [out[i] for i in idx] if write else None
-        g_add = [adds_l[i] for i in idx] if (adds_l is not None and write) else None
-        p = plan(g_src, g_dst, g_add, block)
-        anchor = g_src[0]
-        _check_unscale_sweep_kernel[(p.n_blocks,)](
-            p.meta, p.blocks, anchor,
-            g_dst[0] if g_dst else anchor,
-            g_add[0] if g_add else anchor,
-            scale if scale is not None else anchor,
-            found_inf if check else anchor,
-            HAS_SCALE=scale is not None, CHECK=check, WRITE=write,
-            HAS_ADD=g_add is not None, EMULATE_BF16_ROUNDING=not device.type == "cuda",
-            BLOCK=block, num_warps=warps,
-        )
+    check_unscale_launch(check_unscale_prepare(srcs, dsts=dsts, adds=adds, write=write),
+                         scale=scale, found_inf=found_inf)
 
 
 @torch.no_grad()

@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tritamp.kernels as K
-import tritamp.kernels._multi_tensor as mt
 from tritamp.kernels import check_unscale, check_unscale_ref
 
 # The package re-exports the function under the module's name, so ``import
@@ -444,34 +443,222 @@ def test_zero_numel_tensors_are_skipped(launches):
 def _bad_calls():
     a = torch.randn(5, device=DEVICE)
     b = torch.randn(3, 4, device=DEVICE)
-    t = torch.randn(4, 6, device=DEVICE).t()  # non-contiguous
+    overlapping = torch.randn(4, 1, device=DEVICE).expand(4, 6)  # expanded: overlaps itself
     return [
         ("dsts has 1 tensors but srcs has 2", dict(srcs=[a, b], dsts=[a.clone()])),
         ("adds has 3 tensors but srcs has 2",
          dict(srcs=[a, b], adds=[a.clone(), b.clone(), b.clone()])),
-        (r"tensor 1 has shape \(3, 4\)", dict(srcs=[a, b], dsts=[a.clone(), torch.zeros(12, device=DEVICE)])),
-        (r"tensor 0 has shape \(5,\)", dict(srcs=[a], adds=[torch.zeros(6, device=DEVICE)])),
-        ("tensor 1 is not contiguous", dict(srcs=[a, torch.randn(4, 12, device=DEVICE)[:, ::2]])),
-        ("tensor 0 is not contiguous", dict(srcs=[t.contiguous()], dsts=[torch.zeros(4, 6, device=DEVICE).t()])),
-        ("tensor 0 is not contiguous", dict(srcs=[t.contiguous()], adds=[torch.zeros(4, 6, device=DEVICE).t()])),
+        (r"tensor 1 has shape \(3, 4\) but dsts\[1\] has shape \(12,\)",
+         dict(srcs=[a, b], dsts=[a.clone(), torch.zeros(12, device=DEVICE)])),
+        (r"tensor 0 has shape \(5,\) but adds\[0\] has shape \(6,\)",
+         dict(srcs=[a], adds=[torch.zeros(6, device=DEVICE)])),
+        (r"srcs\[1\] of shape \(4, 6\) has strides \(1, 0\): it overlaps itself.*"
+         r"\.contiguous\(\)", dict(srcs=[a, overlapping])),
+        (r"dsts\[0\] of shape \(4, 6\) has strides \(1, 0\): it overlaps itself",
+         dict(srcs=[torch.randn(4, 6, device=DEVICE)],
+              dsts=[torch.zeros(4, 1, device=DEVICE).expand(4, 6)])),
+        (r"srcs\[0\] is int32, expected float32, float16 or bfloat16",
+         dict(srcs=[torch.ones(3, dtype=torch.int32, device=DEVICE)],
+              dsts=[torch.zeros(3, device=DEVICE)])),
     ]
 
 
 @pytest.mark.parametrize("case", range(7), ids=[
-    "dsts_length", "adds_length", "dst_shape", "add_shape", "src_strided", "dst_strided",
-    "add_strided"])
+    "dsts_length", "adds_length", "dst_shape", "add_shape", "inplace_overlapping",
+    "dst_overlapping", "src_dtype"])
 def test_bad_arguments_raise_before_anything_runs(case, launches):
+    """Refused before anything runs: every tensor (sources, destinations, addends) and
+    found_inf bitwise as they were."""
     calls = _bad_calls()
     assert len(calls) == 7
     message, kwargs = calls[case]
-    kwargs["srcs"][0][0] = math.inf  # would set found_inf if anything ran
-    before = clones(kwargs["srcs"])
+    if kwargs["srcs"][0].is_floating_point():
+        kwargs["srcs"][0].view(-1)[0] = math.inf  # would set found_inf if anything ran
+    everything = [t for k in ("srcs", "dsts", "adds") for t in kwargs.get(k) or []]
+    before = clones(everything)
     f = found(0.0)
-    with pytest.raises(ValueError, match=message):
+    error = TypeError if case == 6 else ValueError
+    with pytest.raises(error, match=message):
         check_unscale(scale=scale_tensor(2.0), found_inf=f, **kwargs)
+    with pytest.raises(error, match=message):
+        cu_mod.check_unscale_prepare(kwargs["srcs"], dsts=kwargs.get("dsts"),
+                                     adds=kwargs.get("adds"))
     assert f.item() == 0.0 and launches.grids == []
-    for s, o in zip(kwargs["srcs"], before):
-        assert_bitwise(s, o, "source after a refused call")
+    for t, o in zip(everything, before):
+        if t.is_floating_point():
+            assert_bitwise(t, o, "tensor after a refused call")
+        else:
+            assert torch.equal(t, o)
+
+
+def test_wrong_shape_partner_leaves_every_tensor_and_found_inf_unchanged(launches):
+    """A wrong-shape partner in the last row: nothing is written anywhere, not even in
+    the rows before it (or found_inf, already set)."""
+    gen = torch.Generator().manual_seed(4)
+    srcs = [(torch.randn(257, generator=gen) * 100).half().to(DEVICE),
+            torch.randn(3, 4, generator=gen).to(DEVICE),
+            torch.randn(2, 5, generator=gen).t().to(DEVICE)]     # column-major
+    srcs[0][7] = math.nan
+    dsts = [torch.full((257,), 3.0, device=DEVICE), torch.full((3, 4), 3.0, device=DEVICE),
+            torch.full((10,), 3.0, device=DEVICE)]                # should be (5, 2)
+    adds = [torch.ones(257, device=DEVICE), torch.ones(3, 4, device=DEVICE).half(),
+            torch.ones(5, 2, device=DEVICE)]
+    everything = srcs + dsts + adds
+    before = clones(everything)
+    for start in (0.0, 0.5):
+        f = found(start)
+        with pytest.raises(ValueError, match=r"tensor 2 has shape \(5, 2\) but dsts\[2\]"):
+            check_unscale(srcs, scale_tensor(4.0), f, dsts=dsts, adds=adds)
+        with pytest.raises(ValueError, match=r"tensor 2 has shape \(5, 2\) but dsts\[2\]"):
+            check_unscale(srcs, scale_tensor(4.0), f, dsts=dsts, write=False)
+        assert_bitwise(f, found(start), "found_inf after a refused call")
+    for i, (t, o) in enumerate(zip(everything, before)):
+        assert_bitwise(t, o, f"tensor {i} after a refused call")
+    assert launches.grids == []
+
+
+# ------------------------------------------------------------------------- layouts
+
+def _layout_variants(x):
+    """``x`` (2-d) as contiguous, column-major and expanded (the values of x[0] in every
+    row) tensors; the expected values of each as a contiguous tensor."""
+    cm = x.t().contiguous().t()
+    assert not cm.is_contiguous() and torch.equal(cm, x)
+    expanded = x[:1].expand(x.shape)
+    assert expanded.stride()[0] == 0
+    return {"contiguous": (x, x), "column_major": (cm, x),
+            "expanded": (expanded, expanded.contiguous())}
+
+
+@pytest.mark.parametrize("layout", ["column_major", "expanded"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gradients_in_other_layouts_check_and_unscale_like_contiguous(layout, dtype):
+    """Column-major and expanded gradients: the check (write=False), the unscale into
+    fp32 masters (with and without an addend) and the cast copy equal the contiguous
+    case bit for bit; the gradients stay untouched."""
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(6, 700, generator=gen) * 1000).to(dtype).to(DEVICE)
+    for special in (False, True):
+        if special:
+            x[0, 3] = math.inf  # row 0: in every row of the expanded tensor too
+        g, dense = _layout_variants(x)[layout]
+        g_before = g.clone()
+        scale_t = scale_tensor(3.0)
+        f, f_dense = found(), found()
+        check_unscale([g], scale_t, f, write=False)
+        check_unscale([dense.clone()], scale_t, f_dense, write=False)
+        assert f.item() == f_dense.item() == float(special)
+        for adds in (None, [torch.randn(6, 700, generator=gen).to(DEVICE)]):
+            out = torch.full((6, 700), 9.0, device=DEVICE)
+            out_dense = out.clone()
+            f, f_dense = found(), found()
+            check_unscale([g], scale_t, f, dsts=[out], adds=adds)
+            check_unscale([dense], scale_t, f_dense, dsts=[out_dense], adds=adds)
+            assert_bitwise(out, out_dense, f"{layout} {dtype} -> fp32, adds={adds is not None}")
+            assert f.item() == f_dense.item() == float(special)
+        half = torch.empty(6, 700, dtype=torch.float16, device=DEVICE)
+        half_dense = half.clone()
+        check_unscale([g], None, None, dsts=[half])
+        check_unscale([dense], None, None, dsts=[half_dense])
+        assert_bitwise(half, half_dense, f"{layout} {dtype} cast copy")
+        assert_bitwise(g, g_before, "the gradient itself")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_column_major_in_place_unscale_like_contiguous(dtype):
+    """In place, a column-major (dense) gradient is its own anchor: swept as it lies."""
+    gen = torch.Generator().manual_seed(6)
+    x = (torch.randn(9, 500, generator=gen) * 1000).to(dtype).to(DEVICE)
+    cm, _ = _layout_variants(x)["column_major"]
+    contiguous = x.clone()
+    cm[8, 499] = contiguous[8, 499] = math.nan
+    f, f_c = found(), found()
+    check_unscale([cm], scale_tensor(2.0 ** 10), f)
+    check_unscale([contiguous], scale_tensor(2.0 ** 10), f_c)
+    assert cm.stride() == (1, 9)
+    assert_bitwise(cm, contiguous, "column-major in place")
+    assert f.item() == f_c.item() == 1.0
+
+
+def test_in_place_unscale_of_a_strided_view_is_copied_back():
+    """A strided view (not dense, no overlap) unscaled in place goes through a dense copy
+    and the result is copied back; the elements between its own stay untouched."""
+    buf = (torch.randn(6, 40, generator=torch.Generator().manual_seed(8)) * 64).to(DEVICE)
+    before = buf.clone()
+    view = buf[:, 1::3]
+    f = found()
+    check_unscale([view], scale_tensor(4.0), f)
+    expected = before.clone()
+    check_unscale_ref([expected[:, 1::3]], scale_tensor(4.0), found())
+    assert_bitwise(buf, expected, "buffer after an in-place unscale of a strided view")
+    assert f.item() == 0.0
+    # accumulate in place into it (the addend is the view itself, read before it is written)
+    check_unscale([view], None, None, dsts=[view], adds=[view])
+    expected[:, 1::3] *= 2
+    assert_bitwise(buf, expected, "buffer after view += view")
+
+
+def test_channels_last_destination_with_a_contiguous_source():
+    """The destination is the anchor: a contiguous half gradient is read through a dense
+    copy in the channels-last master gradient's layout."""
+    gen = torch.Generator().manual_seed(9)
+    g = (torch.randn(4, 3, 5, 5, generator=gen) * 512).half().to(DEVICE)
+    g[1, 2, 3, 4] = math.inf
+    dst = torch.full((4, 3, 5, 5), 7.0, device=DEVICE).to(memory_format=torch.channels_last)
+    add = torch.randn(4, 3, 5, 5, generator=gen).to(DEVICE)          # contiguous too
+    expected = torch.empty(4, 3, 5, 5, device=DEVICE)
+    f, f_ref = found(), found()
+    check_unscale([g], scale_tensor(512.0), f, dsts=[dst], adds=[add])
+    check_unscale_ref([g], scale_tensor(512.0), f_ref, dsts=[expected], adds=[add])
+    assert dst.is_contiguous(memory_format=torch.channels_last)
+    assert_bitwise(dst, expected, "channels-last destination")
+    assert f.item() == f_ref.item() == 1.0
+    # and the other way round: a channels-last source into a contiguous destination
+    out = torch.empty(4, 3, 5, 5, device=DEVICE)
+    check_unscale([dst], None, None, dsts=[out])
+    assert_bitwise(out, expected, "channels-last source, contiguous destination")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_aligned_and_unaligned_groups_agree(dtype):
+    """The vectorised path (every address 16-byte aligned, every numel a multiple of the
+    vector width: VEC > 1) and the masked path (VEC = 1: the same values one element
+    into their buffers) give the same results bit for bit, in place, into fp32
+    destinations and check-only."""
+    gen = torch.Generator().manual_seed(10)
+    numels = (8, 4096, 64, 4104)
+    srcs = [(torch.randn(n, generator=gen) * 100).to(dtype).to(DEVICE) for n in numels]
+    srcs[3][4100] = math.inf
+
+    def shifted(t):
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=DEVICE)
+        buf[1:].copy_(t)
+        return buf[1:]
+
+    vec = 16 // torch.empty(0, dtype=dtype).element_size()
+    scale_t = scale_tensor(3.0)
+    results = []
+    for move in (lambda t: t.clone(), shifted):
+        ins = [move(s) for s in srcs]
+        outs = [move(torch.zeros(n, device=DEVICE)) for n in numels]
+        adds = [move(torch.randn(n, generator=torch.Generator().manual_seed(n)).to(DEVICE))
+                for n in numels]
+        preps = [cu_mod.check_unscale_prepare(ins, write=False),
+                 cu_mod.check_unscale_prepare(ins, dsts=outs, adds=adds),
+                 cu_mod.check_unscale_prepare(ins)]
+        # the narrowest dtype of a group sets its vector width (fp16 -> fp32: 8)
+        expected_vec = [vec] * 3 if move is not shifted else [1] * 3
+        assert [[g.constexprs["VEC"] for g in p.prepared.groups] for p in preps] == \
+            [[v] for v in expected_vec]
+        flags = [found(), found(), found()]
+        for p, f in zip(preps, flags):
+            cu_mod.check_unscale_launch(p, scale=scale_t, found_inf=f)
+        results.append((ins, outs, [f.item() for f in flags]))
+    (ins_a, outs_a, flags_a), (ins_u, outs_u, flags_u) = results
+    for i in range(len(numels)):
+        assert_bitwise(outs_a[i], outs_u[i], f"dst {i}, aligned vs unaligned")
+        assert_bitwise(ins_a[i], ins_u[i], f"in place {i}, aligned vs unaligned")
+    assert flags_a == flags_u == [1.0, 1.0, 1.0]
 
 
 def test_contiguous_views_with_an_offset():
@@ -490,27 +677,31 @@ def test_contiguous_views_with_an_offset():
 
 # --------------------------------------------------------------- plans and launches
 
-def test_plan_is_cached_and_reused():
-    mt.clear_plans()
+def test_prepared_sweep_is_reused_and_reads_current_values(launches):
+    """A prepared sweep launches again without rebuilding anything (same tables), and a
+    source read through a dense copy (column-major against a contiguous destination) is
+    copied again at every launch: the second launch sees the new values."""
     gen = torch.Generator().manual_seed(0)
-    srcs = [torch.randn(257, generator=gen).half(), torch.randn(1000, generator=gen),
-            (torch.randn(4097, generator=gen) * 100).half()]
-    srcs = [s.to(DEVICE) for s in srcs]
-    originals = clones(srcs)
+    srcs = [torch.randn(257, generator=gen).half().to(DEVICE),
+            torch.randn(40, 25, generator=gen).t().to(DEVICE),      # column-major
+            (torch.randn(4097, generator=gen) * 100).half().to(DEVICE)]
+    dsts = [torch.empty(s.shape, device=DEVICE) for s in srcs]
+    prepared = cu_mod.check_unscale_prepare(srcs, dsts=dsts)
+    tables = [(g.meta, g.blocks) for g in prepared.prepared.groups]
+    assert len(tables) == 2  # one per dtype group
     scale_t = scale_tensor(3.0)
-
-    check_unscale(srcs, scale_t, found())
-    assert len(mt._plans) == 2  # one plan per dtype group
-    plans = list(mt._plans.values())
-    first = clones(srcs)
-
-    for s, o in zip(srcs, originals):
-        s.copy_(o)
-    check_unscale(srcs, scale_t, found())
-    assert len(mt._plans) == 2
-    assert all(a is b for a, b in zip(plans, mt._plans.values())), "plan rebuilt for the same tensors"
-    for i, (s, r) in enumerate(zip(srcs, first)):
-        assert_bitwise(s, r, f"tensor {i}, second call with the cached plan")
+    for step in range(3):
+        for s in srcs:
+            s.mul_(-2.0)
+        f = found()
+        cu_mod.check_unscale_launch(prepared, scale=scale_t, found_inf=f)
+        expected = [torch.empty_like(d) for d in dsts]
+        check_unscale_ref(srcs, scale_t, found(), dsts=expected)
+        for i, (d, e) in enumerate(zip(dsts, expected)):
+            assert_bitwise(d, e, f"dst {i}, launch {step}")
+        assert f.item() == 0.0
+    assert [(g.meta, g.blocks) for g in prepared.prepared.groups] == tables
+    assert len(launches.grids) == 3 * 2
 
 
 def test_same_address_new_size_gets_a_new_plan():
@@ -576,6 +767,33 @@ def test_cpu_without_interpreter_runs_the_reference(monkeypatch, launches):
     assert len(calls) == 1 and launches.grids == []
     assert_bitwise(x, torch.tensor([1.0, -3.0, math.inf, 0.75]), "reference path")
     assert f.item() == 1.0
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the reference path runs CPU tensors")
+def test_reference_path_validates_and_handles_layouts_the_same(monkeypatch, launches):
+    """Without the interpreter the torch reference runs, after the same validation: the
+    overlapping in-place unscale is refused there too; other layouts give the kernel's
+    results."""
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(5, 40, generator=gen) * 100).half()
+    cm = x.t().contiguous().t()
+    expanded = x[:1].expand(5, 40)
+    kernel_out = [torch.empty(5, 40) for _ in range(2)]
+    f_kernel = found()
+    check_unscale([cm, expanded], scale_tensor(3.0), f_kernel, dsts=kernel_out)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not K.use_triton(x)
+    ref_out = [torch.empty(5, 40) for _ in range(2)]
+    f_ref = found()
+    check_unscale([cm, expanded], scale_tensor(3.0), f_ref, dsts=ref_out)
+    for i, (k, r) in enumerate(zip(kernel_out, ref_out)):
+        assert_bitwise(k, r, f"dst {i}: kernel vs reference path")
+    assert f_kernel.item() == f_ref.item() == 0.0
+    before = expanded.clone()
+    with pytest.raises(ValueError, match=r"srcs\[0\] of shape \(5, 40\) has strides \(0, 1\)"):
+        check_unscale([expanded], scale_tensor(3.0), f_ref)
+    assert_bitwise(expanded, before, "expanded gradient after a refused call")
+    assert len(launches.grids) == 1  # the kernel-path call only
 
 
 def test_kernel_path_does_not_call_the_reference(monkeypatch, launches):
