@@ -148,7 +148,7 @@ def _validate(sweep, lists):
     if n == 0:
         return 0
     device = params[0].device
-    writeback = []
+    writeback, staged = [], []
     for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
             raise _err(sweep, TypeError, f"{anchor.name}[{i}] is a {type(p).__name__}, expected "
@@ -204,6 +204,7 @@ def _validate(sweep, lists):
                                "overlaps itself or is not dense, and this sweep writes it; pass a "
                                "dense tensor (.contiguous())")
                 dense = restride_like(t, p)
+                staged.append((t, dense))
                 if c.written:
                     writeback.append((t, dense))
                 col[i] = dense
@@ -214,6 +215,7 @@ def _validate(sweep, lists):
                        "tritamp's optimizers re-stride their state when it is created or "
                        "loaded; elsewhere use torch.empty_like(param) and copy into it")
     lists["_writeback"] = writeback
+    lists["_staged"] = staged
     return n
 
 
@@ -278,15 +280,20 @@ class GroupPlan:
 class Prepared:
     """A validated sweep, grouped and planned: launch it any number of times.
 
-    ``lists`` holds the validated lists (gradients that needed it replaced by dense
-    copies): the reference path runs on them. ``groups`` is empty on a device where the
-    kernels do not run (the torch reference handles it)."""
-    __slots__ = ("sweep", "lists", "n", "groups", "writeback", "triton", "device")
+    ``lists`` holds the validated lists (the reference path runs on them). A gradient
+    that was laid out unlike its parameter is swept through a dense copy in the
+    parameter's layout: every launch (and every read of ``lists``) first refreshes that
+    copy from the gradient, so a prepared sweep kept across steps never reads a stale
+    value, and a sweep that writes the gradient copies the result back after the launch.
+    ``groups`` is empty on a device where the kernels do not run (the torch reference
+    handles it)."""
+    __slots__ = ("sweep", "_lists", "n", "groups", "writeback", "staged", "triton", "device")
 
     def __init__(self, sweep, lists, n, block_settings=None):
         self.sweep = sweep
         self.writeback = lists.pop("_writeback", [])
-        self.lists = lists
+        self.staged = lists.pop("_staged", [])
+        self._lists = lists
         self.n = n
         self.groups = []
         self.device = None
@@ -315,13 +322,26 @@ class Prepared:
         self.groups = [GroupPlan(sweep, lists, rows, self.device, block, warps, emulate)
                        for rows in groups.values()]
 
+    def stage(self):
+        """Refresh the dense copies of gradients laid out unlike their parameters."""
+        for original, dense in self.staged:
+            dense.copy_(original)
+
+    @property
+    def lists(self):
+        """The validated lists, dense copies refreshed (what the reference path reads)."""
+        self.stage()
+        return self._lists
+
     def launch(self, kernel, args, constexprs=None, grid_extra=()):
         """Launch ``kernel`` once per group as
         ``kernel[(n_blocks, *grid_extra)](meta, blocks, counters, *protos, *args, **cx)``."""
+        self.stage()
         for g in self.groups:
             cx = g.constexprs if constexprs is None else {**g.constexprs, **constexprs}
             kernel[(g.n_blocks,) + tuple(grid_extra)](
                 g.meta, g.blocks, g.counters, *g.protos, *args, num_warps=g.warps, **cx)
+        self.finish()
 
     def finish(self):
         """Copy results back into gradients that were swept through dense copies."""

@@ -202,6 +202,7 @@ def launch_groups(prepared, kernel, group_args, args, constexprs):
     """:meth:`Prepared.launch` with per-group leading arguments: group ``k`` gets
     ``kernel[(n_blocks,)](meta, blocks, counters, *protos, *group_args[k], *args, **cx)``
     (each group writes its own slice of a shared partials or results buffer)."""
+    prepared.stage()
     for g, extra in zip(prepared.groups, group_args):
         kernel[(g.n_blocks,)](g.meta, g.blocks, g.counters, *g.protos, *extra, *args,
                               num_warps=g.warps, **{**g.constexprs, **constexprs})
@@ -212,13 +213,16 @@ class L2NormPrepared:
 
     ``partials`` is allocated once and zeroed once: the padding between groups is never
     written, so the total (program 0 of the segment stage) can sum the whole buffer."""
-    __slots__ = ("prepared", "n", "lists", "triton", "device", "partials", "group_partials",
+    __slots__ = ("prepared", "n", "triton", "device", "partials", "group_partials",
                  "segments")
+
+    @property
+    def lists(self):
+        return self.prepared.lists
 
     def __init__(self, prepared):
         self.prepared = prepared
         self.n = prepared.n
-        self.lists = prepared.lists
         self.triton = prepared.triton
         self.device = prepared.device
         self.partials = self.group_partials = self.segments = None
@@ -235,12 +239,17 @@ class L2NormPrepared:
 
 def multi_tensor_l2norm_prepare(tensors):
     """Validate and plan the norm of ``tensors`` (one device; fp32/fp16/bf16/fp64; any
-    layout: a tensor that is not dense is read through a contiguous copy, taken now).
-    Keep the result while the tensors stay the same (a copy taken here would not see
-    later writes to a strided view)."""
-    tensors = [t if not isinstance(t, torch.Tensor) or _dense(t) else t.contiguous()
-               for t in tensors]
-    return L2NormPrepared(L2NORM.prepare(dict(tensors=tensors)))
+    layout: a tensor that is not dense is read through a contiguous copy, refreshed at
+    every launch). Keep the result while the tensors stay the same."""
+    tensors = list(tensors)
+    staged = []
+    for i, t in enumerate(tensors):
+        if isinstance(t, torch.Tensor) and not _dense(t):
+            tensors[i] = t.contiguous()
+            staged.append((t, tensors[i]))
+    prepared = L2NORM.prepare(dict(tensors=tensors))
+    prepared.staged.extend(staged)  # refreshed at every launch: a kept plan reads today's values
+    return L2NormPrepared(prepared)
 
 
 @torch.no_grad()

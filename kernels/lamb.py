@@ -205,16 +205,20 @@ def _lamb_apply_kernel(
 class LambPrepared:
     """A prepared ``LAMB`` sweep and what its three stages share, built once: the
     per-group slices of the partials and norms buffers and the segment table."""
-    __slots__ = ("prepared", "n", "lists", "triton", "device", "partials", "norms",
+    __slots__ = ("prepared", "n", "triton", "device", "partials", "norms",
                  "segments", "moments_args", "apply_args", "empty_steps")
+
+    @property
+    def lists(self):
+        """The validated lists, dense copies refreshed (what the reference path reads)."""
+        return self.prepared.lists
 
     def __init__(self, prepared):
         self.prepared = prepared
         self.n = prepared.n
-        self.lists = prepared.lists
         self.triton = prepared.triton
         self.device = prepared.device
-        self.empty_steps = [s for p, s in zip(self.lists["params"], self.lists["steps"])
+        self.empty_steps = [s for p, s in zip(prepared.lists["params"], prepared.lists["steps"])
                             if p.numel() == 0] if self.triton else []
         self.partials = self.norms = self.segments = None
         self.moments_args = self.apply_args = ()

@@ -209,16 +209,20 @@ class NovoGradPrepared:
     """A prepared ``NOVOGRAD`` sweep and what its three stages share, built once: the
     per-group slices of the partials buffer and the blend stage's table (per non-empty
     tensor: its run of partials, the addresses of its v and step)."""
-    __slots__ = ("prepared", "n", "lists", "triton", "device", "partials", "tensors",
+    __slots__ = ("prepared", "n", "triton", "device", "partials", "tensors",
                  "n_tensors", "norm_args", "empty_steps")
+
+    @property
+    def lists(self):
+        """The validated lists, dense copies refreshed (what the reference path reads)."""
+        return self.prepared.lists
 
     def __init__(self, prepared):
         self.prepared = prepared
         self.n = prepared.n
-        self.lists = prepared.lists
         self.triton = prepared.triton
         self.device = prepared.device
-        self.empty_steps = [s for p, s in zip(self.lists["params"], self.lists["steps"])
+        self.empty_steps = [s for p, s in zip(prepared.lists["params"], prepared.lists["steps"])
                             if p.numel() == 0] if self.triton else []
         self.partials = self.tensors = None
         self.n_tensors = 0

@@ -204,8 +204,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         parameter's), the targets' addresses and the optimizer's generation."""
         links = self._group_links(gi, group)
         grads = self._group_grads(links, grad_scale)
-        key = (tuple([0 if g is None else g.data_ptr() for g in grads]),
-               tuple([None if g is None else g.stride() for g in grads]),
+        try:
+            ptrs = tuple([0 if g is None else g.data_ptr() for g in grads])
+            strides = tuple([None if g is None else g.stride() for g in grads])
+        except RuntimeError:  # a sparse gradient has no data_ptr or strides
+            if any(g is not None and g.is_sparse for g in grads):
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients, "
+                                   "please consider SparseAdam instead") from None
+            raise
+        key = (ptrs, strides,
                tuple([t.data_ptr() for t in links[1]]), getattr(self, "_generation", 0),
                self._plan_depends_on(group))
         cache = self._plans.get(gi)
@@ -217,10 +224,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         rows = [i for i, g in enumerate(grads) if g is not None]
         if not rows:
             return cache.put(key, None)
-        for i in rows:
-            if grads[i].is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients, "
-                                   "please consider SparseAdam instead")
         params, targets, copies, _, _ = links
         rows_targets = [targets[i] for i in rows]
         fresh = [params[i] for i in rows if not self.state.get(params[i])]

@@ -1,7 +1,7 @@
 """FusedLAMB: Apex's signature and defaults, a few Triton launches per dtype group."""
 
-from tritamp.kernels.l2norm import multi_tensor_l2norm
-from tritamp.kernels.lamb import lamb_step
+from tritamp.kernels.l2norm import multi_tensor_l2norm_launch, multi_tensor_l2norm_prepare
+from tritamp.kernels.lamb import lamb_launch, lamb_prepare
 
 from ._base import FusedOptimizer
 
@@ -47,25 +47,31 @@ class FusedLAMB(FusedOptimizer):
     _STATE_SCALARS = ("step",)
 
     def _prepare(self, group, targets, grads, copies, states):
-        return (targets, grads, copies, [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states], [s["step"] for s in states])
+        prepared = lamb_prepare(targets, grads, [s["exp_avg"] for s in states],
+                                [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
+                                copies)
+        return prepared, list(grads)
 
     def _before_groups(self, plans, grad_scale):
-        grads = [g for prep in plans if prep is not None for g in prep[1]]
         max_grad_norm = self.defaults["max_grad_norm"]
-        if not (grads and max_grad_norm):
+        live = [plan for plan in plans if plan is not None]
+        if not (live and max_grad_norm):
             return dict(global_norm=None)
-        # One norm over every gradient of every group, of the unscaled gradients.
-        return dict(global_norm=multi_tensor_l2norm(grads, scale=grad_scale)[0])
+        # One norm over every gradient of every group, of the unscaled gradients; planned
+        # once while every group keeps its plan.
+        cached = getattr(self, "_norm_plan", None)
+        if cached is None or len(cached[0]) != len(live) \
+                or any(a is not b for a, b in zip(cached[0], live)):
+            grads = [g for _, group_grads in live for g in group_grads]
+            cached = self._norm_plan = (live, multi_tensor_l2norm_prepare(grads))
+        return dict(global_norm=multi_tensor_l2norm_launch(cached[1], scale=grad_scale)[0])
 
     def _launch(self, group, prepared, grad_scale, found_inf, global_norm=None):
-        targets, grads, copies, exp_avgs, exp_avg_sqs, steps = prepared
         beta1, beta2 = group["betas"]
-        lamb_step(targets, grads, exp_avgs, exp_avg_sqs, steps, copies,
-                  lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                  weight_decay=group["weight_decay"], adam_w_mode=bool(self.adam_w_mode),
-                  grad_averaging=bool(group["grad_averaging"]),
-                  bias_correction=bool(group["bias_correction"]),
-                  use_nvlamb=bool(self.use_nvlamb), global_grad_norm=global_norm,
-                  max_grad_norm=self.defaults["max_grad_norm"] or 0.0,
-                  grad_scale=grad_scale, found_inf=found_inf)
+        lamb_launch(prepared[0], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                    weight_decay=group["weight_decay"], adam_w_mode=bool(self.adam_w_mode),
+                    grad_averaging=bool(group["grad_averaging"]),
+                    bias_correction=bool(group["bias_correction"]),
+                    use_nvlamb=bool(self.use_nvlamb), global_grad_norm=global_norm,
+                    max_grad_norm=self.defaults["max_grad_norm"] or 0.0,
+                    grad_scale=grad_scale, found_inf=found_inf)

@@ -1,5 +1,5 @@
 """FusedNovoGrad: Apex's signature and defaults, three Triton launches per dtype group."""
-from tritamp.kernels.novograd import novograd_step
+from tritamp.kernels.novograd import novograd_launch, novograd_prepare
 
 from ._base import FusedOptimizer
 
@@ -46,20 +46,16 @@ class FusedNovoGrad(FusedOptimizer):
     _STATE_SCALARS = ("step", "exp_avg_sq")  # NovoGrad's second moment is one per tensor
 
     def _prepare(self, group, targets, grads, copies, states):
-        return (targets, grads, copies, [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states], [s["step"] for s in states])
+        return novograd_prepare(targets, grads, [s["exp_avg"] for s in states],
+                                [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
+                                copies)
 
     def _launch(self, group, prepared, grad_scale, found_inf):
-        if group["norm_type"] not in (0, 2):
-            raise ValueError(f"Invalid norm_type: {group['norm_type']}; FusedNovoGrad "
-                             "supports 2 (L2 norm) and 0 (infinity norm)")
-        targets, grads, copies, exp_avgs, exp_avg_sqs, steps = prepared
         beta1, beta2 = group["betas"]
-        novograd_step(targets, grads, exp_avgs, exp_avg_sqs, steps, copies,
-                      lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                      weight_decay=group["weight_decay"],
-                      reg_inside_moment=self.moment_mode == 0,
-                      grad_averaging=bool(group["grad_averaging"]),
-                      norm_type=group["norm_type"], init_zero=bool(group["init_zero"]),
-                      bias_correction=bool(group["bias_correction"]),
-                      grad_scale=grad_scale, found_inf=found_inf)
+        novograd_launch(prepared, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                        weight_decay=group["weight_decay"],
+                        reg_inside_moment=self.moment_mode == 0,
+                        grad_averaging=bool(group["grad_averaging"]),
+                        norm_type=group["norm_type"], init_zero=bool(group["init_zero"]),
+                        bias_correction=bool(group["bias_correction"]),
+                        grad_scale=grad_scale, found_inf=found_inf)
