@@ -103,7 +103,7 @@ def _prepare(op, inputs, outs_name, outs):
     prepared = AXPBY.prepare(cols)
     lists = {name: col for name, col in inputs}
     lists[outs_name] = outs
-    return LayoutPrepared(prepared, lists, layouts, dict(op=op))
+    return LayoutPrepared(prepared, lists, layouts, dict(op=op, has_y=len(inputs) > 1))
 
 
 def _check_flag(op, noop_flag, device):
@@ -126,7 +126,7 @@ def _launch(prepared, a, b, noop_flag, check_x, check_y):
     if not prepared.triton:
         return False
     anchor = prepared.anchor
-    has_y = prepared.prepared.lists.get("ys") is not None
+    has_y = prepared.options["has_y"]
     check_x = check_x and noop_flag is not None
     check_y = check_y and noop_flag is not None and has_y
     prepared.launch(_axpby_sweep_kernel, (
