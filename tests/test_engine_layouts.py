@@ -152,3 +152,24 @@ def test_plans_are_kept_while_the_tensors_stay_and_rebuilt_when_they_change(name
     ps[0].grad = torch.randn(8, 4).t()  # other strides: a new plan
     opt.step()
     assert cache.builds == 2
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_kept_plan_reads_this_steps_values_of_an_odd_layout_gradient(name):
+    # The same column-major gradient tensor, rewritten in place between steps: the plan is
+    # kept (same address and strides), and its dense copy must be refreshed every launch.
+    make = OPTIMIZERS[name]
+    torch.manual_seed(4)
+    w = torch.randn(6, 10)
+    ref, odd = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+    opt_ref, opt_odd = make([ref]), make([odd])
+    strange = torch.empty(10, 6).t()
+    odd.grad = strange
+    for _ in range(3):
+        g = torch.randn(6, 10)
+        strange.copy_(g)
+        ref.grad = g
+        opt_ref.step()
+        opt_odd.step()
+        _close(odd.detach(), ref.detach())
+    assert opt_odd._plans[0].builds == 1
