@@ -349,6 +349,55 @@ class Prepared:
             original.copy_(dense)
 
 
+_data_ptr = torch.Tensor.data_ptr
+_stride = torch.Tensor.stride
+
+
+def layout_key(tensors):
+    """(addresses, strides) of ``tensors`` (None entries allowed): the cheap key under
+    which a caller keeps a prepared sweep. For a ``.grad``, torch itself keeps dtype,
+    shape and device equal to its parameter's, so these two say what can change."""
+    try:
+        return tuple(map(_data_ptr, tensors)), tuple(map(_stride, tensors))
+    except TypeError:  # a None among them
+        return (tuple([0 if t is None else t.data_ptr() for t in tensors]),
+                tuple([None if t is None else t.stride() for t in tensors]))
+
+
+def borrowed(tensors):
+    """Tensors that alias ``tensors``' memory without keeping it alive (None stays None).
+
+    What a caller gives :meth:`Sweep.prepare` for gradients when it keeps the prepared
+    sweep across steps: holding the gradients themselves would keep each step's
+    gradients allocated after ``zero_grad(set_to_none=True)``, so the next backward's
+    would land elsewhere and every step would miss the cache (and hold two sets of
+    gradients). A borrowed tensor is only read through while the caller's key (addresses
+    and strides) says the memory is the current gradient's; the same tensor object is
+    borrowed once, so identity between lists is kept."""
+    made = {}
+    out = []
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        alias = made.get(id(t))
+        if alias is None:
+            alias = made[id(t)] = _borrow(t)
+        out.append(alias)
+    return out
+
+
+def _borrow(t):
+    construct = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+    if construct is None or t.is_sparse:
+        return t  # no non-owning storage in this torch: hold it (correct, uses memory)
+    storage = t.untyped_storage()
+    alias = torch.empty(0, dtype=t.dtype, device=t.device)
+    alias.set_(construct(storage.data_ptr(), t.device, storage.nbytes()), t.storage_offset(),
+               t.shape, t.stride())
+    return alias
+
+
 class SweepCache:
     """What a caller keeps between steps: the key its tensors had and the prepared sweep.
 

@@ -173,3 +173,36 @@ def test_a_kept_plan_reads_this_steps_values_of_an_odd_layout_gradient(name):
         opt_odd.step()
         _close(odd.detach(), ref.detach())
     assert opt_odd._plans[0].builds == 1
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_kept_plan_does_not_keep_gradients_alive(name):
+    # After zero_grad(set_to_none=True) the gradients must be freed, so the next
+    # backward's land where they were (the plan is kept) and no second set stays allocated.
+    import weakref
+    make = OPTIMIZERS[name]
+    p = torch.nn.Parameter(torch.randn(8, 8))
+    opt = make([p])
+    g = torch.randn(8, 8).t()  # an odd layout too: its dense copy must not hold it either
+    p.grad = g
+    opt.step()
+    gone = weakref.ref(g)
+    del g
+    opt.zero_grad(set_to_none=True)
+    assert gone() is None
+
+
+def test_amp_kept_sweeps_do_not_keep_gradients_alive():
+    import weakref
+    from tritamp import amp
+    model = torch.nn.Linear(8, 8)
+    model, opt = amp.initialize(model, FusedAdam(model.parameters(), lr=1e-3),
+                                opt_level="O2", half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    loss = model(torch.randn(2, 8)).float().sum()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    gone = [weakref.ref(p.grad) for p in model.parameters()]
+    opt.zero_grad()
+    assert all(r() is None for r in gone)

@@ -10,12 +10,18 @@ Per optimizer a small state machine, kept in ``optimizer._amp_stash``:
 ``delay_unscale=True`` adds SCALED (gradients accumulate scaled; step() refuses) until a
 later ``scale_loss`` with ``delay_unscale=False`` unscales them.
 """
+import functools
+import operator
 import types
 
 import torch
 
 from tritamp import kernels as K
-from tritamp.kernels._multi_tensor import SweepCache
+from tritamp.kernels._multi_tensor import SweepCache, borrowed, layout_key
+
+_grad_of = operator.attrgetter("grad")
+_is_none = functools.partial(operator.is_, None)
+_is_not_none = functools.partial(operator.is_not, None)
 
 from ._model import MASTER_ATTR, MODEL_ATTR
 from ._state import logger
@@ -45,16 +51,19 @@ class AmpStash:
         addresses and strides (the steady state of a training loop rebuilds nothing)."""
         if not srcs:
             return
-        key = (tuple([g.data_ptr() for g in srcs]), tuple([g.stride() for g in srcs]),
-               None if dsts is None else tuple([d.data_ptr() for d in dsts]),
-               None if adds is None else tuple([a.data_ptr() for a in adds]), write)
+        key = (layout_key(srcs), None if dsts is None else layout_key(dsts),
+               None if adds is None else layout_key(adds), write)
         cache = self._sweeps.get(purpose)
         if cache is None:
             cache = self._sweeps[purpose] = SweepCache()
         prepared = cache.get(key)
         if prepared is None:
-            prepared = cache.put(key, K.check_unscale_prepare(srcs, dsts=dsts, adds=adds,
-                                                              write=write))
+            # Borrowed tensors: the kept sweep must not keep this step's gradients alive.
+            lent = borrowed(list(srcs) + list(dsts or ()) + list(adds or ()))
+            n, m = len(srcs), len(dsts or ())
+            prepared = cache.put(key, K.check_unscale_prepare(
+                lent[:n], dsts=None if dsts is None else lent[n:n + m],
+                adds=None if adds is None else lent[n + m:], write=write))
         K.check_unscale_launch(prepared, scale=scale, found_inf=found)
 
     # -- parameters -----------------------------------------------------------------
@@ -136,6 +145,19 @@ class AmpStash:
 
     def post_backward(self, scaler):
         """Check (and unscale) this backward's gradients; record what step() needs."""
+        if (self.found_inf is None and self.supports_amp_scaling
+                and (not self.masters or self.writes_model_copies)
+                and not any(map(_is_not_none, self.plain_stash))
+                and not any(map(_is_not_none, map(_grad_of, self.masters)))):
+            # The steady state of a fused step: every gradient is this backward's own.
+            # Check them read-only; the step unscales them as it reads them.
+            grads = list(map(_grad_of, self.model_params))
+            grads.extend(map(_grad_of, self.plain_params))
+            if any(map(_is_none, grads)):
+                grads = [g for g in grads if g is not None]
+            self._check_unscale("check", grads, None, scaler.found_inf, write=False)
+            self._pending(scaler, scaler.used_scale)
+            return
         master_fresh = []  # (index, half gradient) of masters without a gradient yet
         acc = []  # (gradient, destination, addend): a second loss into the same step
         for i, (p, m) in enumerate(zip(self.model_params, self.masters)):
@@ -178,12 +200,17 @@ class AmpStash:
             self._check_unscale("accumulate", list(acc_srcs), scale, found,
                                 dsts=list(acc_dsts), adds=list(acc_adds))
         if self.found_inf is None:
-            self.found_inf = found
-            self.scaler = scaler
-            scaler._aliases.append(self)
-            self.grad_scale = scaler.used_scale if lazy else None
+            self._pending(scaler, scaler.used_scale if lazy else None)
         else:
             self.found_inf = torch.maximum(self.found_inf, found)
+
+    def _pending(self, scaler, grad_scale):
+        """PENDING: the step reads the scaler's overflow slot (and, for gradients left
+        scaled, the scale they carry) on the device."""
+        self.found_inf = scaler.found_inf
+        self.scaler = scaler
+        scaler._aliases.append(self)
+        self.grad_scale = grad_scale
 
     def merge_overflow(self, scaler):
         """After ``scaler``'s overflow slot was all-reduced: a flag that aliases the slot

@@ -16,12 +16,18 @@ The step reads ``self.grad_scale`` and ``self.found_inf`` (set by ``torch.amp.Gr
 or ``tritamp.amp``) on the device: unscaling is folded in, and on overflow nothing
 changes, step counts included, without a host sync.
 """
+import functools
+import operator
 from itertools import chain
 
 import torch
 
 from tritamp.amp._model import MODEL_ATTR
-from tritamp.kernels._multi_tensor import SweepCache, restride_like
+from tritamp.kernels._multi_tensor import SweepCache, borrowed, layout_key, restride_like
+
+_data_ptr = torch.Tensor.data_ptr
+_grad_of = operator.attrgetter("grad")
+_is_not_none = functools.partial(operator.is_not, None)
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -159,7 +165,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         (whose gradient the step reads while the master has none), else None."""
         cache = self._links_cache.get(gi)
         params = group["params"]
-        gen = getattr(self, "_generation", 0)
+        gen = self._generation
         if cache is not None and cache[0] is params and cache[1] == len(params) \
                 and cache[2] == gen:
             return cache[3]
@@ -188,10 +194,12 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _group_grads(self, links, grad_scale):
         params, _, _, models, model_rows = links
-        grads = [p.grad for p in params]
+        grads = list(map(_grad_of, params))
         if model_rows and grad_scale is not None:
             # amp left this step's half gradients scaled for us to read directly; without
             # a grad_scale they are stale, not this step's.
+            if len(model_rows) == len(params) and not any(map(_is_not_none, grads)):
+                return list(map(_grad_of, models))  # every parameter is a master (O2)
             for i in model_rows:
                 if grads[i] is None:
                     grads[i] = models[i].grad
@@ -205,15 +213,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         links = self._group_links(gi, group)
         grads = self._group_grads(links, grad_scale)
         try:
-            ptrs = tuple([0 if g is None else g.data_ptr() for g in grads])
-            strides = tuple([None if g is None else g.stride() for g in grads])
+            ptrs, strides = layout_key(grads)
         except RuntimeError:  # a sparse gradient has no data_ptr or strides
             if any(g is not None and g.is_sparse for g in grads):
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients, "
                                    "please consider SparseAdam instead") from None
             raise
-        key = (ptrs, strides,
-               tuple([t.data_ptr() for t in links[1]]), getattr(self, "_generation", 0),
+        key = (ptrs, strides, tuple(map(_data_ptr, links[1])), self._generation,
                self._plan_depends_on(group))
         cache = self._plans.get(gi)
         if cache is None:
@@ -229,7 +235,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         fresh = [params[i] for i in rows if not self.state.get(params[i])]
         try:
             states = [self._state_for(params[i], targets[i], group) for i in rows]
-            prepared = self._prepare(group, rows_targets, [grads[i] for i in rows],
+            # Borrowed gradients: the kept plan must not keep this step's gradients alive.
+            prepared = self._prepare(group, rows_targets, borrowed([grads[i] for i in rows]),
                                      [copies[i] for i in rows], states)
         except Exception:
             for p in fresh:  # a refused step leaves no state behind either
@@ -238,9 +245,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         return cache.put(key, prepared)
 
     def _group_links(self, gi, group):
-        if not hasattr(self, "_links_cache"):
+        if not hasattr(self, "_links_cache"):  # unpickled, or a subclass skipped __init__
             self._links_cache = {}
             self._plans = {}
+            self._generation = getattr(self, "_generation", 0)
         return self._links(gi, group)
 
     def _state_for(self, p, target, group):
