@@ -22,17 +22,25 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import elementwise_settings, use_triton
-from ._ref_utils import f32 as _f32, sqrt_rn as _sqrt_rn
-from ._multi_tensor import check_lists, dtype_groups, plan_columns
-from ._tl_utils import load_f32, load_grad, load_lr, store_param, sweep_block
-from ._ref_utils import advance_steps
+from ._dispatch import use_triton  # noqa: F401  (tests read the module's dispatch)
+from ._multi_tensor import Column, Sweep, scalar_arg
+from ._ref_utils import advance_steps, f32 as _f32, sqrt_rn as _sqrt_rn
+from ._tl_utils import (column, column_f32, finish_tensor_step, inv_scale, load_f32, load_grad,
+                        load_lr, scalar_ptr, store_param, sweep_block)
+
+ADAGRAD = Sweep("adagrad_step", [
+    Column("params", "param"), Column("grads", "grad"), Column("sums", "state"),
+    Column("copies", "copy", optional=True), Column("steps", "scalar", optional=True),
+])
+_P, _G, _H, _C, _S = (ADAGRAD.col(n) for n in ADAGRAD.names)
+_ROW = ADAGRAD.row_width
 
 
 @triton.jit
 def _adagrad_step_kernel(
-    meta_ptr,        # int64 [n_tensors, 5]: param, grad, sum, copy addresses; numel
+    meta_ptr,        # int64 [n_tensors, 6]: the ADAGRAD columns' addresses, then numel
     blocks_ptr,      # int32 [n_blocks, 2]: tensor index, block index within that tensor
+    counters_ptr,    # int32 [n_tensors]: programs done per tensor (step advance), zeroed
     p_proto,         # a param tensor: carries the parameter element type
     g_proto,         # a gradient tensor: carries the gradient element type
     c_proto,         # a copy tensor (or any tensor without copies): carries the copy type
@@ -44,18 +52,29 @@ def _adagrad_step_kernel(
     HAS_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
     ADAGRAD_W: tl.constexpr,       # decoupled weight decay (Apex's adagrad_w_mode)
-    HAS_COPY: tl.constexpr,
+    HAS_COPIES: tl.constexpr,
+    HAS_STEPS: tl.constexpr,       # per-tensor step counts, advanced here
+    VEC: tl.constexpr,             # > 1: every address 16-byte aligned, numel % VEC == 0
     EMULATE_BF16_ROUNDING: tl.constexpr,  # interpreter only: see _tl_utils
     BLOCK: tl.constexpr,
 ):
-    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, 4, HAS_FOUND_INF, BLOCK)
-    p_ptr = tl.load(row + 0).to(tl.pointer_type(p_proto.dtype.element_ty))
-    h_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-
-    g = load_grad(row, g_proto, offs, mask, scale_ptr, HAS_SCALE, EMULATE_BF16_ROUNDING)
-    p = load_f32(p_ptr + offs, mask, EMULATE_BF16_ROUNDING)
-    h = tl.load(h_ptr + offs, mask=mask, other=0.0)
+    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, _ROW,
+                                          HAS_FOUND_INF, VEC, BLOCK)
+    # Per-tensor scalars first: they are live across the element loads otherwise.
+    if HAS_STEPS:
+        step_ptr = scalar_ptr(row, _S)
+        step = tl.load(step_ptr)
+    inv = 1.0
+    if HAS_SCALE:
+        inv = inv_scale(scale_ptr)
     lr_v = load_lr(lr, LR_IS_TENSOR)
+
+    p_ptrs = column(row, _P, offs, p_proto, VEC)
+    h_ptrs = column_f32(row, _H, offs, VEC)
+    g = load_grad(column(row, _G, offs, g_proto, VEC), mask, inv, HAS_SCALE,
+                  EMULATE_BF16_ROUNDING)
+    p = load_f32(p_ptrs, mask, EMULATE_BF16_ROUNDING)
+    h = tl.load(h_ptrs, mask=mask, other=0.0)
     if ADAGRAD_W:
         h = h + g * g
         p = p - lr_v * (tl.div_rn(g, tl.sqrt_rn(h) + eps) + weight_decay * p)
@@ -63,18 +82,55 @@ def _adagrad_step_kernel(
         g = g + weight_decay * p
         h = h + g * g
         p = p - lr_v * tl.div_rn(g, tl.sqrt_rn(h) + eps)
-    store_param(row, p_ptr, p, offs, mask, c_proto, 3, HAS_COPY, EMULATE_BF16_ROUNDING)
-    tl.store(h_ptr + offs, h, mask=mask)
+    store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
+                EMULATE_BF16_ROUNDING)
+    tl.store(h_ptrs, h, mask=mask)
+    if HAS_STEPS:
+        finish_tensor_step(counters_ptr, tensor, row, step_ptr, step, found_inf_ptr, _ROW,
+                           HAS_FOUND_INF, BLOCK)
 
 
-def _check(params, grads, sums, copies, steps):
-    check_lists("adagrad_step", params, fp32=("sums",), grads=grads, sums=sums,
-                copies=copies, steps=steps)
-    for i in range(len(params)):
-        for name, other in (("grad", grads), ("sum", sums), ("copy", copies)):
-            if other is not None and other[i].shape != params[i].shape:
-                raise ValueError(f"adagrad_step: tensor {i} has shape {tuple(params[i].shape)} but "
-                                 f"its {name} has shape {tuple(other[i].shape)}")
+def adagrad_prepare(params, grads, sums, copies=None, steps=None):
+    """Validate and plan an Adagrad sweep over these lists (see _multi_tensor): keep the
+    result and pass it to :func:`adagrad_launch` while the tensors stay the same.
+    ``copies`` and ``steps`` are optional (None, or None per row)."""
+    return ADAGRAD.prepare(dict(params=params, grads=grads, sums=sums, copies=copies,
+                                steps=steps))
+
+
+def _empty_steps(prepared):
+    """Step counts of the empty tensors (no program runs for them), or []: they count
+    their steps too, as torch's do."""
+    steps = prepared.lists.get("steps")
+    if steps is None or sum(len(g.rows) for g in prepared.groups) == prepared.n:
+        return []
+    params = prepared.lists["params"]
+    return [s for p, s in zip(params, steps) if s is not None and p.numel() == 0]
+
+
+@torch.no_grad()
+def adagrad_launch(prepared, *, lr, eps, weight_decay=0.0, adagrad_w_mode=False,
+                   grad_scale=None, found_inf=None):
+    """One Adagrad step over a prepared sweep: one launch per dtype group."""
+    if prepared.n == 0:
+        return
+    if not prepared.triton:
+        adagrad_step_ref(**prepared.lists, lr=lr, eps=eps, weight_decay=weight_decay,
+                         adagrad_w_mode=adagrad_w_mode, grad_scale=grad_scale,
+                         found_inf=found_inf)
+        return
+    device = prepared.device
+    lr = scalar_arg(lr, "lr", device)
+    anchor = prepared.groups[0].meta if prepared.groups else None
+    prepared.launch(_adagrad_step_kernel, (
+        lr, float(eps), float(weight_decay),
+        grad_scale if grad_scale is not None else anchor,
+        found_inf if found_inf is not None else anchor), dict(
+        LR_IS_TENSOR=isinstance(lr, torch.Tensor), HAS_SCALE=grad_scale is not None,
+        HAS_FOUND_INF=found_inf is not None, ADAGRAD_W=bool(adagrad_w_mode)))
+    empty = _empty_steps(prepared)
+    if empty:
+        advance_steps(empty, found_inf)
 
 
 @torch.no_grad()
@@ -82,40 +138,13 @@ def adagrad_step(params, grads, sums, copies=None, *, lr, eps, weight_decay=0.0,
                  adagrad_w_mode=False, steps=None, grad_scale=None, found_inf=None):
     """One Adagrad step for lists of same-shaped tensors (see the module docstring).
 
-    ``sums`` are the fp32 sums of squared gradients; ``steps`` (optional) fp32 0-d tensors
-    advanced by one unless ``found_inf`` is non-zero; ``lr`` a float or an fp32 0-d
-    tensor. No host sync."""
-    params = list(params)
-    if not params:
-        return
-    grads, sums = list(grads), list(sums)
-    copies = None if copies is None else list(copies)
-    steps = None if steps is None else list(steps)
-    _check(params, grads, sums, copies, steps)
-    if not use_triton(params[0]):
-        adagrad_step_ref(params, grads, sums, copies, lr=lr, eps=eps, weight_decay=weight_decay,
-                         adagrad_w_mode=adagrad_w_mode, steps=steps, grad_scale=grad_scale,
-                         found_inf=found_inf)
-        return
-    groups = dtype_groups(params, grads, copies)
-    lr_is_tensor = isinstance(lr, torch.Tensor)
-    for (device, _, _, copy_dtype), idx in groups.items():
-        block, warps = elementwise_settings(device)
-        cols = [[params[i] for i in idx], [grads[i] for i in idx], [sums[i] for i in idx],
-                None if copy_dtype is None else [copies[i] for i in idx]]
-        pl = plan_columns(cols, block)
-        anchor = cols[0][0]
-        _adagrad_step_kernel[(pl.n_blocks,)](
-            pl.meta, pl.blocks, anchor, cols[1][0], cols[3][0] if cols[3] else anchor,
-            lr if lr_is_tensor else float(lr), float(eps), float(weight_decay),
-            grad_scale if grad_scale is not None else anchor,
-            found_inf if found_inf is not None else anchor,
-            LR_IS_TENSOR=lr_is_tensor, HAS_SCALE=grad_scale is not None,
-            HAS_FOUND_INF=found_inf is not None, ADAGRAD_W=bool(adagrad_w_mode),
-            HAS_COPY=copy_dtype is not None, EMULATE_BF16_ROUNDING=device.type != "cuda",
-            BLOCK=block, num_warps=warps)
-    if steps is not None:
-        advance_steps(steps, found_inf)
+    ``sums`` are the fp32 sums of squared gradients; ``steps`` (optional) fp32
+    one-element tensors advanced by one unless ``found_inf`` is non-zero; ``lr`` a float
+    or an fp32 one-element tensor; ``copies`` may hold None for parameters without a
+    copy. Bad lists raise before anything is written. No host sync."""
+    adagrad_launch(adagrad_prepare(params, grads, sums, copies, steps), lr=lr, eps=eps,
+                   weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode,
+                   grad_scale=grad_scale, found_inf=found_inf)
 
 
 @torch.no_grad()
@@ -145,8 +174,8 @@ def adagrad_step_ref(params, grads, sums, copies=None, *, lr, eps, weight_decay=
             h_new = torch.where(keep, h_new, h)
         p.copy_(new)
         h.copy_(h_new)
-        if copies is not None:
+        if copies is not None and copies[i] is not None:
             c = new.to(copies[i].dtype)
             copies[i].copy_(c if keep is None else torch.where(keep, c, copies[i]))
     if steps:
-        advance_steps(steps, found_inf)
+        advance_steps(list(steps), found_inf)

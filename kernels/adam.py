@@ -112,7 +112,6 @@ def adam_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None):
                              exp_avg_sqs=exp_avg_sqs, steps=steps, copies=copies))
 
 
-@torch.no_grad()
 def adam_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=True,
                 bias_correction=True, grad_scale=None, found_inf=None):
     """One Adam/AdamW step over a prepared sweep: one launch per dtype group."""

@@ -142,7 +142,6 @@ def multi_tensor_scale_prepare(srcs, dsts):
     return _prepare("multi_tensor_scale", [("srcs", list(srcs))], "dsts", list(dsts))
 
 
-@torch.no_grad()
 def multi_tensor_scale_launch(prepared, scale, noop_flag=None):
     """``dst = src * scale`` over a prepared sweep: one launch per dtype group."""
     if prepared.n == 0:
@@ -175,7 +174,6 @@ def multi_tensor_axpby_prepare(xs, ys, outs):
                     list(outs))
 
 
-@torch.no_grad()
 def multi_tensor_axpby_launch(prepared, a, b, noop_flag=None, arg_to_check=-1):
     """``out = a * x + b * y`` over a prepared sweep: one launch per dtype group."""
     _arg_to_check(arg_to_check)

@@ -263,7 +263,6 @@ def check_unscale_prepare(srcs, dsts=None, adds=None, write=True):
     return LayoutPrepared(prepared, lists, layouts, dict(write=write))
 
 
-@torch.no_grad()
 def check_unscale_launch(prepared, scale=None, found_inf=None):
     """One check/unscale over a prepared sweep: one launch per dtype group (none when
     there is nothing to do). On a device where Triton does not run, the torch reference.

@@ -252,7 +252,6 @@ def multi_tensor_l2norm_prepare(tensors):
     return L2NormPrepared(prepared)
 
 
-@torch.no_grad()
 def multi_tensor_l2norm_launch(prepared, per_tensor=False, scale=None, found_inf=None):
     """(total norm 0-d fp32, per-tensor norms fp32 [n] or None) of a prepared list: one
     launch per dtype group and one small launch for the totals. No host sync."""

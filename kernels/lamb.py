@@ -243,7 +243,6 @@ def lamb_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None):
                                           copies=copies)))
 
 
-@torch.no_grad()
 def lamb_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=True,
                 grad_averaging=True, bias_correction=True, use_nvlamb=False,
                 global_grad_norm=None, max_grad_norm=1.0, grad_scale=None, found_inf=None):

@@ -249,7 +249,6 @@ def novograd_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None):
         steps=steps)))
 
 
-@torch.no_grad()
 def novograd_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, reg_inside_moment=False,
                     grad_averaging=True, norm_type=2, init_zero=False, bias_correction=True,
                     grad_scale=None, found_inf=None):

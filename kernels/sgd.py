@@ -10,23 +10,38 @@ For every tensor, with g = grad * (1/grad_scale) when a scale is given:
 
 torch.optim.SGD's order of operations, in fp32; the momentum buffer is fp32 whatever the
 parameter dtype. ``copies`` receive the updated parameter in their own dtype (the half
-model copy of an fp32 master). A non-zero ``found_inf`` makes it read and write nothing.
+model copy of an fp32 master). A non-zero ``found_inf`` makes it read and write nothing
+and leaves the step counts as they are.
+
+"First step" is ``first_run`` (every buffer starts from the gradient) or, per tensor, a
+step count of 0 in ``steps``: the count is read on the device, so a skipped first step
+leaves the buffer unused, as torch's lazily created buffer would be. The counts advance
+inside the kernel (see _tl_utils.finish_tensor_step).
 """
 import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import elementwise_settings, use_triton
-from ._ref_utils import f32
-from ._multi_tensor import check_lists, dtype_groups, plan_columns
-from ._tl_utils import load_f32, load_grad, load_lr, store_param, sweep_block
-from ._ref_utils import advance_steps
+from ._dispatch import use_triton  # noqa: F401  (tests read the module's dispatch)
+from ._multi_tensor import Column, Sweep, scalar_arg
+from ._ref_utils import advance_steps, f32
+from ._tl_utils import (column, column_f32, finish_tensor_step, inv_scale, load_f32, load_grad,
+                        load_lr, scalar_ptr, store_param, sweep_block)
+
+SGD = Sweep("sgd_step", [
+    Column("params", "param"), Column("grads", "grad"),
+    Column("momentum_buffers", "state", optional=True), Column("copies", "copy", optional=True),
+    Column("steps", "scalar", optional=True),
+])
+_P, _G, _B, _C, _S = (SGD.col(n) for n in SGD.names)
+_ROW = SGD.row_width
 
 
 @triton.jit
 def _sgd_step_kernel(
-    meta_ptr,        # int64 [n_tensors, 6]: param, grad, momentum buffer, copy, step addresses; numel
+    meta_ptr,        # int64 [n_tensors, 6]: the SGD columns' addresses, then numel
     blocks_ptr,      # int32 [n_blocks, 2]: tensor index, block index within that tensor
+    counters_ptr,    # int32 [n_tensors]: programs done per tensor (step advance), zeroed
     p_proto,         # a param tensor: carries the parameter element type
     g_proto,         # a gradient tensor: carries the gradient element type
     c_proto,         # a copy tensor (or any tensor without copies): carries the copy type
@@ -37,50 +52,113 @@ def _sgd_step_kernel(
     LR_IS_TENSOR: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
-    HAS_MOMENTUM: tl.constexpr,
-    FIRST_RUN: tl.constexpr,       # momentum buffers start as the gradient
-    HAS_STEPS: tl.constexpr,       # per-tensor step counts decide the first run on device
+    HAS_MOMENTUM: tl.constexpr,    # momentum != 0: the buffers are read and written
+    FIRST_RUN: tl.constexpr,       # every momentum buffer starts as the gradient
     NESTEROV: tl.constexpr,
     WD_AFTER_MOMENTUM: tl.constexpr,
-    HAS_COPY: tl.constexpr,
+    HAS_MOMENTUM_BUFFERS: tl.constexpr,
+    HAS_COPIES: tl.constexpr,
+    HAS_STEPS: tl.constexpr,       # per-tensor step counts: first run on device, advanced
+    VEC: tl.constexpr,             # > 1: every address 16-byte aligned, numel % VEC == 0
     EMULATE_BF16_ROUNDING: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, 5, HAS_FOUND_INF, BLOCK)
-    p_ptr = tl.load(row + 0).to(tl.pointer_type(p_proto.dtype.element_ty))
-    g = load_grad(row, g_proto, offs, mask, scale_ptr, HAS_SCALE, EMULATE_BF16_ROUNDING)
-    p = load_f32(p_ptr + offs, mask, EMULATE_BF16_ROUNDING)
+    tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, _ROW,
+                                          HAS_FOUND_INF, VEC, BLOCK)
+    # Per-tensor scalars first: they are live across the element loads otherwise.
+    if HAS_STEPS:
+        step_ptr = scalar_ptr(row, _S)
+        step = tl.load(step_ptr)
+    inv = 1.0
+    if HAS_SCALE:
+        inv = inv_scale(scale_ptr)
+    if LR_IS_TENSOR:
+        neg_lr = -load_lr(lr, LR_IS_TENSOR)
+    else:
+        neg_lr = -lr
+
+    p_ptrs = column(row, _P, offs, p_proto, VEC)
+    g = load_grad(column(row, _G, offs, g_proto, VEC), mask, inv, HAS_SCALE,
+                  EMULATE_BF16_ROUNDING)
+    p = load_f32(p_ptrs, mask, EMULATE_BF16_ROUNDING)
     if not WD_AFTER_MOMENTUM:
         g = g + weight_decay * p
     if HAS_MOMENTUM:
-        b_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+        b_ptrs = column_f32(row, _B, offs, VEC)
         if FIRST_RUN:
             buf = g
         else:
-            buf = tl.load(b_ptr + offs, mask=mask, other=0.0)
+            buf = tl.load(b_ptrs, mask=mask, other=0.0)
             buf = buf * momentum + one_minus_dampening * g
             if HAS_STEPS:
                 # A step that was skipped did not count: the buffer starts at the first
                 # step actually taken, as torch's does.
-                step_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
-                buf = tl.where(tl.load(step_ptr) == 0.0, g, buf)
-        tl.store(b_ptr + offs, buf, mask=mask)
+                buf = tl.where(step == 0.0, g, buf)
+        tl.store(b_ptrs, buf, mask=mask)
         if NESTEROV:
             g = g + momentum * buf
         else:
             g = buf
     if WD_AFTER_MOMENTUM:
         g = g + weight_decay * p
-    if LR_IS_TENSOR:
-        p = p - load_lr(lr, LR_IS_TENSOR) * g
-    else:
-        p = p + (-lr) * g
-    store_param(row, p_ptr, p, offs, mask, c_proto, 3, HAS_COPY, EMULATE_BF16_ROUNDING)
+    p = p + neg_lr * g
+    store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
+                EMULATE_BF16_ROUNDING)
+    if HAS_STEPS:
+        finish_tensor_step(counters_ptr, tensor, row, step_ptr, step, found_inf_ptr, _ROW,
+                           HAS_FOUND_INF, BLOCK)
 
 
-def _check(params, grads, bufs, copies, steps=None):
-    check_lists("sgd_step", params, fp32=("momentum_buffers",), grads=grads,
-                momentum_buffers=bufs, copies=copies, steps=steps)
+def sgd_prepare(params, grads, momentum_buffers=None, copies=None, steps=None):
+    """Validate and plan an SGD sweep over these lists (see _multi_tensor): keep the
+    result and pass it to :func:`sgd_launch` while the tensors stay the same.
+    ``momentum_buffers``, ``copies`` and ``steps`` are optional (None, or None per row)."""
+    return SGD.prepare(dict(params=params, grads=grads, momentum_buffers=momentum_buffers,
+                            copies=copies, steps=steps))
+
+
+def _empty_steps(prepared):
+    """Step counts of the empty tensors (no program runs for them), or []: they count
+    their steps too, as torch's do."""
+    steps = prepared.lists.get("steps")
+    if steps is None or sum(len(g.rows) for g in prepared.groups) == prepared.n:
+        return []
+    params = prepared.lists["params"]
+    return [s for p, s in zip(params, steps) if s is not None and p.numel() == 0]
+
+
+@torch.no_grad()
+def sgd_launch(prepared, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
+               wd_after_momentum=False, first_run=False, grad_scale=None, found_inf=None):
+    """One SGD step over a prepared sweep: one launch per dtype group."""
+    if prepared.n == 0:
+        return
+    bufs = prepared.lists.get("momentum_buffers")
+    if momentum != 0 and (bufs is None or any(b is None for b in bufs)):
+        missing = "momentum_buffers is None" if bufs is None else \
+            f"momentum_buffers[{[b is None for b in bufs].index(True)}] is None"
+        raise ValueError(f"sgd_step: momentum != 0 needs momentum_buffers ({missing}); pass "
+                         "one fp32 buffer per parameter")
+    if not prepared.triton:
+        sgd_step_ref(**prepared.lists, lr=lr, momentum=momentum, dampening=dampening,
+                     weight_decay=weight_decay, nesterov=nesterov,
+                     wd_after_momentum=wd_after_momentum, first_run=first_run,
+                     grad_scale=grad_scale, found_inf=found_inf)
+        return
+    device = prepared.device
+    lr = scalar_arg(lr, "lr", device)
+    anchor = prepared.groups[0].meta if prepared.groups else None
+    prepared.launch(_sgd_step_kernel, (
+        lr, float(momentum), 1.0 - dampening, float(weight_decay),
+        grad_scale if grad_scale is not None else anchor,
+        found_inf if found_inf is not None else anchor), dict(
+        LR_IS_TENSOR=isinstance(lr, torch.Tensor), HAS_SCALE=grad_scale is not None,
+        HAS_FOUND_INF=found_inf is not None, HAS_MOMENTUM=momentum != 0,
+        FIRST_RUN=bool(first_run), NESTEROV=bool(nesterov),
+        WD_AFTER_MOMENTUM=bool(wd_after_momentum)))
+    empty = _empty_steps(prepared)
+    if empty:
+        advance_steps(empty, found_inf)
 
 
 @torch.no_grad()
@@ -90,46 +168,16 @@ def sgd_step(params, grads, momentum_buffers=None, copies=None, *, lr, momentum=
     """One SGD step for lists of same-shaped tensors (see the module docstring).
 
     ``first_run`` says the momentum buffers hold nothing yet (they are set to the
-    gradient). Alternatively ``steps`` (fp32 0-d device tensors, one per parameter)
-    decide it on the device: a buffer whose step count is 0 starts from the gradient, so
-    a skipped first step leaves no trace; the counts advance unless ``found_inf``.
-    ``lr`` is a float or an fp32 0-d tensor. No host sync."""
-    params = list(params)
-    if not params:
-        return
-    bufs = None if momentum_buffers is None else list(momentum_buffers)
-    steps = None if steps is None else list(steps)
-    _check(params, grads, bufs, copies, steps)
-    if momentum != 0 and bufs is None:
-        raise ValueError("sgd_step: momentum != 0 needs momentum_buffers")
-    if not use_triton(params[0]):
-        sgd_step_ref(params, grads, bufs, copies, lr=lr, momentum=momentum, dampening=dampening,
-                     weight_decay=weight_decay, nesterov=nesterov,
-                     wd_after_momentum=wd_after_momentum, first_run=first_run, steps=steps,
-                     grad_scale=grad_scale, found_inf=found_inf)
-        return
-    groups = dtype_groups(params, grads, copies)
-    lr_is_tensor = isinstance(lr, torch.Tensor)
-    for (device, _, _, copy_dtype), idx in groups.items():
-        block, warps = elementwise_settings(device)
-        cols = [[params[i] for i in idx], [grads[i] for i in idx],
-                None if bufs is None else [bufs[i] for i in idx],
-                None if copy_dtype is None else [copies[i] for i in idx],
-                None if steps is None else [steps[i] for i in idx]]
-        pl = plan_columns(cols, block)
-        anchor = cols[0][0]
-        _sgd_step_kernel[(pl.n_blocks,)](
-            pl.meta, pl.blocks, anchor, cols[1][0], cols[3][0] if cols[3] else anchor,
-            lr, float(momentum), 1.0 - dampening, float(weight_decay),
-            grad_scale if grad_scale is not None else anchor,
-            found_inf if found_inf is not None else anchor,
-            LR_IS_TENSOR=lr_is_tensor, HAS_SCALE=grad_scale is not None,
-            HAS_FOUND_INF=found_inf is not None, HAS_MOMENTUM=momentum != 0,
-            FIRST_RUN=bool(first_run), HAS_STEPS=steps is not None, NESTEROV=bool(nesterov),
-            WD_AFTER_MOMENTUM=bool(wd_after_momentum), HAS_COPY=copy_dtype is not None,
-            EMULATE_BF16_ROUNDING=device.type != "cuda", BLOCK=block, num_warps=warps)
-    if steps is not None:
-        advance_steps(steps, found_inf)
+    gradient). Alternatively ``steps`` (fp32 one-element device tensors, one per
+    parameter) decide it on the device: a buffer whose step count is 0 starts from the
+    gradient, so a skipped first step leaves no trace; the counts advance unless
+    ``found_inf``. ``lr`` is a float or an fp32 one-element tensor; ``copies`` may hold
+    None for parameters without a copy. Bad lists raise before anything is written. No
+    host sync."""
+    sgd_launch(sgd_prepare(params, grads, momentum_buffers, copies, steps), lr=lr,
+               momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+               nesterov=nesterov, wd_after_momentum=wd_after_momentum, first_run=first_run,
+               grad_scale=grad_scale, found_inf=found_inf)
 
 
 @torch.no_grad()
@@ -150,8 +198,8 @@ def sgd_step_ref(params, grads, momentum_buffers=None, copies=None, *, lr, momen
             g = g + f32(weight_decay) * pf
         if momentum != 0:
             buf = g if first_run else momentum_buffers[i] * f32(momentum) + f32(1.0 - dampening) * g
-            if steps is not None and not first_run:
-                buf = torch.where(steps[i] == 0, g, buf)
+            if steps is not None and steps[i] is not None and not first_run:
+                buf = torch.where(steps[i].reshape(()) == 0, g, buf)
             if keep is not None:
                 buf = torch.where(keep, buf, momentum_buffers[i])
             momentum_buffers[i].copy_(buf)
@@ -165,7 +213,7 @@ def sgd_step_ref(params, grads, momentum_buffers=None, copies=None, *, lr, momen
         if keep is not None:
             new = torch.where(keep, new, pf)
         p.copy_(new)
-        if copies is not None:
+        if copies is not None and copies[i] is not None:
             copies[i].copy_(new)
     if steps is not None:
         advance_steps(list(steps), found_inf)

@@ -445,13 +445,15 @@ def test_adam_half_state_raises(field):
 
 def test_sgd_bad_inputs_raise():
     ps = [torch.zeros(3, device=DEVICE) for _ in range(2)]
-    with pytest.raises(ValueError, match="same length"):
+    with pytest.raises(ValueError, match="grads has 1 tensors but params has 2"):
         sgd_step(ps, ps[:1], lr=0.1)
-    with pytest.raises(ValueError, match="same length"):
+    with pytest.raises(ValueError, match="momentum_buffers has 1 tensors but params has 2"):
         sgd_step(ps, clones(ps), clones(ps)[:1], lr=0.1, momentum=0.9)
-    with pytest.raises(ValueError, match="same length"):
+    with pytest.raises(ValueError, match="copies has 1 tensors but params has 2"):
         sgd_step(ps, clones(ps), None, clones(ps)[:1], lr=0.1)
     with pytest.raises(ValueError, match="momentum_buffers"):
         sgd_step(ps, clones(ps), None, lr=0.1, momentum=0.9)
-    with pytest.raises(ValueError, match="float32"):
+    with pytest.raises(ValueError, match=r"momentum_buffers\[1\] is None"):
+        sgd_step(ps, clones(ps), [torch.zeros(3, device=DEVICE), None], lr=0.1, momentum=0.9)
+    with pytest.raises(TypeError, match=r"momentum_buffers\[0\] is float16, expected float32"):
         sgd_step(ps, clones(ps), [p.half() for p in ps], lr=0.1, momentum=0.9)

@@ -187,23 +187,29 @@ class FusedOptimizer(torch.optim.Optimizer):
                 targets.append(p)
                 copies.append(None)
                 models.append(None)
-        links = (list(params), targets, copies, models,
-                 [i for i, m in enumerate(models) if m is not None])
+        model_rows = [i for i, m in enumerate(models) if m is not None]
+        # Where each row's gradient comes from while amp leaves the half gradients scaled
+        # for the step: the model parameter of a master, the parameter itself otherwise.
+        lazy_sources = [p if m is None else m for p, m in zip(params, models)]
+        links = (list(params), targets, copies, models, model_rows,
+                 [params[i] for i in model_rows], lazy_sources)
         self._links_cache[gi] = (params, len(params), gen, links)
         return links
 
     def _group_grads(self, links, grad_scale):
-        params, _, _, models, model_rows = links
-        grads = list(map(_grad_of, params))
+        params, _, _, models, model_rows, masters, lazy_sources = links
         if model_rows and grad_scale is not None:
-            # amp left this step's half gradients scaled for us to read directly; without
-            # a grad_scale they are stale, not this step's.
-            if len(model_rows) == len(params) and not any(map(_is_not_none, grads)):
-                return list(map(_grad_of, models))  # every parameter is a master (O2)
+            # amp left this step's half gradients scaled for us to read directly (without
+            # a grad_scale they are stale, not this step's): a master without a gradient
+            # of its own reads its model parameter's.
+            if not any(map(_is_not_none, map(_grad_of, masters))):
+                return list(map(_grad_of, lazy_sources))
+            grads = list(map(_grad_of, params))
             for i in model_rows:
                 if grads[i] is None:
                     grads[i] = models[i].grad
-        return grads
+            return grads
+        return list(map(_grad_of, params))
 
     def _group_plan(self, gi, group, grad_scale):
         """The prepared sweep of group ``gi`` for this step's gradients, or None when no
@@ -230,7 +236,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         rows = [i for i, g in enumerate(grads) if g is not None]
         if not rows:
             return cache.put(key, None)
-        params, targets, copies, _, _ = links
+        params, targets, copies = links[:3]
         rows_targets = [targets[i] for i in rows]
         fresh = [params[i] for i in rows if not self.state.get(params[i])]
         try:
