@@ -103,11 +103,13 @@ class LossScaler:
         # be zero (each update zeroes the slot after the one it read: no launch to clear).
         self._slot = K.FOUND_INF
         self._next_clean = False
+        self._make_snapshots()
 
     # -- device state -------------------------------------------------------------
     def _to(self, device):
         if self._state.device != device:
             self._state = self._state.to(device)
+            self._make_snapshots()
         return self._state
 
     @property
@@ -170,15 +172,19 @@ class LossScaler:
         self._queue_report()
 
     # -- reporting without stalls ---------------------------------------------------
+    def _make_snapshots(self):
+        """The host buffers of the reports, made when the state moves to a device (never
+        on the hot path): 4 in flight and one being read on CUDA, one on the CPU."""
+        cuda = self._state.device.type == "cuda"
+        self._snapshots = [_HostSnapshot(pinned=cuda) for _ in range(5 if cuda else 1)]
+
     def _snapshot(self):
-        """A free host buffer (at most 5 exist: 4 in flight and the one being read)."""
-        in_flight = {id(snap) for snap, _ in self._pending_reports}
+        """A host buffer that no pending report is using."""
+        in_flight = [snap for snap, _ in self._pending_reports]
         for snap in self._snapshots:
-            if id(snap) not in in_flight:
+            if not any(snap is busy for busy in in_flight):
                 return snap
-        snap = _HostSnapshot(pinned=self._state.device.type == "cuda")
-        self._snapshots.append(snap)
-        return snap
+        raise AssertionError("more reports in flight than snapshot buffers")
 
     def _queue_report(self):
         if self._state.device.type == "cuda":

@@ -1,5 +1,5 @@
 """FusedAdagrad: Apex's signature and defaults, one Triton launch per dtype group."""
-from tritamp.kernels.adagrad import adagrad_step
+from tritamp.kernels.adagrad import adagrad_launch, adagrad_prepare
 
 from ._base import FusedOptimizer
 
@@ -47,12 +47,13 @@ class FusedAdagrad(FusedOptimizer):
             raise ValueError("FusedAdagrad does not support maximize=True: negate the loss")
 
     def _prepare(self, group, targets, grads, copies, states):
-        return (targets, grads, copies, [s["sum"] for s in states], [s["step"] for s in states])
+        self._check_group(group)  # before the first step's state is kept
+        return adagrad_prepare(targets, grads, [s["sum"] for s in states], copies,
+                               [s["step"] for s in states])
 
     def _launch(self, group, prepared, grad_scale, found_inf):
         self._check_group(group)
-        targets, grads, copies, sums, steps = prepared
-        adagrad_step(targets, grads, sums, copies, lr=group["lr"], eps=group["eps"],
-                     weight_decay=group["weight_decay"],
-                     adagrad_w_mode=bool(self.adagrad_w_mode), steps=steps,
-                     grad_scale=grad_scale, found_inf=found_inf)
+        adagrad_launch(prepared, lr=group["lr"], eps=group["eps"],
+                       weight_decay=group["weight_decay"],
+                       adagrad_w_mode=bool(self.adagrad_w_mode), grad_scale=grad_scale,
+                       found_inf=found_inf)

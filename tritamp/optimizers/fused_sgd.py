@@ -2,7 +2,7 @@
 import torch
 from torch.optim.optimizer import required
 
-from tritamp.kernels.sgd import sgd_step
+from tritamp.kernels.sgd import sgd_launch, sgd_prepare
 
 from ._base import FusedOptimizer
 
@@ -58,14 +58,12 @@ class FusedSGD(FusedOptimizer):
 
     def _prepare(self, group, targets, grads, copies, states):
         if group["momentum"] == 0:
-            return (targets, grads, copies, None, None)
-        return (targets, grads, copies, [s["momentum_buffer"] for s in states],
-                [s["step"] for s in states])
+            return sgd_prepare(targets, grads, None, copies)
+        return sgd_prepare(targets, grads, [s["momentum_buffer"] for s in states], copies,
+                           [s["step"] for s in states])
 
     def _launch(self, group, prepared, grad_scale, found_inf):
-        targets, grads, copies, bufs, steps = prepared
-        sgd_step(targets, grads, bufs, copies, steps=steps, lr=group["lr"],
-                 momentum=group["momentum"], dampening=group["dampening"],
-                 weight_decay=group["weight_decay"], nesterov=group["nesterov"],
-                 wd_after_momentum=self.wd_after_momentum, grad_scale=grad_scale,
-                 found_inf=found_inf)
+        sgd_launch(prepared, lr=group["lr"], momentum=group["momentum"],
+                   dampening=group["dampening"], weight_decay=group["weight_decay"],
+                   nesterov=group["nesterov"], wd_after_momentum=self.wd_after_momentum,
+                   grad_scale=grad_scale, found_inf=found_inf)
