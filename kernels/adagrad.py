@@ -108,7 +108,6 @@ def _empty_steps(prepared):
     return [s for p, s in zip(params, steps) if s is not None and p.numel() == 0]
 
 
-@torch.no_grad()
 def adagrad_launch(prepared, *, lr, eps, weight_decay=0.0, adagrad_w_mode=False,
                    grad_scale=None, found_inf=None):
     """One Adagrad step over a prepared sweep: one launch per dtype group."""

@@ -127,18 +127,30 @@ def _empty_steps(prepared):
     return [s for p, s in zip(params, steps) if s is not None and p.numel() == 0]
 
 
-@torch.no_grad()
+def _missing_buffer(prepared):
+    """The index of a non-empty parameter without a momentum buffer, or None. On the
+    Triton path the groups say it (a steady step scans no list)."""
+    if prepared.triton and all(g.constexprs["HAS_MOMENTUM_BUFFERS"] for g in prepared.groups):
+        return None
+    bufs = prepared.lists.get("momentum_buffers")
+    for i, p in enumerate(prepared.lists["params"]):
+        if (bufs is None or bufs[i] is None) and p.numel() != 0:
+            return i
+    return None
+
+
 def sgd_launch(prepared, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
                wd_after_momentum=False, first_run=False, grad_scale=None, found_inf=None):
     """One SGD step over a prepared sweep: one launch per dtype group."""
     if prepared.n == 0:
         return
-    bufs = prepared.lists.get("momentum_buffers")
-    if momentum != 0 and (bufs is None or any(b is None for b in bufs)):
-        missing = "momentum_buffers is None" if bufs is None else \
-            f"momentum_buffers[{[b is None for b in bufs].index(True)}] is None"
-        raise ValueError(f"sgd_step: momentum != 0 needs momentum_buffers ({missing}); pass "
-                         "one fp32 buffer per parameter")
+    if momentum != 0:
+        missing = _missing_buffer(prepared)
+        if missing is not None:
+            what = ("momentum_buffers is None" if prepared.lists.get("momentum_buffers") is None
+                    else f"momentum_buffers[{missing}] is None")
+            raise ValueError(f"sgd_step: momentum != 0 needs momentum_buffers ({what}); pass "
+                             "one fp32 buffer per parameter")
     if not prepared.triton:
         sgd_step_ref(**prepared.lists, lr=lr, momentum=momentum, dampening=dampening,
                      weight_decay=weight_decay, nesterov=nesterov,
