@@ -287,7 +287,8 @@ class Prepared:
     value, and a sweep that writes the gradient copies the result back after the launch.
     ``groups`` is empty on a device where the kernels do not run (the torch reference
     handles it)."""
-    __slots__ = ("sweep", "_lists", "n", "groups", "writeback", "staged", "triton", "device")
+    __slots__ = ("sweep", "_lists", "n", "groups", "writeback", "staged", "triton", "device",
+                 "empty_rows")
 
     def __init__(self, sweep, lists, n, block_settings=None):
         self.sweep = sweep
@@ -298,6 +299,7 @@ class Prepared:
         self.groups = []
         self.device = None
         self.triton = False
+        self.empty_rows = []  # rows with no element: no program of any group covers them
         if n == 0:
             return
         params = lists[sweep.columns[0].name]
@@ -312,6 +314,7 @@ class Prepared:
         groups = {}
         for i, p in enumerate(params):
             if p.numel() == 0:
+                self.empty_rows.append(i)
                 continue
             key = []
             for c in typed:
@@ -452,88 +455,3 @@ def scalar_arg(x, name, device):
                              f"float or a tensor on {device}")
         return x.reshape(())
     return float(x)
-
-
-# --- legacy plans: removed once every sweep goes through Sweep.prepare -------------
-from collections import OrderedDict
-_PLAN_CACHE_SIZE = 64
-_plans = OrderedDict()
-
-class Plan:
-    __slots__ = ("meta", "blocks", "n_blocks")
-
-    def __init__(self, meta, blocks, n_blocks):
-        self.meta = meta          # int64 [n_tensors, 4] on the tensors' device
-        self.blocks = blocks      # int32 [n_blocks, 2]: tensor index, block index in it
-        self.n_blocks = n_blocks
-
-
-def _upload_legacy(array: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return array.pin_memory().to(device, non_blocking=True)
-    return array.to(device)
-
-
-def plan(srcs, dsts, adds, block: int) -> Plan:
-    """The cached launch plan for ``srcs`` (and their ``dsts`` / ``adds``; None = unused):
-    rows of (src address, dst address, addend address, numel)."""
-    return plan_columns([srcs, dsts, adds], block)
-
-
-def plan_columns(columns, block: int) -> Plan:
-    """The cached launch plan for parallel lists of tensors.
-
-    ``columns[0]`` gives the sizes; a column that is None repeats ``columns[0]``. The
-    table has one row per tensor: the address in each column, then the numel."""
-    first = columns[0]
-    columns = [first if c is None else c for c in columns]
-    key = (block,) + tuple(tuple(t.data_ptr() for t in c) for c in columns) \
-        + (tuple(t.numel() for t in first),)
-    found = _plans.get(key)
-    if found is not None:
-        _plans.move_to_end(key)
-        return found
-    device = first[0].device
-    # Built with numpy: host arithmetic on host data, nothing read back from a device.
-    meta = np.array(list(zip(*key[1:])), dtype=np.int64).reshape(len(first), len(columns) + 1)
-    per_tensor = (meta[:, -1] + block - 1) // block
-    total = int(per_tensor.sum())
-    starts = np.cumsum(per_tensor) - per_tensor
-    tensor_idx = np.repeat(np.arange(len(first), dtype=np.int32), per_tensor)
-    block_idx = (np.arange(total, dtype=np.int64) - np.repeat(starts, per_tensor)).astype(np.int32)
-    blocks = np.ascontiguousarray(np.stack([tensor_idx, block_idx], axis=1))
-    result = Plan(_upload(torch.from_numpy(meta), device), _upload(torch.from_numpy(blocks), device),
-                  total)
-    _plans[key] = result
-    if len(_plans) > _PLAN_CACHE_SIZE:
-        _plans.popitem(last=False)
-    return result
-
-
-def check_lists(op, params, fp32=(), **lists):
-    """Every list given (None = absent) holds one tensor per parameter; the lists named
-    in ``fp32`` (optimizer state) are float32."""
-    n = len(params)
-    for name, other in lists.items():
-        if other is not None and len(other) != n:
-            raise ValueError(f"{op}: {name} has {len(other)} tensors but params has {n}; "
-                             "every list needs the same length, one tensor per parameter")
-    for name in fp32:
-        if lists[name] is not None and any(t.dtype != torch.float32 for t in lists[name]):
-            raise ValueError(f"{op}: {name} must be float32 (optimizer state is kept in fp32)")
-
-
-def dtype_groups(params, grads, copies):
-    """Indices of the non-empty parameters grouped by (device, parameter dtype, gradient
-    dtype, copy dtype or None): one launch each."""
-    groups = {}
-    for i, p in enumerate(params):
-        if p.numel() == 0:
-            continue
-        key = (p.device, p.dtype, grads[i].dtype, None if copies is None else copies[i].dtype)
-        groups.setdefault(key, []).append(i)
-    return groups
-
-
-def clear_plans():
-    _plans.clear()

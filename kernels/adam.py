@@ -124,6 +124,8 @@ def adam_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=Tr
                       found_inf=found_inf)
         return
     device = prepared.device
+    if prepared.empty_rows:  # no program for an empty tensor: its step counts on the host side
+        advance_steps([prepared.lists["steps"][i] for i in prepared.empty_rows], found_inf)
     lr = scalar_arg(lr, "lr", device)
     lr_is_tensor = isinstance(lr, torch.Tensor)
     anchor = prepared.groups[0].meta if prepared.groups else None

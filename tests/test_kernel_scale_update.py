@@ -384,7 +384,7 @@ def test_static_mode_never_changes_the_scale():
 def test_bad_state_raises(bad, fn):
     state = bad().to(DEVICE)
     before = state.clone()
-    with pytest.raises(ValueError, match=r"state must be a contiguous float32 tensor of shape \(7,\)"):
+    with pytest.raises(ValueError, match=r"state must be a contiguous float32 tensor of shape \(8,\)"):
         fn(state)
     assert torch.equal(state, before)
 
