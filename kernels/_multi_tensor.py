@@ -32,6 +32,7 @@ import torch
 import triton.language as tl
 
 from ._dispatch import kernel_settings, use_triton
+from ._ref_utils import advance_steps
 
 HALF_OR_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 VECTOR_BYTES = 16
@@ -350,6 +351,33 @@ class Prepared:
         """Copy results back into gradients that were swept through dense copies."""
         for original, dense in self.writeback:
             original.copy_(dense)
+
+    def advance_empty_steps(self, found_inf, column="steps"):
+        """Step counts of empty tensors advance here (no program runs for them; torch's
+        count their steps too): +1, or +0 when ``found_inf`` is non-zero."""
+        steps = self._lists.get(column) if self.empty_rows else None
+        if steps is not None:
+            rows = [steps[i] for i in self.empty_rows if steps[i] is not None]
+            if rows:
+                advance_steps(rows, found_inf)
+
+
+class StagedPrepared:
+    """Base of a multi-stage op's prepared object (LAMB, NovoGrad, the l2-norm): the
+    engine's :class:`Prepared` and what every stage reads of it; subclasses add the
+    buffers and tables their stages share."""
+    __slots__ = ("prepared", "n", "triton", "device")
+
+    def __init__(self, prepared):
+        self.prepared = prepared
+        self.n = prepared.n
+        self.triton = prepared.triton
+        self.device = prepared.device
+
+    @property
+    def lists(self):
+        """The validated lists, dense copies refreshed (what the reference path reads)."""
+        return self.prepared.lists
 
 
 _data_ptr = torch.Tensor.data_ptr

@@ -85,6 +85,27 @@ def inv_scale(scale_ptr):
 
 
 @triton.jit
+def unscale_factor(scale_ptr, HAS_SCALE: tl.constexpr):
+    """What a sweep multiplies gradients by: 1 / scale (see :func:`inv_scale`) with
+    HAS_SCALE, else 1. A per-tensor scalar: computed before the element loads."""
+    if HAS_SCALE:
+        return inv_scale(scale_ptr)
+    else:
+        return 1.0
+
+
+@triton.jit
+def tensor_step(row, COL: tl.constexpr, HAS_STEPS: tl.constexpr):
+    """(address, value) of the tensor's step count in table column COL; the value is 0
+    without HAS_STEPS (the column is then empty and never dereferenced)."""
+    step_ptr = scalar_ptr(row, COL)
+    if HAS_STEPS:
+        return step_ptr, tl.load(step_ptr)
+    else:
+        return step_ptr, 0.0
+
+
+@triton.jit
 def load_grad(g_ptrs, mask, inv, HAS_SCALE: tl.constexpr, EMULATE_BF16_ROUNDING: tl.constexpr):
     """The gradient at ``g_ptrs`` widened to fp32 and, with HAS_SCALE, multiplied by
     ``inv`` (1 / scale, computed before the element loads)."""

@@ -25,8 +25,8 @@ import triton.language as tl
 from ._dispatch import use_triton  # noqa: F401  (tests read the module's dispatch)
 from ._multi_tensor import Column, Sweep, scalar_arg
 from ._ref_utils import advance_steps, f32 as _f32, sqrt_rn as _sqrt_rn
-from ._tl_utils import (column, column_f32, finish_tensor_step, inv_scale, load_f32, load_grad,
-                        load_lr, scalar_ptr, store_param, sweep_block)
+from ._tl_utils import (column, column_f32, finish_tensor_step, load_f32, load_grad, load_lr,
+                        store_param, sweep_block, tensor_step, unscale_factor)
 
 ADAGRAD = Sweep("adagrad_step", [
     Column("params", "param"), Column("grads", "grad"), Column("sums", "state"),
@@ -61,12 +61,8 @@ def _adagrad_step_kernel(
     tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, _ROW,
                                           HAS_FOUND_INF, VEC, BLOCK)
     # Per-tensor scalars first: they are live across the element loads otherwise.
-    if HAS_STEPS:
-        step_ptr = scalar_ptr(row, _S)
-        step = tl.load(step_ptr)
-    inv = 1.0
-    if HAS_SCALE:
-        inv = inv_scale(scale_ptr)
+    step_ptr, step = tensor_step(row, _S, HAS_STEPS)
+    inv = unscale_factor(scale_ptr, HAS_SCALE)
     lr_v = load_lr(lr, LR_IS_TENSOR)
 
     p_ptrs = column(row, _P, offs, p_proto, VEC)
@@ -98,16 +94,6 @@ def adagrad_prepare(params, grads, sums, copies=None, steps=None):
                                 steps=steps))
 
 
-def _empty_steps(prepared):
-    """Step counts of the empty tensors (no program runs for them), or []: they count
-    their steps too, as torch's do."""
-    steps = prepared.lists.get("steps")
-    if steps is None or sum(len(g.rows) for g in prepared.groups) == prepared.n:
-        return []
-    params = prepared.lists["params"]
-    return [s for p, s in zip(params, steps) if s is not None and p.numel() == 0]
-
-
 def adagrad_launch(prepared, *, lr, eps, weight_decay=0.0, adagrad_w_mode=False,
                    grad_scale=None, found_inf=None):
     """One Adagrad step over a prepared sweep: one launch per dtype group."""
@@ -127,9 +113,7 @@ def adagrad_launch(prepared, *, lr, eps, weight_decay=0.0, adagrad_w_mode=False,
         found_inf if found_inf is not None else anchor), dict(
         LR_IS_TENSOR=isinstance(lr, torch.Tensor), HAS_SCALE=grad_scale is not None,
         HAS_FOUND_INF=found_inf is not None, ADAGRAD_W=bool(adagrad_w_mode)))
-    empty = _empty_steps(prepared)
-    if empty:
-        advance_steps(empty, found_inf)
+    prepared.advance_empty_steps(found_inf)
 
 
 @torch.no_grad()

@@ -20,8 +20,8 @@ import triton.language as tl
 
 from ._multi_tensor import Column, Sweep, device_constants, scalar_arg
 from ._ref_utils import advance_steps, f32 as _f32, sqrt_rn as _sqrt_rn
-from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step, inv_scale,
-                        load_f32, load_grad, load_lr, scalar_ptr, store_param, sweep_block)
+from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step, load_f32,
+                        load_grad, load_lr, store_param, sweep_block, tensor_step, unscale_factor)
 
 ADAM = Sweep("adam_step", [
     Column("params", "param"), Column("grads", "grad"), Column("exp_avgs", "state"),
@@ -59,11 +59,8 @@ def _adam_step_kernel(
     tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, _ROW,
                                           HAS_FOUND_INF, VEC, BLOCK)
     # Per-tensor scalars first: they are live across the element loads otherwise.
-    step_ptr = scalar_ptr(row, _S)
-    step = tl.load(step_ptr)
-    inv = 1.0
-    if HAS_SCALE:
-        inv = inv_scale(scale_ptr)
+    step_ptr, step = tensor_step(row, _S, True)
+    inv = unscale_factor(scale_ptr, HAS_SCALE)
     lr_v = load_lr(lr, LR_IS_TENSOR)
     if ADAM_W:
         if LR_IS_TENSOR:
@@ -124,8 +121,7 @@ def adam_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=Tr
                       found_inf=found_inf)
         return
     device = prepared.device
-    if prepared.empty_rows:  # no program for an empty tensor: its step counts on the host side
-        advance_steps([prepared.lists["steps"][i] for i in prepared.empty_rows], found_inf)
+    prepared.advance_empty_steps(found_inf)
     lr = scalar_arg(lr, "lr", device)
     lr_is_tensor = isinstance(lr, torch.Tensor)
     anchor = prepared.groups[0].meta if prepared.groups else None

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._multi_tensor import Column, Sweep, _dense, _upload
+from ._multi_tensor import Column, StagedPrepared, Sweep, _dense, _upload
 from ._tl_utils import column, inv_scale, load_f32, sweep_block
 
 # Partials summed per loop iteration of the segment stage (one program per run).
@@ -208,23 +208,15 @@ def launch_groups(prepared, kernel, group_args, args, constexprs):
                               num_warps=g.warps, **{**g.constexprs, **constexprs})
 
 
-class L2NormPrepared:
+class L2NormPrepared(StagedPrepared):
     """A prepared :data:`L2NORM` sweep with its segment table and partials buffer.
 
     ``partials`` is allocated once and zeroed once: the padding between groups is never
     written, so the total (program 0 of the segment stage) can sum the whole buffer."""
-    __slots__ = ("prepared", "n", "triton", "device", "partials", "group_partials",
-                 "segments")
-
-    @property
-    def lists(self):
-        return self.prepared.lists
+    __slots__ = ("partials", "group_partials", "segments")
 
     def __init__(self, prepared):
-        self.prepared = prepared
-        self.n = prepared.n
-        self.triton = prepared.triton
-        self.device = prepared.device
+        super().__init__(prepared)
         self.partials = self.group_partials = self.segments = None
         if not self.triton:
             return

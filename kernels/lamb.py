@@ -44,10 +44,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._multi_tensor import Column, Sweep, device_constants, scalar_arg
+from ._multi_tensor import Column, StagedPrepared, Sweep, device_constants, scalar_arg
 from ._ref_utils import advance_steps, f32 as _f32
-from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step, inv_scale,
-                        load_f32, load_grad, load_lr, scalar_ptr, store_param, sweep_block)
+from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step, load_f32,
+                        load_grad, load_lr, scalar_ptr, store_param, sweep_block, tensor_step,
+                        unscale_factor)
 from .l2norm import SegmentLayout, launch_groups, reduce_segments, segment_pairs
 
 LAMB = Sweep("lamb_step", [
@@ -115,9 +116,7 @@ def _lamb_moments_kernel(
     tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, _ROW,
                                           HAS_FOUND_INF, VEC, BLOCK)
     # Per-tensor scalars first: they are live across the element loads otherwise.
-    inv = 1.0
-    if HAS_SCALE:
-        inv = inv_scale(scale_ptr)
+    inv = unscale_factor(scale_ptr, HAS_SCALE)
     if HAS_CLIP:
         gn = tl.load(grad_norm_ptr)
         clip = tl.where(gn > max_grad_norm, tl.div_rn(gn, max_grad_norm), 1.0)
@@ -186,8 +185,7 @@ def _lamb_apply_kernel(
         usable = (p_norm != 0.0) & (u_norm != 0.0)
         # Divide by 1 where unusable, so no 0/0 is formed even in the discarded branch.
         ratio = tl.where(usable, ratio * tl.div_rn(p_norm, tl.where(usable, u_norm, 1.0)), ratio)
-    step_ptr = scalar_ptr(row, _S)
-    step = tl.load(step_ptr)
+    step_ptr, step = tensor_step(row, _S, True)
     bc1, bc2 = _lamb_bias_corrections(step, betas_ptr, BIAS_CORRECTION)
 
     p_ptrs = column(row, _P, offs, p_proto, VEC)
@@ -202,24 +200,13 @@ def _lamb_apply_kernel(
                        HAS_FOUND_INF, BLOCK)
 
 
-class LambPrepared:
+class LambPrepared(StagedPrepared):
     """A prepared ``LAMB`` sweep and what its three stages share, built once: the
     per-group slices of the partials and norms buffers and the segment table."""
-    __slots__ = ("prepared", "n", "triton", "device", "partials", "norms",
-                 "segments", "moments_args", "apply_args", "empty_steps")
-
-    @property
-    def lists(self):
-        """The validated lists, dense copies refreshed (what the reference path reads)."""
-        return self.prepared.lists
+    __slots__ = ("partials", "norms", "segments", "moments_args", "apply_args")
 
     def __init__(self, prepared):
-        self.prepared = prepared
-        self.n = prepared.n
-        self.triton = prepared.triton
-        self.device = prepared.device
-        self.empty_steps = [s for p, s in zip(prepared.lists["params"], prepared.lists["steps"])
-                            if p.numel() == 0] if self.triton else []
+        super().__init__(prepared)
         self.partials = self.norms = self.segments = None
         self.moments_args = self.apply_args = ()
         if not self.triton or not prepared.groups:
@@ -257,9 +244,7 @@ def lamb_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=Tr
                       use_nvlamb=use_nvlamb, global_grad_norm=global_grad_norm,
                       max_grad_norm=max_grad_norm, grad_scale=grad_scale, found_inf=found_inf)
         return
-    if prepared.empty_steps:
-        # Empty tensors have no programs to advance their counts (torch counts them too).
-        advance_steps(prepared.empty_steps, found_inf)
+    prepared.prepared.advance_empty_steps(found_inf)
     if not prepared.moments_args:
         return  # every tensor is empty
     device = prepared.device

@@ -40,10 +40,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._multi_tensor import Column, Sweep, _upload, device_constants, scalar_arg
+from ._multi_tensor import Column, StagedPrepared, Sweep, _upload, device_constants, scalar_arg
 from ._ref_utils import advance_steps, f32 as _f32
-from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step, inv_scale,
-                        load_f32, load_grad, load_lr, scalar_ptr, store_param, sweep_block)
+from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step, load_f32,
+                        load_grad, load_lr, scalar_ptr, store_param, sweep_block, tensor_step,
+                        unscale_factor)
 from .l2norm import SEGMENT_BLOCK, SegmentLayout, launch_groups
 
 NOVOGRAD = Sweep("novograd_step", [
@@ -77,9 +78,7 @@ def _novograd_norm_kernel(
 ):
     tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, _ROW,
                                           HAS_FOUND_INF, VEC, BLOCK)
-    inv = 1.0
-    if HAS_SCALE:
-        inv = inv_scale(scale_ptr)
+    inv = unscale_factor(scale_ptr, HAS_SCALE)
     g = load_grad(column(row, _G, offs, g_proto, VEC), mask, inv, HAS_SCALE,
                   EMULATE_BF16_ROUNDING)
     if MAX_NORM:
@@ -164,8 +163,7 @@ def _novograd_step_kernel(
     tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, _ROW,
                                           HAS_FOUND_INF, VEC, BLOCK)
     # Per-tensor scalars first: they are live across the element loads otherwise.
-    step_ptr = scalar_ptr(row, _S)
-    step = tl.load(step_ptr)
+    step_ptr, step = tensor_step(row, _S, True)
     if BIAS_CORRECTION:
         c1, c2 = bias_corrections(step, betas_ptr)
         bc1 = c1.to(tl.float32)
@@ -174,9 +172,7 @@ def _novograd_step_kernel(
         bc1 = 1.0
         bc2 = 1.0
     denom = tl.div_rn(tl.load(scalar_ptr(row, _VS)), bc2) + eps
-    inv = 1.0
-    if HAS_SCALE:
-        inv = inv_scale(scale_ptr)
+    inv = unscale_factor(scale_ptr, HAS_SCALE)
     lr_v = load_lr(lr, LR_IS_TENSOR)
 
     p_ptrs = column(row, _P, offs, p_proto, VEC)
@@ -205,25 +201,14 @@ def _check_norm_type(norm_type):
                          f"got {norm_type}")
 
 
-class NovoGradPrepared:
+class NovoGradPrepared(StagedPrepared):
     """A prepared ``NOVOGRAD`` sweep and what its three stages share, built once: the
     per-group slices of the partials buffer and the blend stage's table (per non-empty
     tensor: its run of partials, the addresses of its v and step)."""
-    __slots__ = ("prepared", "n", "triton", "device", "partials", "tensors",
-                 "n_tensors", "norm_args", "empty_steps")
-
-    @property
-    def lists(self):
-        """The validated lists, dense copies refreshed (what the reference path reads)."""
-        return self.prepared.lists
+    __slots__ = ("partials", "tensors", "n_tensors", "norm_args")
 
     def __init__(self, prepared):
-        self.prepared = prepared
-        self.n = prepared.n
-        self.triton = prepared.triton
-        self.device = prepared.device
-        self.empty_steps = [s for p, s in zip(prepared.lists["params"], prepared.lists["steps"])
-                            if p.numel() == 0] if self.triton else []
+        super().__init__(prepared)
         self.partials = self.tensors = None
         self.n_tensors = 0
         self.norm_args = ()
@@ -264,9 +249,7 @@ def novograd_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, reg_inside
                           init_zero=init_zero, bias_correction=bias_correction,
                           grad_scale=grad_scale, found_inf=found_inf)
         return
-    if prepared.empty_steps:
-        # Empty tensors have no programs to advance their counts (torch counts them too).
-        advance_steps(prepared.empty_steps, found_inf)
+    prepared.prepared.advance_empty_steps(found_inf)
     if not prepared.norm_args:
         return  # every tensor is empty
     device = prepared.device

@@ -25,8 +25,8 @@ import triton.language as tl
 from ._dispatch import use_triton  # noqa: F401  (tests read the module's dispatch)
 from ._multi_tensor import Column, Sweep, scalar_arg
 from ._ref_utils import advance_steps, f32
-from ._tl_utils import (column, column_f32, finish_tensor_step, inv_scale, load_f32, load_grad,
-                        load_lr, scalar_ptr, store_param, sweep_block)
+from ._tl_utils import (column, column_f32, finish_tensor_step, load_f32, load_grad, load_lr,
+                        store_param, sweep_block, tensor_step, unscale_factor)
 
 SGD = Sweep("sgd_step", [
     Column("params", "param"), Column("grads", "grad"),
@@ -66,12 +66,8 @@ def _sgd_step_kernel(
     tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, _ROW,
                                           HAS_FOUND_INF, VEC, BLOCK)
     # Per-tensor scalars first: they are live across the element loads otherwise.
-    if HAS_STEPS:
-        step_ptr = scalar_ptr(row, _S)
-        step = tl.load(step_ptr)
-    inv = 1.0
-    if HAS_SCALE:
-        inv = inv_scale(scale_ptr)
+    step_ptr, step = tensor_step(row, _S, HAS_STEPS)
+    inv = unscale_factor(scale_ptr, HAS_SCALE)
     if LR_IS_TENSOR:
         neg_lr = -load_lr(lr, LR_IS_TENSOR)
     else:
@@ -117,16 +113,6 @@ def sgd_prepare(params, grads, momentum_buffers=None, copies=None, steps=None):
                             copies=copies, steps=steps))
 
 
-def _empty_steps(prepared):
-    """Step counts of the empty tensors (no program runs for them), or []: they count
-    their steps too, as torch's do."""
-    steps = prepared.lists.get("steps")
-    if steps is None or sum(len(g.rows) for g in prepared.groups) == prepared.n:
-        return []
-    params = prepared.lists["params"]
-    return [s for p, s in zip(params, steps) if s is not None and p.numel() == 0]
-
-
 def _missing_buffer(prepared):
     """The index of a non-empty parameter without a momentum buffer, or None. On the
     Triton path the groups say it (a steady step scans no list)."""
@@ -168,9 +154,7 @@ def sgd_launch(prepared, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, n
         HAS_FOUND_INF=found_inf is not None, HAS_MOMENTUM=momentum != 0,
         FIRST_RUN=bool(first_run), NESTEROV=bool(nesterov),
         WD_AFTER_MOMENTUM=bool(wd_after_momentum)))
-    empty = _empty_steps(prepared)
-    if empty:
-        advance_steps(empty, found_inf)
+    prepared.advance_empty_steps(found_inf)
 
 
 @torch.no_grad()
