@@ -1,19 +1,32 @@
-"""Every ```python block in docs/*.md runs (CPU; kernels in the interpreter)."""
+"""Every code block in docs/*.md runs: ```python blocks in this process (CPU; kernels in
+the interpreter), ```bash blocks in a shell at the repository root."""
+import os
 import pathlib
 import re
+import subprocess
 
 import pytest
 
-DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
-BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+BLOCK = re.compile(r"```(python|bash)\n(.*?)```", re.S)
 
 
-def _blocks():
+def _blocks(kind):
     for page in sorted(DOCS.glob("*.md")):
-        for i, code in enumerate(BLOCK.findall(page.read_text())):
+        blocks = [code for lang, code in BLOCK.findall(page.read_text()) if lang == kind]
+        for i, code in enumerate(blocks):
             yield pytest.param(code, id=f"{page.stem}-{i}")
 
 
-@pytest.mark.parametrize("code", list(_blocks()))
-def test_doc_block_runs(code):
+@pytest.mark.parametrize("code", list(_blocks("python")))
+def test_python_block_runs(code):
     exec(compile(code, "<docs>", "exec"), {"__name__": "__docs__"})
+
+
+@pytest.mark.parametrize("code", list(_blocks("bash")))
+def test_bash_block_runs(code):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(["bash", "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
