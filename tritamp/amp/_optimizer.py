@@ -46,13 +46,20 @@ class AmpStash:
         self.grads_zeroed = False  # zero_grad(set_to_none=False) left zeroed gradients
         self._sweeps = {}          # cached check/unscale sweeps, by purpose
 
-    def _check_unscale(self, purpose, srcs, scale, found, dsts=None, adds=None, write=True):
+    def _check_unscale(self, purpose, srcs, scale, found, dsts=None, adds=None, write=True,
+                       key=None):
         """check_unscale over a sweep prepared once and kept while the tensors keep their
-        addresses and strides (the steady state of a training loop rebuilds nothing)."""
+        addresses and strides (the steady state of a training loop rebuilds nothing).
+
+        ``key`` (optional) says what the lists were gathered from, per parameter; by
+        default the key holds every tensor's address, strides, shape and dtype (the
+        lists may be subsets: a position is not tied to one parameter)."""
         if not srcs:
             return
-        key = (layout_key(srcs), None if dsts is None else layout_key(dsts),
-               None if adds is None else layout_key(adds), write)
+        if key is None:
+            key = tuple((t.data_ptr(), t.stride(), t.shape, t.dtype)
+                        for t in (*srcs, *(dsts or ()), *(adds or ())))
+        key = (key, len(srcs), dsts is None, adds is None, write)
         cache = self._sweeps.get(purpose)
         if cache is None:
             cache = self._sweeps[purpose] = SweepCache()
@@ -143,8 +150,13 @@ class AmpStash:
             self.plain_stash[i] = p.grad
             p.grad = None
 
-    def post_backward(self, scaler):
-        """Check (and unscale) this backward's gradients; record what step() needs."""
+    def post_backward(self, scaler, will_update=True):
+        """Check (and unscale) this backward's gradients; record what step() needs.
+
+        Gradients left scaled for the step carry the scaler's current scale. The scale
+        update at this exit (``will_update``) copies it into USED_SCALE before moving
+        SCALE; without one (``delay_overflow_check``) SCALE itself is what they carry."""
+        carried = scaler.used_scale if will_update else scaler.scale
         if (self.found_inf is None and self.supports_amp_scaling
                 and (not self.masters or self.writes_model_copies)
                 and not any(map(_is_not_none, self.plain_stash))
@@ -153,10 +165,14 @@ class AmpStash:
             # Check them read-only; the step unscales them as it reads them.
             grads = list(map(_grad_of, self.model_params))
             grads.extend(map(_grad_of, self.plain_params))
+            # Keyed per parameter (None kept in place): a position always holds the same
+            # parameter's gradient, so its shape and dtype are fixed and only the address
+            # and strides can change.
+            key = layout_key(grads)
             if any(map(_is_none, grads)):
                 grads = [g for g in grads if g is not None]
-            self._check_unscale("check", grads, None, scaler.found_inf, write=False)
-            self._pending(scaler, scaler.used_scale)
+            self._check_unscale("check", grads, None, scaler.found_inf, write=False, key=key)
+            self._pending(scaler, carried)
             return
         master_fresh = []  # (index, half gradient) of masters without a gradient yet
         acc = []  # (gradient, destination, addend): a second loss into the same step
@@ -187,7 +203,7 @@ class AmpStash:
         found, scale = scaler.found_inf, scaler.scale
         srcs = [g for _, g in master_fresh]
         if lazy:
-            self._check_unscale("check", srcs + plain_fresh, None, found, write=False)
+            self._check_unscale("check_some", srcs + plain_fresh, None, found, write=False)
         else:
             dsts = []
             for i, _ in master_fresh:
@@ -200,7 +216,7 @@ class AmpStash:
             self._check_unscale("accumulate", list(acc_srcs), scale, found,
                                 dsts=list(acc_dsts), adds=list(acc_adds))
         if self.found_inf is None:
-            self._pending(scaler, scaler.used_scale if lazy else None)
+            self._pending(scaler, carried if lazy else None)
         else:
             self.found_inf = torch.maximum(self.found_inf, found)
 
@@ -221,7 +237,9 @@ class AmpStash:
     # -- after the update ---------------------------------------------------------------
     def master_to_model(self):
         if self.masters and not self.writes_model_copies:
-            self._check_unscale("copy", self.masters, None, None, dsts=self.model_params)
+            # Both lists hold one tensor per parameter, always the same parameter's.
+            self._check_unscale("copy", self.masters, None, None, dsts=self.model_params,
+                                key=(layout_key(self.masters), layout_key(self.model_params)))
 
     def finish_step(self):
         """After step() or zero_grad(): back to READY; the masters' gradients are spent."""

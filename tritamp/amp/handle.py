@@ -68,7 +68,7 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
         return
     scaler.clear_overflow_state()
     for opt in optimizers:
-        opt._amp_stash.post_backward(scaler)
+        opt._amp_stash.post_backward(scaler, will_update=not delay_overflow_check)
         opt._amp_stash.params_have_scaled_gradients = False
     if scaler.overflow_process_group is not None:
         scaler.reduce_overflow()

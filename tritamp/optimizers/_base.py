@@ -16,6 +16,7 @@ The step reads ``self.grad_scale`` and ``self.found_inf`` (set by ``torch.amp.Gr
 or ``tritamp.amp``) on the device: unscaling is folded in, and on overflow nothing
 changes, step counts included, without a host sync.
 """
+import collections
 import functools
 import operator
 from itertools import chain
@@ -28,6 +29,107 @@ from tritamp.kernels._multi_tensor import SweepCache, borrowed, layout_key, rest
 _data_ptr = torch.Tensor.data_ptr
 _grad_of = operator.attrgetter("grad")
 _is_not_none = functools.partial(operator.is_not, None)
+
+
+class _Epoch:
+    """A counter shared by an optimizer's per-parameter state dicts."""
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value = 0
+
+
+class _TrackedState(dict):
+    """A parameter's state dict that counts its changes in the optimizer's epoch: the
+    cached step plans hold the state tensors, so replacing one (``opt.state[p]["exp_avg"]
+    = t``, ``del``, ``clear``) must make the next step rebuild its plan."""
+    __slots__ = ("epoch",)
+
+    def _changed(self):
+        epoch = getattr(self, "epoch", None)
+        if epoch is not None:
+            epoch.value += 1
+
+    def __setitem__(self, key, value):
+        dict.__setitem__(self, key, value)
+        self._changed()
+
+    def __delitem__(self, key):
+        dict.__delitem__(self, key)
+        self._changed()
+
+    def clear(self):
+        dict.clear(self)
+        self._changed()
+
+    def pop(self, *args):
+        self._changed()
+        return dict.pop(self, *args)
+
+    def popitem(self):
+        self._changed()
+        return dict.popitem(self)
+
+    def setdefault(self, key, default=None):
+        self._changed()
+        return dict.setdefault(self, key, default)
+
+    def update(self, *args, **kwargs):
+        dict.update(self, *args, **kwargs)
+        self._changed()
+
+    def __reduce__(self):  # pickles (and deep-copies) as the plain dict it holds
+        return (dict, (dict(self),))
+
+
+class _TrackedStates(collections.defaultdict):
+    """``optimizer.state``: a parameter's state is a :class:`_TrackedState`."""
+
+    def __init__(self, epoch, items=()):
+        super().__init__(None)
+        self.epoch = epoch
+        for key, value in dict(items).items():
+            dict.__setitem__(self, key, self._wrap(value))
+
+    def _wrap(self, value):
+        if isinstance(value, _TrackedState) and value.epoch is self.epoch:
+            return value
+        st = _TrackedState(value)
+        st.epoch = self.epoch
+        return st
+
+    def __missing__(self, key):
+        st = self._wrap({})
+        dict.__setitem__(self, key, st)
+        return st
+
+    def __setitem__(self, key, value):
+        dict.__setitem__(self, key, self._wrap(value))
+        self.epoch.value += 1
+
+    def __delitem__(self, key):
+        dict.__delitem__(self, key)
+        self.epoch.value += 1
+
+    def clear(self):
+        dict.clear(self)
+        self.epoch.value += 1
+
+    def pop(self, *args):
+        self.epoch.value += 1
+        return dict.pop(self, *args)
+
+    def popitem(self):
+        self.epoch.value += 1
+        return dict.popitem(self)
+
+    def update(self, *args, **kwargs):
+        for key, value in dict(*args, **kwargs).items():
+            dict.__setitem__(self, key, self._wrap(value))
+        self.epoch.value += 1
+
+    def __reduce__(self):
+        return (collections.defaultdict, (dict, {k: dict(v) for k, v in self.items()}))
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -47,6 +149,17 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._generation = 0
         self._links_cache = {}
         self._plans = {}
+        self._track_state()
+
+    def _track_state(self):
+        """Make ``self.state`` count its changes (see :class:`_TrackedState`)."""
+        if not isinstance(self.state, _TrackedStates):
+            self.state = _TrackedStates(_Epoch(), self.state)
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["state"] = {k: dict(v) for k, v in sd["state"].items()}  # plain dicts out
+        return sd
 
     def _capturable_lr(self, group):
         """With capturable=True every group's lr is an fp32 tensor on its parameters'
@@ -108,11 +221,13 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        self._track_state()
         self._bump()
 
     def load_state_dict(self, state_dict):
         self._check_loaded_shapes(state_dict)
         super().load_state_dict(state_dict)
+        self._track_state()
         # torch casts loaded state to each parameter's dtype, which would round the fp32
         # moments and master weight of a half parameter; the values are taken from the
         # saved dict instead (copied), fp32, on the parameter's device and in its memory
@@ -179,7 +294,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             elif self.master_weights and p.dtype != torch.float32:
                 st = self.state[p]
                 if "master_param" not in st:
-                    st["master_param"] = restride_like(p.detach(), p, dtype=torch.float32)
+                    dict.__setitem__(st, "master_param",
+                                     restride_like(p.detach(), p, dtype=torch.float32))
                 targets.append(st["master_param"])
                 copies.append(p)
                 models.append(None)
@@ -191,13 +307,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         # Where each row's gradient comes from while amp leaves the half gradients scaled
         # for the step: the model parameter of a master, the parameter itself otherwise.
         lazy_sources = [p if m is None else m for p, m in zip(params, models)]
+        # Everything the plan writes besides state: the targets and the model copies (an
+        # address that moves, as with p.data = ..., must rebuild the plan).
+        written = targets + [c for c in copies if c is not None]
         links = (list(params), targets, copies, models, model_rows,
-                 [params[i] for i in model_rows], lazy_sources)
+                 [params[i] for i in model_rows], lazy_sources, written)
         self._links_cache[gi] = (params, len(params), gen, links)
         return links
 
     def _group_grads(self, links, grad_scale):
-        params, _, _, models, model_rows, masters, lazy_sources = links
+        params, _, _, models, model_rows, masters, lazy_sources, _ = links
         if model_rows and grad_scale is not None:
             # amp left this step's half gradients scaled for us to read directly (without
             # a grad_scale they are stale, not this step's): a master without a gradient
@@ -216,6 +335,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         parameter of the group has a gradient. Cache key: the gradients' addresses and
         strides (torch itself keeps a ``.grad``'s dtype, shape and device equal to its
         parameter's), the targets' addresses and the optimizer's generation."""
+        if not isinstance(self.state, _TrackedStates):  # replaced wholesale by the user
+            self._track_state()
+            self._bump()
         links = self._group_links(gi, group)
         grads = self._group_grads(links, grad_scale)
         try:
@@ -225,8 +347,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients, "
                                    "please consider SparseAdam instead") from None
             raise
-        key = (ptrs, strides, tuple(map(_data_ptr, links[1])), self._generation,
-               self._plan_depends_on(group))
+        key = (ptrs, strides, tuple(map(_data_ptr, links[7])), self._generation,
+               self.state.epoch.value, self._plan_depends_on(group))
         cache = self._plans.get(gi)
         if cache is None:
             cache = self._plans[gi] = SweepCache()
@@ -246,7 +368,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                                      [copies[i] for i in rows], states)
         except Exception:
             for p in fresh:  # a refused step leaves no state behind either
-                self.state.pop(p, None)
+                dict.pop(self.state, p, None)
             raise
         return cache.put(key, prepared)
 
@@ -260,13 +382,15 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _state_for(self, p, target, group):
         """The state of parameter ``p`` (created on first use: fp32, laid out as ``target``)."""
         st = self.state[p]
+        # Created with dict.__setitem__: a plan being built is not a change of state.
         for key in self._STATE_LIKE:
             if key not in st:
-                st[key] = torch.zeros_like(target, dtype=torch.float32,
-                                           memory_format=torch.preserve_format)
+                dict.__setitem__(st, key, torch.zeros_like(target, dtype=torch.float32,
+                                                           memory_format=torch.preserve_format))
         for key in self._STATE_SCALARS:
             if key not in st:
-                st[key] = torch.zeros((), dtype=torch.float32, device=target.device)
+                dict.__setitem__(st, key, torch.zeros((), dtype=torch.float32,
+                                                      device=target.device))
         return st
 
     @torch.no_grad()

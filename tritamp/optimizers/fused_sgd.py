@@ -42,15 +42,18 @@ class FusedSGD(FusedOptimizer):
     def _state_for(self, p, target, group):
         st = self.state[p]
         if group["momentum"] != 0:
+            # Created with dict.__setitem__: a plan being built is not a change of state.
             if "momentum_buffer" not in st:
                 # The buffer starts from the gradient of the first step actually taken:
                 # the device step count (0 until then) decides, so a skipped first step
                 # leaves the buffer unused.
-                st["momentum_buffer"] = torch.zeros_like(target, dtype=torch.float32,
-                                                         memory_format=torch.preserve_format)
-                st["step"] = torch.zeros((), dtype=torch.float32, device=target.device)
+                dict.__setitem__(st, "momentum_buffer", torch.zeros_like(
+                    target, dtype=torch.float32, memory_format=torch.preserve_format))
+                dict.__setitem__(st, "step", torch.zeros((), dtype=torch.float32,
+                                                         device=target.device))
             elif "step" not in st:  # state loaded from torch.optim.SGD: already started
-                st["step"] = torch.ones((), dtype=torch.float32, device=target.device)
+                dict.__setitem__(st, "step", torch.ones((), dtype=torch.float32,
+                                                        device=target.device))
         return st
 
     def _plan_depends_on(self, group):
