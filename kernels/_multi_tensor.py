@@ -27,6 +27,9 @@ The result, a :class:`Prepared`, is what a caller (an optimizer's parameter grou
 scaler) keeps and reuses while its tensors stay the same: launching it uploads and
 re-derives nothing. Kernels read columns by name through :meth:`Sweep.col`.
 """
+import functools
+import operator
+
 import numpy as np
 import torch
 import triton.language as tl
@@ -35,6 +38,8 @@ from ._dispatch import kernel_settings, use_triton
 from ._ref_utils import advance_steps
 
 HALF_OR_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
+_data_ptr = torch.Tensor.data_ptr
+_stride = torch.Tensor.stride
 VECTOR_BYTES = 16
 
 
@@ -148,6 +153,9 @@ def _validate(sweep, lists):
             raise _err(sweep, ValueError, f"unknown list {key!r}; expected {sweep.names}")
     if n == 0:
         return 0
+    lists["_writeback"], lists["_staged"] = [], []
+    if _all_plain(sweep, lists, params):
+        return n
     device = params[0].device
     writeback, staged = [], []
     for i, p in enumerate(params):
@@ -218,6 +226,53 @@ def _validate(sweep, lists):
     lists["_writeback"] = writeback
     lists["_staged"] = staged
     return n
+
+
+_device_of = operator.attrgetter("device")
+_dtype_of = operator.attrgetter("dtype")
+_shape_of = operator.attrgetter("shape")
+_is_none = functools.partial(operator.is_, None)
+
+
+def _all_plain(sweep, lists, params):
+    """The common case in one pass per column (C-level maps, no per-row Python): every
+    tensor present, on one device, of an accepted dtype, contiguous parameters, every
+    partner with its parameter's shape and strides. False sends the lists through the
+    row-by-row checks, which raise the precise error or handle the layout."""
+    try:
+        device = params[0].device
+        if set(map(_device_of, params)) != {device} \
+                or not set(map(_dtype_of, params)) <= set(sweep.columns[0].dtypes) \
+                or not all(map(torch.Tensor.is_contiguous, params)):
+            return False
+        shapes = list(map(_shape_of, params))
+        strides = list(map(_stride, params))
+        for c in sweep.columns[1:]:
+            col = lists.get(c.name)
+            if col is None:
+                continue
+            want_shapes, want_strides = shapes, strides
+            if any(map(_is_none, col)):
+                if not c.optional:
+                    return False
+                rows = [i for i, t in enumerate(col) if t is not None]
+                col = [col[i] for i in rows]
+                want_shapes = [shapes[i] for i in rows]
+                want_strides = [strides[i] for i in rows]
+                if not col:
+                    continue
+            if set(map(_device_of, col)) != {device} \
+                    or not set(map(_dtype_of, col)) <= set(c.dtypes):
+                return False
+            if c.role == "scalar":
+                if list(map(torch.Tensor.numel, col)).count(1) != len(col):
+                    return False
+            elif list(map(_shape_of, col)) != want_shapes \
+                    or list(map(_stride, col)) != want_strides:
+                return False
+    except (AttributeError, TypeError):  # something that is not a tensor: the slow path says
+        return False
+    return True
 
 
 def _upload(array: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -380,10 +435,6 @@ class StagedPrepared:
         return self.prepared.lists
 
 
-_data_ptr = torch.Tensor.data_ptr
-_stride = torch.Tensor.stride
-
-
 def layout_key(tensors):
     """(addresses, strides) of ``tensors`` (None entries allowed): the cheap key under
     which a caller keeps a prepared sweep. For a ``.grad``, torch itself keeps dtype,
@@ -423,10 +474,8 @@ def _borrow(t):
     if construct is None or t.is_sparse:
         return t  # no non-owning storage in this torch: hold it (correct, uses memory)
     storage = t.untyped_storage()
-    alias = torch.empty(0, dtype=t.dtype, device=t.device)
-    alias.set_(construct(storage.data_ptr(), t.device, storage.nbytes()), t.storage_offset(),
-               t.shape, t.stride())
-    return alias
+    return t.new_empty(0).set_(construct(storage.data_ptr(), t.device, storage.nbytes()),
+                               t.storage_offset(), t.shape, t.stride())
 
 
 class SweepCache:
