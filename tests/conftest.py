@@ -85,3 +85,29 @@ def run_without_sync(step, warmup=3, steps=3):
             step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+# Helpers of the multi-tensor engine's kernel tests.
+def all_tensors(*lists):
+    """Every tensor of ``lists`` (None lists and None entries left out)."""
+    return [t for lst in lists if lst is not None for t in lst if t is not None]
+
+
+def snapshot(tensors):
+    return [t.clone() for t in tensors]
+
+
+def assert_bitwise_unchanged(before, tensors):
+    assert len(before) == len(tensors)
+    for i, (b, t) in enumerate(zip(before, tensors)):
+        assert torch.equal(b, t), f"tensor {i} changed"
+
+
+def unaligned_copy(t):
+    """``t``'s values in a dense tensor of its shape whose address is one element past a
+    16-byte boundary: its group takes the masked path (VEC = 1)."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = buf[1:].view(t.shape)
+    out.copy_(t)
+    assert out.data_ptr() % 16 != 0
+    return out

@@ -9,6 +9,7 @@ launches per dtype group.
 """
 import pytest
 import torch
+from conftest import all_tensors, assert_bitwise_unchanged, snapshot, unaligned_copy
 
 import tritamp.kernels._multi_tensor as engine
 import tritamp.kernels.l2norm as l2norm_mod
@@ -57,28 +58,12 @@ def _randn(shape, dtype=torch.float32, seed=0):
     return torch.randn(shape, generator=g).to(dtype).to(DEVICE)
 
 
-def _everything(*lists):
-    return [t for lst in lists if lst is not None for t in lst if t is not None]
 
 
-def _snapshot(tensors):
-    return [t.clone() for t in tensors]
 
 
-def _assert_bitwise_unchanged(before, tensors):
-    assert len(before) == len(tensors)
-    for i, (b, t) in enumerate(zip(before, tensors)):
-        assert torch.equal(b, t), f"tensor {i} changed"
 
 
-def _unaligned(t):
-    """``t``'s values in a dense tensor of its shape whose address is one element past a
-    16-byte boundary: its group takes the masked path (VEC = 1)."""
-    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-    out = buf[1:].view(t.shape)
-    out.copy_(t)
-    assert out.data_ptr() % 16 != 0
-    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -93,12 +78,12 @@ def test_state_of_another_shape_same_numel_is_refused_and_nothing_is_written(whi
     copies = [p.half() for p in params]
     state = {"exp_avgs": m, "exp_avg_sqs": v}[bad]
     state[1] = torch.zeros(10, 6, device=DEVICE)  # same numel, another shape
-    tensors = _everything(params, grads, m, v, steps, copies)
-    before = _snapshot(tensors)
+    tensors = all_tensors(params, grads, m, v, steps, copies)
+    before = snapshot(tensors)
     with pytest.raises(ValueError, match=rf"{bad}\[1\] has shape \(10, 6\) but params\[1\] "
                                          r"has shape \(6, 10\)"):
         _run(which, params, grads, m, v, steps, copies)
-    _assert_bitwise_unchanged(before, tensors)
+    assert_bitwise_unchanged(before, tensors)
 
 
 def test_novograd_second_moment_of_several_elements_is_refused():
@@ -106,12 +91,12 @@ def test_novograd_second_moment_of_several_elements_is_refused():
     grads = [_randn(p.shape, seed=3) for p in params]
     m, v, steps = _state("novograd", params)
     v[1] = torch.zeros(7, device=DEVICE)
-    tensors = _everything(params, grads, m, v, steps)
-    before = _snapshot(tensors)
+    tensors = all_tensors(params, grads, m, v, steps)
+    before = snapshot(tensors)
     with pytest.raises(ValueError, match=r"exp_avg_sqs\[1\] has shape \(7,\), expected a "
                                          "one-element tensor"):
         _run("novograd", params, grads, m, v, steps)
-    _assert_bitwise_unchanged(before, tensors)
+    assert_bitwise_unchanged(before, tensors)
 
 
 @pytest.mark.parametrize("which", list(OPS))
@@ -120,22 +105,22 @@ def test_non_dense_parameter_is_refused_and_nothing_is_written(which):
     params = [_randn((5,), seed=1), base[:, ::2]]  # a strided view: every other column
     grads = [_randn(p.shape, seed=5 + i) for i, p in enumerate(params)]
     m, v, steps = _state(which, [p.contiguous() for p in params])
-    tensors = _everything([base, params[0]], grads, m, v, steps)
-    before = _snapshot(tensors)
+    tensors = all_tensors([base, params[0]], grads, m, v, steps)
+    before = snapshot(tensors)
     with pytest.raises(ValueError, match=r"params\[1\] of shape \(8, 4\) has strides \(8, 2\)"):
         _run(which, params, grads, m, v, steps)
-    _assert_bitwise_unchanged(before, tensors)
+    assert_bitwise_unchanged(before, tensors)
 
 
 def test_bad_norm_type_is_refused_before_anything_is_written():
     params = [_randn((5,), seed=1)]
     grads = [_randn((5,), seed=2)]
     m, v, steps = _state("novograd", params)
-    tensors = _everything(params, m, v, steps)
-    before = _snapshot(tensors)
+    tensors = all_tensors(params, m, v, steps)
+    before = snapshot(tensors)
     with pytest.raises(ValueError, match="norm_type must be 2"):
         novograd_step(params, grads, m, v, steps, norm_type=1, **NOVOGRAD_KW)
-    _assert_bitwise_unchanged(before, tensors)
+    assert_bitwise_unchanged(before, tensors)
 
 
 # --------------------------------------------------------------------------------------
@@ -158,7 +143,7 @@ def test_column_major_gradient_matches_contiguous(which):
             assert torch.equal(grads[0], before)  # the gradient is read, never written
             if layout == "column_major":
                 assert grads[0].stride() == (1, 6)
-        results.append(_everything(params, m, v, steps))
+        results.append(all_tensors(params, m, v, steps))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
@@ -186,10 +171,10 @@ def _aligned_case(which, unaligned, master):
     copies = [p.to(gdt) for p in params] if master else None
     m, v, steps = _state(which, params)
     if unaligned:
-        params, grads, m = ([_unaligned(t) for t in lst] for lst in (params, grads, m))
+        params, grads, m = ([unaligned_copy(t) for t in lst] for lst in (params, grads, m))
         if not OPS[which][3]:
-            v = [_unaligned(t) for t in v]
-        copies = [_unaligned(t) for t in copies] if copies else None
+            v = [unaligned_copy(t) for t in v]
+        copies = [unaligned_copy(t) for t in copies] if copies else None
     prepare = lamb_prepare if which == "lamb" else novograd_prepare
     prepared = prepare(params, grads, m, v, steps, copies)
     vec = {g.constexprs["VEC"] for g in prepared.prepared.groups}
@@ -201,7 +186,7 @@ def _aligned_case(which, unaligned, master):
         lamb_launch(prepared, **kw)
     else:
         novograd_launch(prepared, **kw)
-    return _everything(params, m, v, steps, copies)
+    return all_tensors(params, m, v, steps, copies)
 
 
 @pytest.mark.parametrize("master", [True, False], ids=["fp32-master-fp16-grads", "fp32"])
@@ -217,7 +202,7 @@ def test_aligned_and_unaligned_groups_agree_bit_for_bit(which, master):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_l2norm_aligned_and_unaligned_agree_bit_for_bit(dtype):
     xs = [_randn(s, dtype, seed=i) for i, s in enumerate(ALIGNED_SHAPES)]
-    odd = [_unaligned(x) for x in xs]
+    odd = [unaligned_copy(x) for x in xs]
     pa, pu = multi_tensor_l2norm_prepare(xs), multi_tensor_l2norm_prepare(odd)
     assert {g.constexprs["VEC"] for g in pa.prepared.groups} == {16 // xs[0].element_size()}
     assert {g.constexprs["VEC"] for g in pu.prepared.groups} == {1}
@@ -281,7 +266,7 @@ def test_prepared_launch_uploads_nothing_and_matches_fresh_steps(which, steady):
                 for _ in range(2):
                     launch(prepared, **kw)
         assert all(float(s) == 5.0 for s in steps)
-        runs.append(_everything(params, m, v, steps, copies))
+        runs.append(all_tensors(params, m, v, steps, copies))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 
@@ -306,15 +291,15 @@ def test_skipped_step_through_a_prepared_sweep_leaves_no_trace(which):
     params = [_randn((5,), seed=1), _randn((4099,), seed=2)]
     grads = [_randn(p.shape, seed=3) for p in params]
     m, v, steps = _state(which, params)
-    tensors = _everything(params, grads, m, v, steps)
-    before = _snapshot(tensors)
+    tensors = all_tensors(params, grads, m, v, steps)
+    before = snapshot(tensors)
     prepare, launch = ((lamb_prepare, lamb_launch) if which == "lamb"
                        else (novograd_prepare, novograd_launch))
     kw = dict(OPS[which][2], found_inf=torch.ones((), device=DEVICE))
     if which == "lamb":
         kw["global_grad_norm"] = multi_tensor_l2norm(grads)[0]
     launch(prepare(params, grads, m, v, steps), **kw)
-    _assert_bitwise_unchanged(before, tensors)
+    assert_bitwise_unchanged(before, tensors)
 
 
 @pytest.mark.parametrize("which", list(OPS))
@@ -326,7 +311,7 @@ def test_empty_tensors_count_their_step_like_the_reference(which):
         m, v, steps = _state(which, params)
         _run(which, params, grads, m, v, steps, fn=fn)
         assert [float(s) for s in steps] == [3.0, 3.0]
-        outs.append(_everything(params, m, v))
+        outs.append(all_tensors(params, m, v))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     params = [torch.zeros(0, device=DEVICE)]
@@ -347,7 +332,7 @@ def test_copies_may_be_none_per_row(which):
         _run(which, params, grads, m, v, steps, copies, fn=fn)
         assert torch.equal(copies[0], params[0].half())
         assert torch.equal(copies[2], params[2].bfloat16())
-        outs.append(_everything(params, m, v, steps, copies))
+        outs.append(all_tensors(params, m, v, steps, copies))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 

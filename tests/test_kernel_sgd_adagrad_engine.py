@@ -13,6 +13,7 @@ from unittest import mock
 
 import pytest
 import torch
+from conftest import all_tensors, assert_bitwise_unchanged, snapshot, unaligned_copy
 
 from tritamp.kernels import use_triton
 from tritamp.kernels.adagrad import (adagrad_launch, adagrad_prepare, adagrad_step,
@@ -75,18 +76,10 @@ def _launch(which, prepared, **extra):
         adagrad_launch(prepared, **dict(ADAGRAD_KW, **extra))
 
 
-def _everything(*lists):
-    return [t for lst in lists if lst is not None for t in lst if t is not None]
 
 
-def _snapshot(tensors):
-    return [t.clone() for t in tensors]
 
 
-def _assert_bitwise_unchanged(before, tensors):
-    assert len(before) == len(tensors)
-    for i, (b, t) in enumerate(zip(before, tensors)):
-        assert torch.equal(b, t), f"tensor {i} changed"
 
 
 def _assert_same(actual, expected, what):
@@ -97,14 +90,6 @@ def _assert_same(actual, expected, what):
         torch.testing.assert_close(actual, expected, rtol=2e-6, atol=1e-7, msg=what)
 
 
-def _unaligned(t):
-    """``t``'s values in a dense tensor of its shape whose address is one element past a
-    16-byte boundary: its group takes the masked path (VEC = 1)."""
-    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-    out = buf[1:].view(t.shape)
-    out.copy_(t)
-    assert out.data_ptr() % 16 != 0
-    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -117,13 +102,13 @@ def test_state_of_another_shape_same_numel_is_refused_and_nothing_is_written(whi
     state, steps = _state(params), _steps(params)
     copies = [p.half() for p in params]
     state[1] = torch.zeros(10, 6, device=DEVICE)  # same numel, another shape
-    tensors = _everything(params, grads, state, steps, copies)
-    before = _snapshot(tensors)
+    tensors = all_tensors(params, grads, state, steps, copies)
+    before = snapshot(tensors)
     name = STATE_NAME[which]
     with pytest.raises(ValueError, match=rf"{name}\[1\] has shape \(10, 6\) but params\[1\] "
                                          r"has shape \(6, 10\)"):
         _run(which, params, grads, state, copies, steps)
-    _assert_bitwise_unchanged(before, tensors)
+    assert_bitwise_unchanged(before, tensors)
 
 
 @pytest.mark.parametrize("which", OPS)
@@ -132,12 +117,12 @@ def test_half_state_is_refused_with_a_type_error_and_nothing_is_written(which):
     grads = [_randn(p.shape, seed=3 + i) for i, p in enumerate(params)]
     state, steps = _state(params), _steps(params)
     state[1] = state[1].half()
-    tensors = _everything(params, grads, state, steps)
-    before = _snapshot(tensors)
+    tensors = all_tensors(params, grads, state, steps)
+    before = snapshot(tensors)
     name = STATE_NAME[which]
     with pytest.raises(TypeError, match=rf"{name}\[1\] is float16, expected float32"):
         _run(which, params, grads, state, steps=steps)
-    _assert_bitwise_unchanged(before, tensors)
+    assert_bitwise_unchanged(before, tensors)
 
 
 @pytest.mark.parametrize("which", OPS)
@@ -147,11 +132,11 @@ def test_non_dense_parameter_is_refused_and_nothing_is_written(which):
     grads = [_randn(p.shape, seed=5 + i) for i, p in enumerate(params)]
     state = _state([p.contiguous() for p in params])
     steps = _steps(params)
-    tensors = _everything([base, params[0]], grads, state, steps)
-    before = _snapshot(tensors)
+    tensors = all_tensors([base, params[0]], grads, state, steps)
+    before = snapshot(tensors)
     with pytest.raises(ValueError, match=r"params\[1\] of shape \(8, 4\) has strides \(8, 2\)"):
         _run(which, params, grads, state, steps=steps)
-    _assert_bitwise_unchanged(before, tensors)
+    assert_bitwise_unchanged(before, tensors)
 
 
 def test_sgd_step_count_of_another_shape_is_refused():
@@ -159,11 +144,11 @@ def test_sgd_step_count_of_another_shape_is_refused():
     grads = [_randn(p.shape, seed=3) for p in params]
     bufs, steps = _state(params), _steps(params)
     steps[0] = torch.zeros(2, device=DEVICE)
-    tensors = _everything(params, bufs, steps)
-    before = _snapshot(tensors)
+    tensors = all_tensors(params, bufs, steps)
+    before = snapshot(tensors)
     with pytest.raises(ValueError, match=r"steps\[0\] has shape \(2,\), expected a one-element"):
         _run("sgd", params, grads, bufs, steps=steps)
-    _assert_bitwise_unchanged(before, tensors)
+    assert_bitwise_unchanged(before, tensors)
 
 
 def test_sgd_momentum_without_a_buffer_is_refused_and_nothing_is_written():
@@ -171,11 +156,11 @@ def test_sgd_momentum_without_a_buffer_is_refused_and_nothing_is_written():
     grads = [_randn(p.shape, seed=3) for p in params]
     bufs, steps = _state(params), _steps(params)
     bufs[1] = None
-    tensors = _everything(params, bufs, steps)
-    before = _snapshot(tensors)
+    tensors = all_tensors(params, bufs, steps)
+    before = snapshot(tensors)
     with pytest.raises(ValueError, match=r"momentum_buffers\[1\] is None"):
         _run("sgd", params, grads, bufs, steps=steps)
-    _assert_bitwise_unchanged(before, tensors)
+    assert_bitwise_unchanged(before, tensors)
     # without momentum the buffers are not needed
     _run("sgd", params, grads, bufs, steps=steps, momentum=0.0)
     assert [s.item() for s in steps] == [3.0, 3.0]
@@ -201,7 +186,7 @@ def test_column_major_gradient_matches_contiguous(which):
             assert torch.equal(grads[0], before)  # the gradient is read, never written
             if layout == "column_major":
                 assert grads[0].stride() == (1, 6)
-        results.append(_everything(params, state, steps))
+        results.append(all_tensors(params, state, steps))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
@@ -221,8 +206,8 @@ def _aligned_case(which, unaligned, master, relaunch=1):
     copies = [p.to(gdt) for p in params] if master else None
     state, steps = _state(params), _steps(params, 0.0)
     if unaligned:
-        params, grads, state = ([_unaligned(t) for t in lst] for lst in (params, grads, state))
-        copies = [_unaligned(t) for t in copies] if copies else None
+        params, grads, state = ([unaligned_copy(t) for t in lst] for lst in (params, grads, state))
+        copies = [unaligned_copy(t) for t in copies] if copies else None
     prepared = _prepare(which, params, grads, state, copies, steps)
     vec = {g.constexprs["VEC"] for g in prepared.groups}
     assert vec == ({1} if unaligned else {8 if master else 4})
@@ -232,7 +217,7 @@ def _aligned_case(which, unaligned, master, relaunch=1):
         for i, g in enumerate(grads):  # each step's gradient, in place (a kept plan)
             g.copy_(_randn(g.shape, seed=100 * k + i) * 1024.0)
         _launch(which, prepared, **kw)
-    return [t.contiguous() for t in _everything(params, state, copies, steps)]
+    return [t.contiguous() for t in all_tensors(params, state, copies, steps)]
 
 
 @pytest.mark.parametrize("master", [False, True], ids=["fp32", "master-fp16"])
@@ -339,7 +324,7 @@ def test_prepared_sweep_relaunched_equals_fresh_steps(which):
             g.copy_(_randn(g.shape, seed=10 * k + i))
         _launch(which, prepared)
         _run(which, fresh[0], grads, fresh[1], steps=fresh[2])
-    for a, b in zip(_everything(*ours), _everything(*fresh)):
+    for a, b in zip(all_tensors(*ours), all_tensors(*fresh)):
         assert torch.equal(a, b)
     assert [s.item() for s in ours[2]] == [3.0] * 3
 
@@ -399,5 +384,5 @@ def test_lr_as_one_element_tensor(which):
     lr = torch.full((1,), 0.05, device=DEVICE)
     _run(which, ours[0], grads, ours[1], steps=ours[2], lr=lr)
     _run_ref(which, ref[0], grads, ref[1], steps=ref[2], lr=lr)
-    for a, b in zip(_everything(*ours), _everything(*ref)):
+    for a, b in zip(all_tensors(*ours), all_tensors(*ref)):
         _assert_same(a, b, "tensor")
