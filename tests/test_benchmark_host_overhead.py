@@ -1,0 +1,30 @@
+"""benchmarks/host_overhead.py --quick runs on CPU without a GPU and reports the launch
+counts that do not vary: 3 per dtype group for an O2 FusedAdam step (check, Adam, and the
+scale update with the scaler's snapshot copy) and no host read."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_quick_run_reports_launches_and_times(tmp_path):
+    pytest.importorskip("torchvision")
+    out = tmp_path / "host_overhead.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "host_overhead.py"),
+                           "--quick", "--rounds", "1", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| O2 FusedAdam fp16 | same |" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    adam = next(r for r in rows if r["config"] == "O2 FusedAdam fp16" and r["regime"] == "same")
+    assert adam["error"] is None
+    assert adam["steady"]["median_us"] > 0
+    assert adam["launches"]["per_group"] == 3.0
+    assert adam["launches"]["torch_host_reads"] == {}
+    torch_row = next(r for r in rows if r["optimizer"] == "torch")
+    assert torch_row["error"] is None and torch_row["steady"]["median_us"] > 0
