@@ -296,21 +296,22 @@ class GroupPlan:
             present[c.name] = col is not None and col[rows[0]] is not None
             cols.append([col[i] for i in rows] if present[c.name] else None)
         params = cols[0]
-        numels = [p.numel() for p in params]
         meta = np.zeros((n, sweep.ncols + 1), dtype=np.int64)
-        aligned = True
+        data_columns = []
         min_size = 16
         for j, col in enumerate(cols):
             if col is None:
                 continue
-            ptrs = [t.data_ptr() for t in col]
-            meta[:, j] = ptrs
+            meta[:, j] = list(map(_data_ptr, col))
             if sweep.columns[j].role != "scalar":
-                aligned = aligned and all(a % VECTOR_BYTES == 0 for a in ptrs)
+                data_columns.append(j)
                 min_size = min(min_size, col[0].element_size())
-        meta[:, -1] = numels
+        meta[:, -1] = list(map(torch.Tensor.numel, params))
         vec = VECTOR_BYTES // min_size
-        aligned = aligned and all(k % vec == 0 for k in numels)
+        # Decided here, once: every data address 16-byte aligned, every numel a multiple
+        # of the vector width (the kernel is then told so and issues 16-byte accesses).
+        aligned = bool((meta[:, data_columns] % VECTOR_BYTES == 0).all()
+                       and (meta[:, -1] % vec == 0).all())
         per_tensor = (meta[:, -1] + block - 1) // block
         total = int(per_tensor.sum())
         starts = np.cumsum(per_tensor) - per_tensor
@@ -366,18 +367,21 @@ class Prepared:
         block, warps, emulate = kernel_settings(self.device)
         if block_settings is not None:
             block, warps = block_settings(block, warps)
-        typed = [c for c in sweep.columns if c.typed or c.optional]
+        # Group key per row: the dtype of each typed or optional column (None if absent),
+        # one map per column rather than a Python loop over columns per row.
+        keys = []
+        for c in sweep.columns:
+            if not (c.typed or c.optional):
+                continue
+            col = lists.get(c.name)
+            if col is not None:
+                keys.append([None if t is None else t.dtype for t in col])
         groups = {}
-        for i, p in enumerate(params):
-            if p.numel() == 0:
+        for i, (numel, key) in enumerate(zip(map(torch.Tensor.numel, params), zip(*keys))):
+            if numel == 0:
                 self.empty_rows.append(i)
                 continue
-            key = []
-            for c in typed:
-                col = lists.get(c.name)
-                t = None if col is None else col[i]
-                key.append(None if t is None else t.dtype)
-            groups.setdefault(tuple(key), []).append(i)
+            groups.setdefault(key, []).append(i)
         self.groups = [GroupPlan(sweep, lists, rows, self.device, block, warps, emulate)
                        for rows in groups.values()]
 
