@@ -60,7 +60,3 @@ def elementwise_settings(device: torch.device):
     """(block, num_warps) of :func:`kernel_settings`."""
     block, warps, _ = kernel_settings(device)
     return block, warps
-
-
-def emulate_bf16_rounding(device: torch.device) -> bool:
-    return kernel_settings(device)[2]

@@ -88,11 +88,11 @@ class Sweep:
     def row_width(self):
         return tl.constexpr(self.ncols + 1)
 
-    def prepare(self, lists, block_settings=None):
+    def prepare(self, lists):
         """Validate ``lists`` (column name -> list of tensors, or None for an absent
         optional column) and build the launch plans. Raises before anything is written."""
         rows = _validate(self, lists)
-        return Prepared(self, lists, rows, block_settings)
+        return Prepared(self, lists, rows)
 
 
 def _dense(t):
@@ -347,7 +347,7 @@ class Prepared:
     __slots__ = ("sweep", "_lists", "n", "groups", "writeback", "staged", "triton", "device",
                  "empty_rows")
 
-    def __init__(self, sweep, lists, n, block_settings=None):
+    def __init__(self, sweep, lists, n):
         self.sweep = sweep
         self.writeback = lists.pop("_writeback", [])
         self.staged = lists.pop("_staged", [])
@@ -365,8 +365,6 @@ class Prepared:
         if not self.triton:
             return
         block, warps, emulate = kernel_settings(self.device)
-        if block_settings is not None:
-            block, warps = block_settings(block, warps)
         # Group key per row: the dtype of each typed or optional column (None if absent),
         # one map per column rather than a Python loop over columns per row.
         keys = []
@@ -396,14 +394,17 @@ class Prepared:
         self.stage()
         return self._lists
 
-    def launch(self, kernel, args, constexprs=None, grid_extra=()):
+    def launch(self, kernel, args, constexprs=None, group_args=None):
         """Launch ``kernel`` once per group as
-        ``kernel[(n_blocks, *grid_extra)](meta, blocks, counters, *protos, *args, **cx)``."""
+        ``kernel[(n_blocks,)](meta, blocks, counters, *protos, *group_args[k], *args, **cx)``;
+        ``group_args`` (optional) gives group ``k`` leading arguments of its own (its slice
+        of a shared buffer of partial results)."""
         self.stage()
-        for g in self.groups:
+        for k, g in enumerate(self.groups):
             cx = g.constexprs if constexprs is None else {**g.constexprs, **constexprs}
-            kernel[(g.n_blocks,) + tuple(grid_extra)](
-                g.meta, g.blocks, g.counters, *g.protos, *args, num_warps=g.warps, **cx)
+            lead = () if group_args is None else group_args[k]
+            kernel[(g.n_blocks,)](g.meta, g.blocks, g.counters, *g.protos, *lead, *args,
+                                  num_warps=g.warps, **cx)
         self.finish()
 
     def finish(self):
@@ -504,9 +505,6 @@ class SweepCache:
         self.builds += 1
         return prepared
 
-    def clear(self):
-        self.key = None
-        self.prepared = None
 
 
 _constants = {}

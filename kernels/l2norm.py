@@ -198,15 +198,6 @@ class SegmentLayout:
         self.result_runs = result_runs + [(0, 0)] * (self.n_results - len(result_runs))
 
 
-def launch_groups(prepared, kernel, group_args, args, constexprs):
-    """:meth:`Prepared.launch` with per-group leading arguments: group ``k`` gets
-    ``kernel[(n_blocks,)](meta, blocks, counters, *protos, *group_args[k], *args, **cx)``
-    (each group writes its own slice of a shared partials or results buffer)."""
-    prepared.stage()
-    for g, extra in zip(prepared.groups, group_args):
-        kernel[(g.n_blocks,)](g.meta, g.blocks, g.counters, *g.protos, *extra, *args,
-                              num_warps=g.warps, **{**g.constexprs, **constexprs})
-
 
 class L2NormPrepared(StagedPrepared):
     """A prepared :data:`L2NORM` sweep with its segment table and partials buffer.
@@ -250,9 +241,10 @@ def multi_tensor_l2norm_launch(prepared, per_tensor=False, scale=None, found_inf
     if not prepared.triton or prepared.n == 0:
         return multi_tensor_l2norm_ref(prepared.lists.get("tensors", []), per_tensor, scale,
                                        found_inf)
-    launch_groups(prepared.prepared, _l2norm_partial_kernel, prepared.group_partials,
-                  (scale if scale is not None else prepared.partials,),
-                  dict(HAS_SCALE=scale is not None))
+    prepared.prepared.launch(_l2norm_partial_kernel,
+                             (scale if scale is not None else prepared.partials,),
+                             dict(HAS_SCALE=scale is not None),
+                             group_args=prepared.group_partials)
     n_out = prepared.n + 1 if per_tensor else 1
     out = torch.empty((1, n_out), dtype=torch.float32, device=prepared.device)
     reduce_segments(prepared.partials, prepared.segments, n_out, sqrt=True, out=out,

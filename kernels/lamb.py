@@ -49,7 +49,7 @@ from ._ref_utils import advance_steps, f32 as _f32
 from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step, load_f32,
                         load_grad, load_lr, scalar_ptr, store_param, sweep_block, tensor_step,
                         unscale_factor)
-from .l2norm import SegmentLayout, launch_groups, reduce_segments, segment_pairs
+from .l2norm import SegmentLayout, reduce_segments, segment_pairs
 
 LAMB = Sweep("lamb_step", [
     Column("params", "param"), Column("grads", "grad"), Column("exp_avgs", "state"),
@@ -257,20 +257,20 @@ def lamb_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=Tr
                  HAS_DECAY=has_decay, USE_RATIO=use_ratio,
                  BIAS_CORRECTION=bool(bias_correction))
     skip = found_inf if found_inf is not None else anchor
-    launch_groups(prepared.prepared, _lamb_moments_kernel, prepared.moments_args, (
+    prepared.prepared.launch(_lamb_moments_kernel, (
         betas, float(beta1), 1.0 - beta1 if grad_averaging else 1.0, float(beta2), 1.0 - beta2,
         float(eps), float(weight_decay),
         global_grad_norm if global_grad_norm is not None else anchor,
         float(max_grad_norm or 0.0), grad_scale if grad_scale is not None else anchor, skip),
         # HAS_COPIES=False: this stage writes no copy.
         dict(flags, HAS_CLIP=global_grad_norm is not None, HAS_SCALE=grad_scale is not None,
-             HAS_COPIES=False))
+             HAS_COPIES=False), group_args=prepared.moments_args)
     if use_ratio:
         reduce_segments(prepared.partials, prepared.segments, prepared.norms.shape[1],
                         sqrt=True, out=prepared.norms)
-    launch_groups(prepared.prepared, _lamb_apply_kernel, prepared.apply_args, (
-        lr, betas, float(eps), float(weight_decay), skip),
-        dict(flags, LR_IS_TENSOR=isinstance(lr, torch.Tensor)))
+    prepared.prepared.launch(_lamb_apply_kernel, (lr, betas, float(eps), float(weight_decay), skip),
+                             dict(flags, LR_IS_TENSOR=isinstance(lr, torch.Tensor)),
+                             group_args=prepared.apply_args)
 
 
 @torch.no_grad()

@@ -45,7 +45,7 @@ from ._ref_utils import advance_steps, f32 as _f32
 from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step, load_f32,
                         load_grad, load_lr, scalar_ptr, store_param, sweep_block, tensor_step,
                         unscale_factor)
-from .l2norm import SEGMENT_BLOCK, SegmentLayout, launch_groups
+from .l2norm import SEGMENT_BLOCK, SegmentLayout
 
 NOVOGRAD = Sweep("novograd_step", [
     Column("params", "param"), Column("grads", "grad"), Column("exp_avgs", "state"),
@@ -259,10 +259,11 @@ def novograd_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, reg_inside
     scale = grad_scale if grad_scale is not None else anchor
     skip = found_inf if found_inf is not None else anchor
     has_inf = found_inf is not None
-    launch_groups(prepared.prepared, _novograd_norm_kernel, prepared.norm_args, (scale, skip),
-                  # HAS_COPIES=False: this stage writes no copy.
-                  dict(HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=has_inf,
-                       MAX_NORM=max_norm, HAS_COPIES=False))
+    prepared.prepared.launch(_novograd_norm_kernel, (scale, skip),
+                             # HAS_COPIES=False: this stage writes no copy.
+                             dict(HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=has_inf,
+                                  MAX_NORM=max_norm, HAS_COPIES=False),
+                             group_args=prepared.norm_args)
     _novograd_blend_kernel[(prepared.n_tensors,)](
         prepared.tensors, prepared.partials, float(beta2), 1.0 - beta2, skip,
         HAS_FOUND_INF=has_inf, MAX_NORM=max_norm, INIT_ZERO=bool(init_zero),
