@@ -132,6 +132,27 @@ class _TrackedStates(collections.defaultdict):
         return (collections.defaultdict, (dict, {k: dict(v) for k, v in self.items()}))
 
 
+class _GroupLinks:
+    """What each parameter of a group reads and writes in a step (see
+    :meth:`FusedOptimizer._links`)."""
+    __slots__ = ("params", "targets", "copies", "models", "model_rows", "masters",
+                 "lazy_sources", "written")
+
+    def __init__(self, params, targets, copies, models):
+        self.params = list(params)
+        self.targets = targets            # what the step updates: the parameter or a master
+        self.copies = copies              # the half copy written in the same pass, or None
+        self.models = models              # amp's model parameter of a master, or None
+        self.model_rows = [i for i, m in enumerate(models) if m is not None]
+        self.masters = [self.params[i] for i in self.model_rows]
+        # Where each row's gradient comes from while amp leaves the half gradients scaled
+        # for the step: the model parameter of a master, the parameter itself otherwise.
+        self.lazy_sources = [p if m is None else m for p, m in zip(self.params, models)]
+        # Everything the plan writes besides state (an address that moves, as with
+        # p.data = ..., must rebuild the plan).
+        self.written = targets + [c for c in copies if c is not None]
+
+
 class FusedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
     _tritamp_writes_model_copies = True
@@ -273,9 +294,8 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # -- the step: per group a cached plan, rebuilt only when its tensors change ---------------
     def _links(self, gi, group):
-        """Per group, what each parameter's step reads and writes, cached until the group's
-        parameters or the optimizer's state change: (params, targets, copies, models).
-
+        """Per group, what each parameter's step reads and writes (:class:`_GroupLinks`),
+        cached until the group's parameters or the optimizer's generation change.
         ``models[i]`` is the half model parameter of amp's fp32 master ``params[i]``
         (whose gradient the step reads while the master has none), else None."""
         cache = self._links_cache.get(gi)
@@ -303,38 +323,30 @@ class FusedOptimizer(torch.optim.Optimizer):
                 targets.append(p)
                 copies.append(None)
                 models.append(None)
-        model_rows = [i for i, m in enumerate(models) if m is not None]
-        # Where each row's gradient comes from while amp leaves the half gradients scaled
-        # for the step: the model parameter of a master, the parameter itself otherwise.
-        lazy_sources = [p if m is None else m for p, m in zip(params, models)]
-        # Everything the plan writes besides state: the targets and the model copies (an
-        # address that moves, as with p.data = ..., must rebuild the plan).
-        written = targets + [c for c in copies if c is not None]
-        links = (list(params), targets, copies, models, model_rows,
-                 [params[i] for i in model_rows], lazy_sources, written)
+        links = _GroupLinks(params, targets, copies, models)
         self._links_cache[gi] = (params, len(params), gen, links)
         return links
 
     def _group_grads(self, links, grad_scale):
-        params, _, _, models, model_rows, masters, lazy_sources, _ = links
-        if model_rows and grad_scale is not None:
+        if links.model_rows and grad_scale is not None:
             # amp left this step's half gradients scaled for us to read directly (without
             # a grad_scale they are stale, not this step's): a master without a gradient
             # of its own reads its model parameter's.
-            if not any(map(_is_not_none, map(_grad_of, masters))):
-                return list(map(_grad_of, lazy_sources))
-            grads = list(map(_grad_of, params))
-            for i in model_rows:
+            if not any(map(_is_not_none, map(_grad_of, links.masters))):
+                return list(map(_grad_of, links.lazy_sources))
+            grads = list(map(_grad_of, links.params))
+            for i in links.model_rows:
                 if grads[i] is None:
-                    grads[i] = models[i].grad
+                    grads[i] = links.models[i].grad
             return grads
-        return list(map(_grad_of, params))
+        return list(map(_grad_of, links.params))
 
     def _group_plan(self, gi, group, grad_scale):
         """The prepared sweep of group ``gi`` for this step's gradients, or None when no
         parameter of the group has a gradient. Cache key: the gradients' addresses and
-        strides (torch itself keeps a ``.grad``'s dtype, shape and device equal to its
-        parameter's), the targets' addresses and the optimizer's generation."""
+        strides, one entry per parameter (torch itself keeps a ``.grad``'s dtype, shape
+        and device equal to its parameter's), the addresses of what the step writes, the
+        optimizer's generation and its state's epoch."""
         if not isinstance(self.state, _TrackedStates):  # replaced wholesale by the user
             self._track_state()
             self._bump()
@@ -347,7 +359,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients, "
                                    "please consider SparseAdam instead") from None
             raise
-        key = (ptrs, strides, tuple(map(_data_ptr, links[7])), self._generation,
+        key = (ptrs, strides, tuple(map(_data_ptr, links.written)), self._generation,
                self.state.epoch.value, self._plan_depends_on(group))
         cache = self._plans.get(gi)
         if cache is None:
@@ -358,7 +370,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         rows = [i for i, g in enumerate(grads) if g is not None]
         if not rows:
             return cache.put(key, None)
-        params, targets, copies = links[:3]
+        params, targets, copies = links.params, links.targets, links.copies
         rows_targets = [targets[i] for i in rows]
         fresh = [params[i] for i in rows if not self.state.get(params[i])]
         try:
@@ -407,9 +419,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         for group, prepared in zip(self.param_groups, plans):
             if prepared is not None:
                 self._launch(group, prepared, grad_scale, found_inf, **extra)
-                finish = getattr(prepared, "finish", None)
-                if finish is not None:
-                    finish()
         return loss
 
     def _plan_depends_on(self, group):
