@@ -507,6 +507,20 @@ class SweepCache:
 
 
 
+def zero_grads_(grads):
+    """Zero gradients in place as ``Optimizer.zero_grad(set_to_none=False)`` does (each
+    detached from any graph first), with one foreach launch per (device, dtype)."""
+    by_kind = {}
+    for g in grads:
+        if g.grad_fn is not None:
+            g.detach_()
+        else:
+            g.requires_grad_(False)
+        by_kind.setdefault((g.device, g.dtype), []).append(g)
+    for same in by_kind.values():
+        torch._foreach_zero_(same)
+
+
 _constants = {}
 
 

@@ -17,7 +17,7 @@ import types
 import torch
 
 from tritamp import kernels as K
-from tritamp.kernels._multi_tensor import SweepCache, borrowed, layout_key
+from tritamp.kernels._multi_tensor import SweepCache, borrowed, layout_key, zero_grads_
 
 _grad_of = operator.attrgetter("grad")
 _is_none = functools.partial(operator.is_, None)
@@ -299,17 +299,7 @@ def _new_zero_grad(old_zero_grad):
             for p in stash.model_params:
                 p.grad = None
         else:
-            grads = [p.grad for p in stash.model_params if p.grad is not None]
-            for g in grads:
-                if g.grad_fn is not None:
-                    g.detach_()
-                else:
-                    g.requires_grad_(False)
-            by_kind = {}
-            for g in grads:
-                by_kind.setdefault((g.device, g.dtype), []).append(g)
-            for same in by_kind.values():
-                torch._foreach_zero_(same)
+            zero_grads_([p.grad for p in stash.model_params if p.grad is not None])
         stash.finish_step()
         # What the optimizer's own zero_grad did decides: gradients still present are zeros.
         stash.grads_zeroed = any(p.grad is not None for p in stash.plain_params) or (

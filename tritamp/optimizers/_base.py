@@ -24,7 +24,8 @@ from itertools import chain
 import torch
 
 from tritamp.amp._model import MODEL_ATTR
-from tritamp.kernels._multi_tensor import SweepCache, borrowed, layout_key, restride_like
+from tritamp.kernels._multi_tensor import (SweepCache, borrowed, layout_key, restride_like,
+                                           zero_grads_)
 
 _data_ptr = torch.Tensor.data_ptr
 _grad_of = operator.attrgetter("grad")
@@ -222,19 +223,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 for p in group["params"]:
                     p.grad = None
             return
-        by_kind = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                g = p.grad
-                if g is None:
-                    continue
-                if g.grad_fn is not None:
-                    g.detach_()
-                else:
-                    g.requires_grad_(False)
-                by_kind.setdefault((g.device, g.dtype), []).append(g)
-        for grads in by_kind.values():
-            torch._foreach_zero_(grads)
+        zero_grads_([p.grad for group in self.param_groups for p in group["params"]
+                     if p.grad is not None])
 
     def _bump(self):
         """Something the cached step plans depend on changed: rebuild them at the next step."""
