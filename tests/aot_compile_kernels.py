@@ -36,8 +36,13 @@ def compile_one(fn, signature, constexprs, num_warps):
 
 
 def main():
-    report = {}
-    report.update(sweep_variants())
+    sweeps = compile_report._jsonable(compile_report.build_report())
+    if sweeps.get("toolchain_error"):
+        sys.exit(f"ptxas / Triton's CUDA toolchain is not usable: {sweeps['toolchain_error']}")
+    # The whole compile report rides along: tests/test_engine_compile.py reads its
+    # registers, spills and access widths from this one run.
+    report = {"compile_report": sweeps}
+    report.update(sweep_variants(sweeps))
     sig = {"state_ptr": "*fp32", "config_ptr": "*fp64", "growth_interval": "i32",
            "hysteresis": "i32", "found_slot": "i32"}
     for dynamic in (True, False):
@@ -52,20 +57,18 @@ def _ok(ptx):
     return dict(sm90=".target sm_90" in ptx, approx=("sqrt.approx" in ptx or "div.full" in ptx))
 
 
-def sweep_variants():
-    """The recorded specialisations of the multi-tensor launchers, compiled for sm_90:
-    {"recorded/<kernel>/<label>": {kernel, signature, constexprs, sm90, approx, rn_bf16,
-    error}}; "recorded_errors" maps the scenarios that could not run to their error."""
-    specs, sources, errors = compile_report.record_specialisations()
-    results = compile_report.compile_all(specs, workers=2)
+def sweep_variants(sweeps):
+    """The recorded specialisations of the multi-tensor launchers (``sweeps``: the compile
+    report's rows), compiled for sm_90: {"recorded/<kernel>/<label>": {kernel, signature,
+    constexprs, sm90, approx, rn_bf16, error}}; "recorded_errors" maps the scenarios
+    that could not run to their error."""
     out = {}
-    for spec, res in zip(specs, results):
-        d = spec.as_dict()
-        out[f"recorded/{spec.name}/{spec.label()}"] = dict(
-            kernel=spec.name, signature=d["signature"], constexprs=d["constexprs"],
-            sources=sources[id(spec)], error=res.get("error"), sm90=res.get("sm90", False),
-            approx=res.get("approx"), rn_bf16=res.get("rn_bf16"))
-    out["recorded_errors"] = errors
+    for row in sweeps["specialisations"]:
+        out[f"recorded/{row['kernel']}/{row['label']}"] = dict(
+            kernel=row["kernel"], signature=row["signature"], constexprs=row["constexprs"],
+            sources=row["sources"], error=row.get("error"), sm90=row.get("sm90", False),
+            approx=row.get("approx"), rn_bf16=row.get("rn_bf16"))
+    out["recorded_errors"] = sweeps["errors"]
     return out
 
 

@@ -111,3 +111,23 @@ def unaligned_copy(t):
     out.copy_(t)
     assert out.data_ptr() % 16 != 0
     return out
+
+
+@pytest.fixture(scope="session")
+def compiled_kernels():
+    """Every kernel variant compiled for sm_90 once per session, in a child process
+    (tests/aot_compile_kernels.py: this session interprets the kernels), with the compile
+    report of the multi-tensor sweeps under "compile_report"."""
+    import json
+    import subprocess
+    import sys
+    pytest.importorskip("triton.backends.nvidia")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, os.path.join(here, "aot_compile_kernels.py")],
+                          capture_output=True, text=True, env=env, timeout=900)
+    if proc.returncode != 0 and ("ptxas" in proc.stderr or "No module named 'triton.backends"
+                                 in proc.stderr):
+        pytest.skip("Triton's CUDA toolchain is not usable here:\n" + proc.stderr[-500:])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)

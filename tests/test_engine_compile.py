@@ -3,8 +3,9 @@
 benchmarks/compile_report.py runs every fused optimizer (O1/O2, fp16/bf16) and the
 multi-tensor helpers under the launch recorder, so the variants checked here are the ones
 the launchers really use, specialised by Triton as on the GPU, then compiles each for
-sm_90 and reads the SASS. It runs in a child process with ``TRITON_INTERPRET=0`` (this
-session interprets the kernels). No GPU needed.
+sm_90 and reads the SASS. It runs once per session, in the child process that compiles
+every kernel (conftest's ``compiled_kernels``: this session interprets the kernels). No
+GPU needed.
 
 On the aligned path (``VEC`` > 1: every address 16-byte aligned, every numel a multiple of
 the vector width) each sweep kernel must:
@@ -21,34 +22,17 @@ the vector width) each sweep kernel must:
 A sweep kernel not yet on the engine's signature (meta_ptr, blocks_ptr, counters_ptr,
 protos..., args, HAS_<optional>, VEC, EMULATE_BF16_ROUNDING, BLOCK) fails here.
 """
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPORT = os.path.join(HERE, os.pardir, "benchmarks", "compile_report.py")
 BUDGET = {"adam": 72, "lamb": 72, "novograd": 72, "adagrad": 72,
           "sgd": 48, "check_unscale": 48, "l2norm": 48, "axpby": 48}
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    pytest.importorskip("triton.backends.nvidia")
-    out = tmp_path_factory.mktemp("compile") / "report.json"
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, REPORT, "--json", str(out)], capture_output=True,
-                          text=True, env=env, timeout=600)
-    if proc.returncode != 0 and ("ptxas" in proc.stderr
-                                 or "No module named 'triton.backends" in proc.stderr):
-        pytest.skip("Triton's CUDA toolchain is not usable here:\n" + proc.stderr[-500:])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    data = json.loads(out.read_text())
-    if data.get("toolchain_error"):
-        pytest.skip(f"Triton's CUDA toolchain is not usable here: {data['toolchain_error']}")
-    return data
+def report(compiled_kernels):
+    """benchmarks/compile_report.py's report, from the session's one compile of every
+    kernel (conftest's compiled_kernels)."""
+    return compiled_kernels["compile_report"]
 
 
 def _family(name):
