@@ -506,7 +506,6 @@ class SweepCache:
         return prepared
 
 
-
 def zero_grads_(grads):
     """Zero gradients in place as ``Optimizer.zero_grad(set_to_none=False)`` does (each
     detached from any graph first), with one foreach launch per (device, dtype)."""
@@ -543,7 +542,7 @@ def scalar_arg(x, name, device):
         if x.numel() != 1:
             raise ValueError(f"{name} must be a float or a one-element tensor, got shape "
                              f"{tuple(x.shape)}")
-        if x.device != device and not (x.device.type == "cpu" and device.type == "cpu"):
+        if x.device != device:
             raise ValueError(f"{name} is on {x.device} but the tensors are on {device}; pass a "
                              f"float or a tensor on {device}")
         return x.reshape(())
