@@ -4,9 +4,16 @@ CUDA tensors run the compiled Triton kernel. CPU tensors run the same kernel in
 Triton's interpreter when ``TRITON_INTERPRET=1`` (how the tests exercise kernels
 without a GPU), and the torch ``*_ref`` implementation otherwise.
 
+The torch ``*_ref`` implementations are oracles for the tests, never a production path:
+CPU tensors without the interpreter run each op's production CPU path (``<op>_cpu``),
+built on torch's multi-tensor CPU kernels (``torch._fused_adamw_``,
+``torch._amp_foreach_non_finite_check_and_unscale_``, ``torch._foreach_*``).
+
 ``force_gpu_path()`` (used by :mod:`tritamp.kernels.recorder`) sends CPU tensors down
 the GPU code path, with the GPU's block sizes and no interpreter emulation, so that the
 host cost and the specialisations of a real GPU step can be seen without a GPU.
+``force_cpu_path()`` sends CPU tensors down the production CPU path even when the
+interpreter is on: how the tests run that path beside the kernels.
 """
 import contextlib
 import os
@@ -14,6 +21,7 @@ import os
 import torch
 
 _forced = [False]
+_forced_cpu = [False]
 
 
 def interpreter_on():
@@ -36,10 +44,30 @@ def force_gpu_path():
         _forced[0] = old
 
 
+def cpu_path_forced():
+    return _forced_cpu[0]
+
+
+@contextlib.contextmanager
+def force_cpu_path():
+    """Inside the block, CPU tensors take the production CPU path (torch's multi-tensor
+    CPU kernels) even when ``TRITON_INTERPRET=1``. The path is chosen when a sweep is
+    prepared: a prepared sweep kept by an optimizer or a scaler stays on its path."""
+    old = _forced_cpu[0]
+    _forced_cpu[0] = True
+    try:
+        yield
+    finally:
+        _forced_cpu[0] = old
+
+
 def use_triton(t: torch.Tensor) -> bool:
-    """True when the Triton kernel (compiled or interpreted) should handle ``t``."""
+    """True when the Triton kernel (compiled or interpreted) should handle ``t``; False
+    when the production CPU path should."""
     if t.is_cuda or _forced[0]:
         return True
+    if _forced_cpu[0]:
+        return False
     return t.device.type == "cpu" and interpreter_on()
 
 

@@ -40,6 +40,8 @@ from ._ref_utils import advance_steps
 HALF_OR_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
+_size = torch.Tensor.size
+_is_none = functools.partial(operator.is_, None)
 VECTOR_BYTES = 16
 
 
@@ -345,7 +347,7 @@ class Prepared:
     ``groups`` is empty on a device where the kernels do not run (the torch reference
     handles it)."""
     __slots__ = ("sweep", "_lists", "n", "groups", "writeback", "staged", "triton", "device",
-                 "empty_rows")
+                 "empty_rows", "cpu_groups", "scratch")
 
     def __init__(self, sweep, lists, n):
         self.sweep = sweep
@@ -354,6 +356,8 @@ class Prepared:
         self._lists = lists
         self.n = n
         self.groups = []
+        self.cpu_groups = []
+        self.scratch = Scratch()
         self.device = None
         self.triton = False
         self.empty_rows = []  # rows with no element: no program of any group covers them
@@ -362,9 +366,6 @@ class Prepared:
         params = lists[sweep.columns[0].name]
         self.device = params[0].device
         self.triton = use_triton(params[0])
-        if not self.triton:
-            return
-        block, warps, emulate = kernel_settings(self.device)
         # Group key per row: the dtype of each typed or optional column (None if absent),
         # one map per column rather than a Python loop over columns per row.
         keys = []
@@ -375,6 +376,13 @@ class Prepared:
             if col is not None:
                 keys.append([None if t is None else t.dtype for t in col])
         groups = {}
+        if not self.triton:
+            # The production CPU path: torch's multi-tensor ops take empty tensors too.
+            for i, key in enumerate(zip(*keys)):
+                groups.setdefault(key, []).append(i)
+            self.cpu_groups = [CpuGroup(k, lists, rows) for k, rows in enumerate(groups.values())]
+            return
+        block, warps, emulate = kernel_settings(self.device)
         for i, (numel, key) in enumerate(zip(map(torch.Tensor.numel, params), zip(*keys))):
             if numel == 0:
                 self.empty_rows.append(i)
@@ -412,6 +420,18 @@ class Prepared:
         for original, dense in self.writeback:
             original.copy_(dense)
 
+    def run_cpu(self, fn):
+        """The production CPU path: ``fn(group)`` once per :class:`CpuGroup` (dense copies
+        refreshed before, written ones copied back after)."""
+        self.stage()
+        for g in self.cpu_groups:
+            fn(g)
+        self.finish()
+
+    def buffers(self, group, name, like, dtype=torch.float32):
+        """Persistent CPU-path buffers shaped and laid out as ``like`` (see :class:`Scratch`)."""
+        return self.scratch.like((group.index, name), like, dtype)
+
     def advance_empty_steps(self, found_inf, column="steps"):
         """Step counts of empty tensors advance here (no program runs for them; torch's
         count their steps too): +1, or +0 when ``found_inf`` is non-zero."""
@@ -420,6 +440,50 @@ class Prepared:
             rows = [steps[i] for i in self.empty_rows if steps[i] is not None]
             if rows:
                 advance_steps(rows, found_inf)
+
+
+class CpuGroup:
+    """The rows of one dtype group on the production CPU path: ``lists`` maps every column
+    to this group's tensors (None for an optional column absent from the group), in row
+    order; ``dtypes`` is the group key (the dtype of each typed or optional column)."""
+    __slots__ = ("index", "dtypes", "rows", "lists")
+
+    def __init__(self, index, lists, rows):
+        self.index = index
+        self.rows = rows
+        self.lists = {}
+        for name, col in lists.items():
+            if col is None:
+                self.lists[name] = None
+                continue
+            picked = [col[i] for i in rows]
+            self.lists[name] = None if all(map(_is_none, picked)) else picked
+        self.dtypes = tuple(None if v is None else v[0].dtype for v in self.lists.values())
+
+    def __getitem__(self, name):
+        return self.lists[name]
+
+
+class Scratch:
+    """Buffers the production CPU path keeps across steps (fp32 working copies of half
+    parameters, fp32 gradients of fp32 masters). Whoever keeps a prepared sweep keeps its
+    scratch across rebuilds (:class:`SweepCache`): on the CPU a gradient's address changes
+    from step to step, so the sweep is re-prepared, but its buffers are not re-made.
+    A buffer set is reused while the tensors it mirrors keep their shapes and strides."""
+    __slots__ = ("_bufs",)
+
+    def __init__(self):
+        self._bufs = {}
+
+    def like(self, key, tensors, dtype=torch.float32):
+        sig = (dtype, tuple(map(_size, tensors)), tuple(map(_stride, tensors)))
+        hit = self._bufs.get(key)
+        if hit is not None and hit[0] == sig:
+            return hit[1]
+        bufs = [torch.empty_like(t, dtype=dtype, memory_format=torch.preserve_format)
+                for t in tensors]
+        self._bufs[key] = (sig, bufs)
+        return bufs
 
 
 class StagedPrepared:
@@ -484,15 +548,17 @@ def _borrow(t):
 
 
 class SweepCache:
-    """What a caller keeps between steps: the key its tensors had and the prepared sweep.
+    """What a caller keeps between steps: the key its tensors had, the prepared sweep, and
+    the CPU path's scratch buffers (kept across rebuilds).
 
     ``get(key)`` returns the prepared sweep when ``key`` is the one it was built for."""
-    __slots__ = ("key", "prepared", "builds")
+    __slots__ = ("key", "prepared", "builds", "scratch")
 
     def __init__(self):
         self.key = None
         self.prepared = None
         self.builds = 0
+        self.scratch = Scratch()
 
     def get(self, key):
         if self.prepared is not None and key == self.key:
@@ -503,7 +569,18 @@ class SweepCache:
         self.key = key
         self.prepared = prepared
         self.builds += 1
+        _give_scratch(prepared, self.scratch)
         return prepared
+
+
+def _give_scratch(prepared, scratch):
+    """Point ``prepared`` (an engine Prepared, or an op's wrapper of one) at ``scratch``."""
+    inner = prepared
+    while not isinstance(inner, Prepared):
+        inner = getattr(inner, "prepared", None)
+        if inner is None:
+            return
+    inner.scratch = scratch
 
 
 def zero_grads_(grads):

@@ -73,6 +73,27 @@ def count_launches(monkeypatch):
     return count
 
 
+@pytest.fixture
+def cpu_path():
+    """The test runs the production CPU path (torch's multi-tensor CPU ops) instead of
+    the interpreted kernels: every sweep prepared inside it takes that path."""
+    from tritamp.kernels._dispatch import force_cpu_path
+    with force_cpu_path():
+        yield
+
+
+@pytest.fixture(params=["kernel", "cpu"])
+def path(request):
+    """Parametrises a test over both CPU-side paths: the Triton kernels (interpreted)
+    and the production CPU path. Yields the path's name."""
+    if request.param == "kernel":
+        yield "kernel"
+        return
+    from tritamp.kernels._dispatch import force_cpu_path
+    with force_cpu_path():
+        yield "cpu"
+
+
 def run_without_sync(step, warmup=3, steps=3):
     """Run ``step`` ``warmup`` times, then ``steps`` times under CUDA's sync-debug mode
     "error", where any host-device synchronisation raises (GPU tests)."""
