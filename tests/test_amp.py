@@ -416,13 +416,14 @@ def test_loss_scale_string_static():
         assert torch.equal(scaled, loss.float() * 128.0)
         scaled.backward()
     opt.step()
-    # static: an overflow skips the step but keeps the scale
-    before = [p.detach().clone() for p in model.parameters()]
+    # static, as in Apex: the gradients are not checked and the step is never skipped
+    # (nothing could act on an overflow); the scale stays and the step counts as unskipped
     with amp.scale_loss(mse(model(x), y) * float("inf"), opt) as scaled:
         scaled.backward()
     opt.step()
-    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
-    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 128.0
+    assert not all(torch.isfinite(p).all() for p in model.parameters())
+    state = amp.state_dict()["loss_scaler0"]
+    assert state["loss_scale"] == 128.0 and state["unskipped"] == 2
 
 
 def test_loss_scale_string_dynamic_at_o3():

@@ -139,7 +139,18 @@ def test_fp16_optimizer_infers_the_half_dtype_of_each_parameter():
 
 # -- skips, scaling, accumulation ----------------------------------------------------------------
 
-@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+def test_a_static_scale_is_not_checked_and_never_skips():
+    """Apex's static LossScaler never reports an overflow: the step is taken."""
+    model, opt = _fp16_setup(torch.float16, OPTIMIZERS["adam"], static_loss_scale=128.0)
+    (x, y), = _batches(1)
+    opt.backward(nn.functional.mse_loss(model(x).float(), y) * float("nan"))
+    assert not opt.overflow
+    opt.step()
+    assert not all(torch.isfinite(m).all() for m in _masters(opt))
+    assert opt.loss_scale == 128.0
+
+
+@pytest.mark.parametrize("dynamic", [True], ids=["dynamic"])
 def test_a_skipped_step_changes_nothing_and_is_reported(dynamic, caplog):
     model, opt = _fp16_setup(torch.float16, OPTIMIZERS["adam"], dynamic_loss_scale=dynamic,
                              static_loss_scale=128.0)
@@ -251,8 +262,9 @@ def test_closure_repeats_an_overflowing_evaluation_at_a_lower_scale():
         assert torch.equal(a, b)
 
 
-def test_closure_that_always_overflows_at_a_static_scale_raises():
-    model, opt = _fp16_setup(torch.float16, OPTIMIZERS["sgd"], static_loss_scale=8.0)
+def test_closure_that_always_overflows_at_the_scale_floor_raises():
+    model, opt = _fp16_setup(torch.float16, OPTIMIZERS["sgd"], dynamic_loss_scale=True,
+                             dynamic_loss_args={"init_scale": 1.0})
     (x, y), = _batches(1)
 
     def closure():

@@ -3,9 +3,12 @@ overflow.
 
 Per optimizer a small state machine, kept in ``optimizer._amp_stash``:
 
-    READY --scale_loss exit--> PENDING (found_inf known on the device; gradients either
-          unscaled, or still scaled with grad_scale recorded)
+    READY --scale_loss exit--> PENDING (gradients either unscaled, or still scaled with
+          grad_scale recorded; with a dynamic scale, found_inf known on the device)
     PENDING --step()--> READY (stepped, or skipped when found_inf)
+
+A static loss scale is never checked and never skips a step (Apex's rule: only a dynamic
+scaler looks for overflows, since only it can act on one): PENDING then has no found_inf.
 
 ``delay_unscale=True`` adds SCALED (gradients accumulate scaled; step() refuses) until a
 later ``scale_loss`` with ``delay_unscale=False`` unscales them.
@@ -39,7 +42,8 @@ class AmpStash:
         self.master_grad_bufs = []  # persistent fp32 gradient storage of the masters
         self.plain_params = []    # parameters the optimizer updates directly
         self.plain_stash = []     # their gradients stashed while another loss backpropagates
-        self.found_inf = None     # 0-d device tensor while PENDING, else None
+        self.pending = False      # PENDING: scale_loss exited since the last step
+        self.found_inf = None     # 0-d device tensor while PENDING (dynamic scale), else None
         self.grad_scale = None    # scale the plain gradients still carry, or None
         self.scaler = None        # the scaler whose slots found_inf / grad_scale alias
         self.params_have_scaled_gradients = False  # SCALED (delay_unscale)
@@ -156,8 +160,9 @@ class AmpStash:
         Gradients left scaled for the step carry the scaler's current scale. The scale
         update at this exit (``will_update``) copies it into USED_SCALE before moving
         SCALE; without one (``delay_overflow_check``) SCALE itself is what they carry."""
-        carried = scaler.used_scale if will_update else scaler.scale
-        if (self.found_inf is None and self.supports_amp_scaling
+        carried = scaler.used_scale if will_update and scaler.dynamic else scaler.scale
+        check = scaler.found_inf if scaler.dynamic else None  # a static scale is not checked
+        if (not self.pending and self.supports_amp_scaling
                 and (not self.masters or self.writes_model_copies)
                 and not any(map(_is_not_none, self.plain_stash))
                 and not any(map(_is_not_none, map(_grad_of, self.masters)))):
@@ -169,10 +174,11 @@ class AmpStash:
             # parameter's gradient, so its shape and dtype are fixed and only the address
             # and strides can change.
             key = layout_key(grads)
-            if any(map(_is_none, grads)):
-                grads = [g for g in grads if g is not None]
-            self._check_unscale("check", grads, None, scaler.found_inf, write=False, key=key)
-            self._pending(scaler, carried)
+            if check is not None:
+                if any(map(_is_none, grads)):
+                    grads = [g for g in grads if g is not None]
+                self._check_unscale("check", grads, None, check, write=False, key=key)
+            self._pending(scaler, carried, check)
             return
         master_fresh = []  # (index, half gradient) of masters without a gradient yet
         acc = []  # (gradient, destination, addend): a second loss into the same step
@@ -198,9 +204,9 @@ class AmpStash:
         # Leave the gradients scaled for the fused step only when they are all this
         # backward's, so one grad_scale describes every one of them; with masters only
         # if the optimizer reads the half gradients and writes the half copies itself.
-        lazy = (self.supports_amp_scaling and not acc and self.found_inf is None
+        lazy = (self.supports_amp_scaling and not acc and not self.pending
                 and (not self.masters or self.writes_model_copies))
-        found, scale = scaler.found_inf, scaler.scale
+        found, scale = check, scaler.scale
         srcs = [g for _, g in master_fresh]
         if lazy:
             self._check_unscale("check_some", srcs + plain_fresh, None, found, write=False)
@@ -215,18 +221,26 @@ class AmpStash:
             acc_srcs, acc_dsts, acc_adds = zip(*acc)
             self._check_unscale("accumulate", list(acc_srcs), scale, found,
                                 dsts=list(acc_dsts), adds=list(acc_adds))
-        if self.found_inf is None:
-            self._pending(scaler, carried if lazy else None)
-        else:
-            self.found_inf = torch.maximum(self.found_inf, found)
+        if not self.pending:
+            self._pending(scaler, carried if lazy else None, found)
+        elif found is not None:
+            self.found_inf = found if self.found_inf is None else torch.maximum(self.found_inf,
+                                                                                found)
+            if self.scaler is None:
+                self._alias(scaler)
 
-    def _pending(self, scaler, grad_scale):
-        """PENDING: the step reads the scaler's overflow slot (and, for gradients left
-        scaled, the scale they carry) on the device."""
-        self.found_inf = scaler.found_inf
+    def _pending(self, scaler, grad_scale, found_inf):
+        """PENDING: the step reads the scaler's overflow slot (dynamic scale) and, for
+        gradients left scaled, the scale they carry, on the device."""
+        self.pending = True
+        self.found_inf = found_inf
+        if found_inf is not None:
+            self._alias(scaler)
+        self.grad_scale = grad_scale
+
+    def _alias(self, scaler):
         self.scaler = scaler
         scaler._aliases.append(self)
-        self.grad_scale = grad_scale
 
     def merge_overflow(self, scaler):
         """After ``scaler``'s overflow slot was all-reduced: a flag that aliases the slot
@@ -246,6 +260,7 @@ class AmpStash:
         for m in self.masters:
             m.grad = None
         self.grads_zeroed = False
+        self.pending = False
         self.found_inf = None
         self.grad_scale = None
         self._drop_alias()
@@ -261,8 +276,9 @@ def _new_step(old_step):
                                "from a backward with delay_unscale=True. Run the last backward of "
                                "the accumulation with amp.scale_loss(..., delay_unscale=False) "
                                "before optimizer.step().")
-        if stash.found_inf is None:
-            # Nothing checked since the last step (e.g. static scale 1.0 without masters).
+        if stash.found_inf is None and stash.grad_scale is None:
+            # Nothing to skip on and nothing left scaled: a static scale (never checked),
+            # or no scale_loss since the last step (static 1.0 without masters).
             retval = old_step()
             stash.master_to_model()
             stash.finish_step()

@@ -18,9 +18,11 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
     """Yield ``loss.float() * scale``; on exit check (and unscale) the gradients.
 
     The scale is a device tensor, the overflow check and the scale update run on the
-    device: nothing here waits for the GPU. ``optimizer.step()`` then skips the update
-    when the gradients held inf/NaN (no sync for optimizers that declare
-    ``_step_supports_amp_scaling``, one sync for others, as in Apex).
+    device: nothing here waits for the GPU. With a dynamic scale ``optimizer.step()``
+    then skips the update when the gradients held inf/NaN (no sync for optimizers that
+    declare ``_step_supports_amp_scaling``, one sync for others, as in Apex). A static
+    scale is not checked and never skips a step, as in Apex (nothing could act on an
+    overflow); with a static scale of 1.0 and no master weights the exit does nothing.
 
     ``delay_unscale=True`` leaves the gradients scaled (accumulation; a later
     ``scale_loss`` with ``delay_unscale=False`` unscales them).
@@ -66,11 +68,12 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
         for opt in optimizers:
             opt._amp_stash.params_have_scaled_gradients = True
         return
-    scaler.clear_overflow_state()
+    if scaler.dynamic:
+        scaler.clear_overflow_state()
     for opt in optimizers:
         opt._amp_stash.post_backward(scaler, will_update=not delay_overflow_check)
         opt._amp_stash.params_have_scaled_gradients = False
-    if scaler.overflow_process_group is not None:
+    if scaler.dynamic and scaler.overflow_process_group is not None:
         scaler.reduce_overflow()
         for opt in optimizers:
             opt._amp_stash.merge_overflow(scaler)

@@ -165,14 +165,16 @@ class FP16_Optimizer:
         All on the device. Called by :meth:`backward` unless ``update_master_grads=False``;
         a second call with nothing new in between does nothing."""
         stash, scaler = self._stash, self.loss_scaler
-        if not self._backward_pending and stash.found_inf is not None:
+        if not self._backward_pending and stash.pending:
             return
         scaler._to(self._device())
-        scaler.clear_overflow_state()
+        if scaler.dynamic:
+            scaler.clear_overflow_state()
         stash.post_backward(scaler)
         self._backward_pending = False
-        # Own copy: the scaler's slot is reused by the next backward.
-        self._overflow_flag = stash.found_inf.clone()
+        # Own copy: the scaler's slot is reused by the next backward. A static scale is
+        # not checked (Apex's static LossScaler never reports an overflow).
+        self._overflow_flag = None if stash.found_inf is None else stash.found_inf.clone()
         scaler.update_scale()
 
     def _device(self):
