@@ -1,16 +1,26 @@
-"""Compare tritamp's opt levels with torch.amp on one model, one device, one run.
+"""Compare tritamp's opt levels with torch.amp: ms per training step, as a ratio to
+torch.amp-bf16 measured in interleaved rounds, on one or more workloads.
 
-    python benchmarks/opt_levels.py                  # embedded default model, synthetic data
+    python benchmarks/opt_levels.py                   # the device's default workloads
     python benchmarks/opt_levels.py --device cuda --model resnet50 --batch-size 256
 
-tritamp's configurations train with tritamp.optimizers.FusedSGD, the torch.amp baseline
-with torch.optim.SGD(fused=True); with ``--model transformer`` (pre-norm transformer blocks
-on synthetic tokens) FusedAdam and tritamp.normalization.FusedLayerNorm against
-torch.optim.AdamW(fused=True) and nn.LayerNorm. Each configuration runs in a fresh process (clean
-memory peak, clean compile cache) and reports samples/s (median step after warm-up), step time, peak memory (CUDA allocator
-peak, or the process's peak RSS on CPU), host-device syncs per training step, the extra
-time of the first step (kernel compiles) and the final loss relative to O0. Writes a
-table to the terminal, a JSON file and, with matplotlib, a PNG bar chart.
+Workloads (``--workloads``): ``cnn-sgd`` and ``cnn-adamw`` (a small conv-BN-ReLU CNN on
+synthetic images, with SGD + momentum or AdamW) and ``transformer-adamw`` (pre-norm
+transformer blocks on synthetic tokens: width 512, 8 heads, 4 layers, sequence 128 on a
+CPU). tritamp's configurations train with ``tritamp.optimizers.FusedSGD`` / ``FusedAdam``
+(and ``FusedLayerNorm`` in the transformer), the torch baselines with
+``torch.optim.SGD/AdamW(fused=True)`` (and ``nn.LayerNorm``). ``--model`` runs one
+workload of any model (a torchvision name too).
+
+Each configuration runs in its own process (its own amp state, clean memory peak), kept
+alive for the whole run. The driver interleaves them: in every round each configuration
+runs a few steps in turn, the order rotating from round to round, so that a slow spell
+of the machine hits every configuration alike. The ratio to torch.amp-bf16 is the median
+over rounds of (this configuration's median step in the round) / (torch.amp-bf16's).
+Also reported: samples/s and ms per step (median step after warm-up), peak memory (CUDA
+allocator peak, or the process's peak RSS on CPU), host-device syncs in one step, the
+first step's extra time (kernel compiles) and the final loss relative to O0. Writes a
+table per workload, a JSON file and, with matplotlib, a PNG chart.
 """
 import argparse
 import json
@@ -25,17 +35,35 @@ import torch
 import torch.nn as nn
 
 CONFIGS = {
-    # name: (kind, initialize kwargs)
-    "O0": ("tritamp", dict(opt_level="O0")),
-    "O1": ("tritamp", dict(opt_level="O1")),
-    "O2": ("tritamp", dict(opt_level="O2")),
-    "O3": ("tritamp", dict(opt_level="O3")),
-    "O3+bn32": ("tritamp", dict(opt_level="O3", keep_batchnorm_fp32=True)),
-    "O1-bf16": ("tritamp", dict(opt_level="O1", half_dtype=torch.bfloat16)),
-    "O2-bf16": ("tritamp", dict(opt_level="O2", half_dtype=torch.bfloat16)),
-    "O3-bf16": ("tritamp", dict(opt_level="O3", half_dtype=torch.bfloat16)),
-    "torch.amp": ("torch", dict(dtype=torch.float16)),
-    "torch.amp-bf16": ("torch", dict(dtype=torch.bfloat16)),
+    # name: (kind, dtype of the run, initialize kwargs)
+    "O0": ("tritamp", torch.float32, dict(opt_level="O0")),
+    "O1": ("tritamp", torch.float16, dict(opt_level="O1")),
+    "O2": ("tritamp", torch.float16, dict(opt_level="O2")),
+    "O3": ("tritamp", torch.float16, dict(opt_level="O3")),
+    "O3+bn32": ("tritamp", torch.float16, dict(opt_level="O3", keep_batchnorm_fp32=True)),
+    "O1-bf16": ("tritamp", torch.bfloat16, dict(opt_level="O1", half_dtype=torch.bfloat16)),
+    "O2-bf16": ("tritamp", torch.bfloat16, dict(opt_level="O2", half_dtype=torch.bfloat16)),
+    "O3-bf16": ("tritamp", torch.bfloat16, dict(opt_level="O3", half_dtype=torch.bfloat16)),
+    "torch-fp32": ("torch", torch.float32, {}),
+    "torch.amp": ("torch", torch.float16, {}),
+    "torch.amp-bf16": ("torch", torch.bfloat16, {}),
+}
+BASELINE = "torch.amp-bf16"
+SAME_DTYPE_BASELINE = {torch.float32: "torch-fp32", torch.float16: "torch.amp",
+                       torch.bfloat16: "torch.amp-bf16"}
+# A CPU has no fp16 arithmetic (about 20x slower than fp32): its default leaves fp16 out.
+CPU_LEVELS = ["O0", "O1-bf16", "O2-bf16", "O3-bf16", "torch-fp32", "torch.amp-bf16"]
+
+# ms/step targets on a CPU, as a ratio to the named baseline (see docs/benchmark.md)
+TARGETS = [("O1-bf16", BASELINE, 1.00), ("O2-bf16", BASELINE, 1.10),
+           ("O3-bf16", BASELINE, 1.00), ("O0", "torch-fp32", 1.02)]
+
+WORKLOADS = {
+    # name: model, optimizer, and the sizes of a CPU run
+    "cnn-sgd": dict(model="small-cnn", optimizer="sgd", batch_size=16, image_size=16),
+    "cnn-adamw": dict(model="small-cnn", optimizer="adamw", batch_size=16, image_size=16),
+    "transformer-adamw": dict(model="transformer", optimizer="adamw", batch_size=8,
+                              image_size=128, width=512, depth=4, heads=8),
 }
 
 
@@ -85,38 +113,22 @@ class TransformerClassifier(nn.Module):
         return self.head(self.norm(self.blocks(h)).mean(dim=1))
 
 
-def build_model(name, num_classes, device_type="cpu", fused_norms=False):
+def build_model(name, num_classes, device_type="cpu", fused_norms=False, width=64, depth=2,
+                heads=4):
+    """A workload's model. The transformer's positional table holds 512 positions."""
     if name == "small-cnn":
         return small_cnn(num_classes)
     if name == "transformer":
         from tritamp.normalization import FusedLayerNorm
         norm = FusedLayerNorm if fused_norms else nn.LayerNorm
-        if device_type == "cuda":
-            return TransformerClassifier(num_classes, width=512, depth=6, heads=8, norm=norm)
-        return TransformerClassifier(num_classes, norm=norm)
+        return TransformerClassifier(num_classes, width=width, depth=depth, heads=heads,
+                                     norm=norm)
     try:
         import torchvision
     except ImportError:
         sys.exit(f"--model {name} needs torchvision: pip install torchvision "
                  "(or use --model small-cnn)")
     return getattr(torchvision.models, name)(num_classes=num_classes)
-
-
-def defaults_for(device):
-    if device.type == "cuda":
-        have_tv = True
-        try:
-            import torchvision  # noqa: F401
-        except ImportError:
-            have_tv = False
-        if have_tv:
-            return dict(model="resnet50", batch_size=256, image_size=224, steps=30, warmup=5,
-                        channels_last=True)
-        return dict(model="small-cnn", batch_size=256, image_size=64, steps=30, warmup=5,
-                    channels_last=True)
-    # about two minutes on a 2-core CPU for all configurations (fp16 math is slow there)
-    return dict(model="small-cnn", batch_size=16, image_size=16, steps=10, warmup=2,
-                channels_last=False)
 
 
 # -- counting host-device syncs -----------------------------------------------------------
@@ -158,92 +170,222 @@ class SyncCounter(torch.overrides.TorchFunctionMode):
         return out
 
 
-# -- one configuration (worker process) ------------------------------------------------------
+# -- one configuration (a worker process, driven over stdin/stdout) --------------------------
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
+def _reset_peak_memory(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux: "5" resets the peak resident set size (VmHWM)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def _peak_memory(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run_config(name, args):
-    from tritamp import amp
-
-    kind, kw = CONFIGS[name]
-    device = torch.device(args.device)
-    torch.manual_seed(0)
-    model = build_model(args.model, 10, device.type, fused_norms=kind == "tritamp").to(device)
-    transformer = args.model == "transformer"
-    memory_format = torch.channels_last if args.channels_last and not transformer \
-        else torch.contiguous_format
-    model = model.to(memory_format=memory_format)
+def make_optimizer(kind, name, params):
     from tritamp.optimizers import FusedAdam, FusedSGD
-    if transformer:
-        opt = FusedAdam(model.parameters(), lr=1e-3) if kind == "tritamp" else \
-            torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
-    elif kind == "tritamp":
-        opt = FusedSGD(model.parameters(), lr=0.01, momentum=0.9)
-    else:
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=True)
-    g = torch.Generator().manual_seed(1)
-    if transformer:  # image_size is the sequence length
-        x = torch.randint(0, 1000, (args.batch_size, args.image_size), generator=g)
-    else:
-        x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g)
-    y = torch.randint(0, 10, (args.batch_size,), generator=g)
-    x = x.to(device).contiguous(memory_format=memory_format) if not transformer else x.to(device)
-    y = y.to(device)
-    criterion = nn.CrossEntropyLoss()
+    if name == "sgd":
+        return FusedSGD(params, lr=0.01, momentum=0.9) if kind == "tritamp" else \
+            torch.optim.SGD(params, lr=0.01, momentum=0.9, fused=True)
+    if name == "adamw":
+        return FusedAdam(params, lr=1e-3, weight_decay=0.01) if kind == "tritamp" else \
+            torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
+    raise ValueError(f"unknown optimizer {name!r}: sgd or adamw")
 
-    if kind == "tritamp":
-        model, opt = amp.initialize(model, opt, verbosity=0, **kw)
 
-        def step():
-            loss = criterion(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            with amp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-            opt.step()
-            return loss
-    else:
-        dtype = kw["dtype"]
-        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+class Run:
+    """One configuration on one workload: the model, the optimizer, the batch, a step."""
 
-        def step():
-            with torch.autocast(device.type, dtype=dtype):
+    def __init__(self, name, workload, device):
+        from tritamp import amp
+
+        kind, dtype, kw = CONFIGS[name]
+        self.device = device
+        self.batch_size = workload["batch_size"]
+        torch.manual_seed(0)
+        transformer = workload["model"] == "transformer"
+        model = build_model(workload["model"], 10, device.type, fused_norms=kind == "tritamp",
+                            **{k: workload[k] for k in ("width", "depth", "heads")
+                               if k in workload})
+        memory_format = torch.channels_last if workload.get("channels_last") and not transformer \
+            else torch.contiguous_format
+        model = model.to(device).to(memory_format=memory_format)
+        opt = make_optimizer(kind, workload["optimizer"], model.parameters())
+        g = torch.Generator().manual_seed(1)
+        n, size = workload["batch_size"], workload["image_size"]
+        if transformer:  # image_size is the sequence length
+            x = torch.randint(0, 1000, (n, size), generator=g).to(device)
+        else:
+            x = torch.randn(n, 3, size, size, generator=g).to(device)
+            x = x.contiguous(memory_format=memory_format)
+        y = torch.randint(0, 10, (n,), generator=g).to(device)
+        criterion = nn.CrossEntropyLoss()
+        if kind == "tritamp":
+            model, opt = amp.initialize(model, opt, verbosity=0, **kw)
+
+            def step():
                 loss = criterion(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            return loss
+                opt.zero_grad(set_to_none=True)
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+                opt.step()
+                return loss
+        elif dtype == torch.float32:
+            def step():
+                loss = criterion(model(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                return loss
+        else:
+            scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(args.warmup + args.steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        loss = step()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    counter = SyncCounter(device)  # one more step, untimed, with every sync counted
-    with counter:
-        loss = step()
-    syncs = counter.count
-    timed = times[args.warmup:]
-    median = statistics.median(timed)
-    return dict(config=name, samples_per_s=args.batch_size / median, step_ms=median * 1e3,
-                peak_memory_mb=_peak_memory(device) / 2**20, syncs_per_step=syncs,
-                first_step_extra_s=max(times[0] - median, 0.0), final_loss=float(loss.detach()))
+            def step():
+                with torch.autocast(device.type, dtype=dtype):
+                    loss = criterion(model(x), y)
+                opt.zero_grad(set_to_none=True)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                return loss
+        self.step = step
+        self.loss = None
+
+    def timed(self, steps):
+        times = []
+        for _ in range(steps):
+            _sync(self.device)
+            t0 = time.perf_counter()
+            self.loss = self.step()
+            _sync(self.device)
+            times.append(time.perf_counter() - t0)
+        return times
+
+    def count_syncs(self):
+        counter = SyncCounter(self.device)  # one more step, untimed, every sync counted
+        with counter:
+            self.loss = self.step()
+        return counter.count
 
 
-# -- driver ---------------------------------------------------------------------------
+def worker(name, args):
+    """Serve the driver: one JSON command per input line, one JSON answer per line."""
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    run = None
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "setup":
+            run = None
+            import gc
+            gc.collect()
+            _reset_peak_memory(device)
+            run = Run(name, cmd["workload"], device)
+            times = run.timed(cmd["warmup"])
+            answer = dict(first_step_s=times[0], warmup_s=sum(times))
+        elif cmd["cmd"] == "run":
+            answer = dict(times=run.timed(cmd["steps"]))
+        elif cmd["cmd"] == "finish":
+            answer = dict(syncs_per_step=run.count_syncs(), final_loss=float(run.loss.detach()),
+                          peak_memory_mb=_peak_memory(device) / 2**20)
+        else:
+            return 0
+        print(json.dumps(answer), flush=True)
+    return 0
+
+
+# -- the driver ---------------------------------------------------------------------------------
+class Worker:
+    def __init__(self, name, argv):
+        self.name = name
+        # Production code paths only: on a CPU, never Triton's interpreter (a test's).
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env)
+
+    def ask(self, **cmd):
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            err = self.proc.stderr.read()
+            raise RuntimeError(f"{self.name}: the worker stopped\n{err[-3000:]}")
+        return json.loads(line)
+
+    def close(self):
+        try:
+            self.proc.stdin.write(json.dumps(dict(cmd="quit")) + "\n")
+            self.proc.stdin.flush()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def measure(workload, workers, args):
+    """Warm every configuration up, then interleaved rounds; one row per configuration."""
+    alive, rows = [], {}
+    for w in workers:
+        try:
+            info = w.ask(cmd="setup", workload=workload, warmup=args.warmup)
+        except RuntimeError as e:
+            print(f"{w.name}: failed\n{e}", file=sys.stderr)
+            continue
+        alive.append(w)
+        rows[w.name] = dict(config=w.name, first=info["first_step_s"], times=[], rounds=[])
+    for r in range(args.rounds):
+        k = r % max(len(alive), 1)
+        for w in alive[k:] + alive[:k]:
+            times = w.ask(cmd="run", steps=args.steps_per_round)["times"]
+            rows[w.name]["times"].extend(times)
+            rows[w.name]["rounds"].append(statistics.median(times))
+    out = []
+    for w in alive:
+        row = rows[w.name]
+        row.update(w.ask(cmd="finish"))
+        median = statistics.median(row["times"])
+        row.update(samples_per_s=workload["batch_size"] / median, step_ms=median * 1e3,
+                   first_step_extra_s=max(row.pop("first") - median, 0.0))
+        out.append(row)
+    by_name = {r["config"]: r for r in out}
+    for row in out:
+        row["vs_torch_amp_bf16"] = _ratio(row, by_name.get(BASELINE))
+        row["vs_torch_same_dtype"] = _ratio(row, by_name.get(SAME_DTYPE_BASELINE[CONFIGS[row["config"]][1]]))
+    for row in out:
+        row["round_ms"] = [t * 1e3 for t in row.pop("rounds")]
+        del row["times"]
+    return out
+
+
+def _ratio(row, base):
+    """Median over rounds of row's round median / base's round median (same round)."""
+    if base is None:
+        return None
+    return statistics.median(a / b for a, b in zip(row["rounds"], base["rounds"]))
+
+
 def device_name(device):
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -258,23 +400,19 @@ def versions():
                 python=platform.python_version())
 
 
-def _progress(items):
-    if sys.stderr.isatty():
-        try:
-            from tqdm import tqdm
-            return tqdm(items, desc="configs", unit="cfg")
-        except ImportError:
-            pass
-    return items
+def _fmt_ratio(x):
+    return "-" if x is None else f"{x:.2f}x"
 
 
 def format_table(rows):
-    head = ["config", "samples/s", "step ms", "peak MB", "syncs/step", "1st step +s", "loss/O0"]
+    head = ["config", "samples/s", "step ms", "vs " + BASELINE, "vs torch same dtype",
+            "peak MB", "syncs/step", "1st step +s", "loss/O0"]
     base = next((r["final_loss"] for r in rows if r["config"] == "O0"), None)
     lines = []
     for r in rows:
         rel = f"{r['final_loss'] / base:.3f}" if base else "-"
         lines.append([r["config"], f"{r['samples_per_s']:.1f}", f"{r['step_ms']:.1f}",
+                      _fmt_ratio(r["vs_torch_amp_bf16"]), _fmt_ratio(r["vs_torch_same_dtype"]),
                       f"{r['peak_memory_mb']:.0f}", str(r["syncs_per_step"]),
                       f"{r['first_step_extra_s']:.2f}", rel])
     widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(head)]
@@ -285,7 +423,22 @@ def format_table(rows):
     return "\n".join(out)
 
 
-def write_chart(rows, path, title):
+def target_lines(rows):
+    """The CPU targets this run can judge: (text, met) per target."""
+    by_name = {r["config"]: r for r in rows}
+    out = []
+    for config, baseline, limit in TARGETS:
+        row = by_name.get(config)
+        if row is None or baseline not in by_name:
+            continue
+        ratio = row["vs_torch_amp_bf16"] if baseline == BASELINE else row["vs_torch_same_dtype"]
+        met = ratio <= limit
+        out.append((f"{config} <= {limit:.2f}x {baseline}: {ratio:.3f}x "
+                    f"{'met' if met else 'NOT met'}", met))
+    return out
+
+
+def write_chart(results, path, title):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -293,16 +446,20 @@ def write_chart(rows, path, title):
     except ImportError:
         print("matplotlib is not installed: no chart (pip install matplotlib)")
         return None
-    names = [r["config"] for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    axes[0].bar(names, [r["samples_per_s"] for r in rows], color="tab:blue")
-    axes[0].set_ylabel("samples / s")
-    axes[0].set_title("throughput (higher is better)")
-    axes[1].bar(names, [r["peak_memory_mb"] for r in rows], color="tab:orange")
-    axes[1].set_ylabel("MiB")
-    axes[1].set_title("peak memory (lower is better)")
-    for ax in axes:
-        ax.tick_params(axis="x", rotation=45)
+    fig, axes = plt.subplots(len(results), 2, figsize=(12, 3.6 * len(results)), squeeze=False)
+    for (ax_ratio, ax_mem), res in zip(axes, results):
+        rows = res["rows"]
+        names = [r["config"] for r in rows]
+        ratios = [r["vs_torch_amp_bf16"] or 0.0 for r in rows]
+        ax_ratio.bar(names, ratios, color="tab:blue")
+        ax_ratio.axhline(1.0, color="black", linewidth=0.8)
+        ax_ratio.set_ylabel(f"ms/step / {BASELINE}")
+        ax_ratio.set_title(f"{res['workload']}: step time (lower is better)")
+        ax_mem.bar(names, [r["peak_memory_mb"] for r in rows], color="tab:orange")
+        ax_mem.set_ylabel("MiB")
+        ax_mem.set_title(f"{res['workload']}: peak memory (lower is better)")
+        for ax in (ax_ratio, ax_mem):
+            ax.tick_params(axis="x", rotation=45)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -310,20 +467,49 @@ def write_chart(rows, path, title):
     return path
 
 
+def default_workloads(device):
+    """(names, per-name settings) for the device when no --model is given."""
+    if device.type != "cuda":
+        return {k: dict(v) for k, v in WORKLOADS.items()}
+    have_tv = True
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        have_tv = False
+    cnn = dict(model="resnet50", optimizer="sgd", batch_size=256, image_size=224,
+               channels_last=True) if have_tv else \
+        dict(model="small-cnn", optimizer="sgd", batch_size=256, image_size=64,
+             channels_last=True)
+    return {"cnn-sgd": cnn,
+            "transformer-adamw": dict(model="transformer", optimizer="adamw", batch_size=32,
+                                      image_size=512, width=512, depth=6, heads=8)}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    p.add_argument("--workloads", default=None,
+                   help="comma-separated: " + ", ".join(WORKLOADS) + " (default: all on a CPU; "
+                        "ResNet-50 + SGD and a transformer + AdamW on a GPU)")
     p.add_argument("--model", default=None,
-                   help="small-cnn, transformer (pre-norm blocks, FusedAdam vs fused AdamW) or a "
+                   help="one workload of this model instead: small-cnn, transformer or a "
                         "torchvision model name")
+    p.add_argument("--optimizer", default=None, choices=["sgd", "adamw"],
+                   help="with --model (default: adamw for the transformer, else sgd)")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--image-size", type=int, default=None,
-                   help="image side, or the sequence length with --model transformer")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per configuration")
+                   help="image side, or the sequence length of the transformer")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
+    p.add_argument("--steps-per-round", type=int, default=None,
+                   help="timed steps of each configuration per round")
     p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per worker (default on a CPU: 1, where the machine's "
+                        "noise is lowest; 0 keeps torch's default)")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--levels", default=",".join(CONFIGS),
-                   help="comma-separated configurations: " + ", ".join(CONFIGS))
+    p.add_argument("--levels", default=None,
+                   help="comma-separated configurations: " + ", ".join(CONFIGS) +
+                        " (default: all on a GPU; without the fp16 ones on a CPU)")
     p.add_argument("--out", default="benchmarks/out", help="folder for the JSON and PNG")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -331,12 +517,53 @@ def parse_args(argv=None):
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda but no CUDA device is present")
-    for k, v in defaults_for(torch.device(args.device)).items():
+    device = torch.device(args.device)
+    cpu = device.type != "cuda"
+    for k, v in dict(rounds=5, steps_per_round=2 if cpu else 10, warmup=2 if cpu else 5,
+                     threads=1 if cpu else 0).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if args.warmup < 1 or args.steps < 1:
-        p.error("--steps and --warmup must be >= 1")
-    levels = [s.strip() for s in args.levels.split(",") if s.strip()]
+    if args.warmup < 1 or args.rounds < 1 or args.steps_per_round < 1:
+        p.error("--rounds, --steps-per-round and --warmup must be >= 1")
+    if args.worker:
+        return args
+    if args.model is not None:
+        if args.workloads is not None:
+            p.error("give --model or --workloads, not both")
+        transformer = args.model == "transformer"
+        base = dict(WORKLOADS["transformer-adamw" if transformer else "cnn-sgd"])
+        if not cpu:
+            base.update(default_workloads(device).get(
+                "transformer-adamw" if transformer else "cnn-sgd", {}))
+        base.update(model=args.model,
+                    optimizer=args.optimizer or ("adamw" if transformer else "sgd"))
+        if not transformer and args.model != "small-cnn":
+            base.update(batch_size=256 if not cpu else 8, image_size=224 if not cpu else 64)
+        workloads = {f"{args.model}-{base['optimizer']}": base}
+    else:
+        available = default_workloads(device) if args.workloads is None else \
+            {k: dict(v) for k, v in WORKLOADS.items()}
+        names = list(available) if args.workloads is None else \
+            [s.strip() for s in args.workloads.split(",") if s.strip()]
+        unknown = [s for s in names if s not in available]
+        if unknown:
+            p.error(f"unknown workload(s) {unknown}; choose from {list(WORKLOADS)}")
+        workloads = {k: available[k] for k in names}
+    for w in workloads.values():
+        if args.batch_size is not None:
+            w["batch_size"] = args.batch_size
+        if args.image_size is not None:
+            w["image_size"] = args.image_size
+        if args.channels_last is not None:
+            w["channels_last"] = args.channels_last
+        w.setdefault("channels_last", not cpu)
+    args.workload_specs = workloads
+    if args.levels is None:
+        levels = CPU_LEVELS if cpu else list(CONFIGS)
+        args.fp16_left_out = cpu
+    else:
+        levels = [s.strip() for s in args.levels.split(",") if s.strip()]
+        args.fp16_left_out = False
     unknown = [s for s in levels if s not in CONFIGS]
     if unknown:
         p.error(f"unknown configuration(s) {unknown}; choose from {list(CONFIGS)}")
@@ -345,51 +572,56 @@ def parse_args(argv=None):
 
 
 def _worker_argv(args, name):
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", name, "--device", args.device,
-            "--model", args.model, "--batch-size", str(args.batch_size),
-            "--image-size", str(args.image_size), "--steps", str(args.steps),
-            "--warmup", str(args.warmup)]
-    argv.append("--channels-last" if args.channels_last else "--no-channels-last")
-    return argv
+    return [sys.executable, os.path.abspath(__file__), "--worker", name, "--device", args.device,
+            "--threads", str(args.threads)]
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.worker:
-        print(json.dumps(run_config(args.worker, args)))
-        return 0
+        return worker(args.worker, args)
     device = torch.device(args.device)
     if device.type != "cuda":
-        print("No GPU in use: this is a CPU run of a small model; its numbers say nothing "
-              "about GPU speed (fp16 math on a CPU is far slower than fp32).")
-    data = (f"{args.image_size}-token synthetic sequences" if args.model == "transformer"
-            else f"{args.image_size}x{args.image_size} synthetic images")
-    print(f"model {args.model}, batch {args.batch_size}, {data}, "
-          f"{args.steps} timed steps after {args.warmup} warm-up, "
-          f"on {device_name(device)}")
-    rows = []
-    for name in _progress(args.levels):
-        proc = subprocess.run(_worker_argv(args, name), capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(f"{name}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
-            continue
-        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    if not rows:
-        print("no configuration ran", file=sys.stderr)
-        return 1
-    print(format_table(rows))
+        print("No GPU in use: a CPU run of small models; its numbers say nothing about GPU "
+              "speed." + (" fp16 configurations are left out (a CPU has no fp16 arithmetic; "
+                          "--levels runs them)." if args.fp16_left_out else ""))
+    print(f"{args.rounds} interleaved rounds of {args.steps_per_round} timed steps per "
+          f"configuration after {args.warmup} warm-up, "
+          f"{args.threads or 'default'} thread(s), on {device_name(device)}")
+    t_start = time.perf_counter()
+    workers = [Worker(name, _worker_argv(args, name)) for name in args.levels]
+    results = []
+    try:
+        for wname, spec in args.workload_specs.items():
+            data = (f"{spec['image_size']}-token sequences" if spec["model"] == "transformer"
+                    else f"{spec['image_size']}x{spec['image_size']} images")
+            print(f"\n== {wname}: {spec['model']} + {spec['optimizer']}, batch "
+                  f"{spec['batch_size']}, synthetic {data}")
+            rows = measure(spec, workers, args)
+            if not rows:
+                print("no configuration ran", file=sys.stderr)
+                return 1
+            print(format_table(rows))
+            for text, _ in target_lines(rows) if device.type != "cuda" else []:
+                print("  target " + text)
+            results.append(dict(workload=wname, **spec, rows=rows))
+    finally:
+        for w in workers:
+            w.close()
+    complete = all(len(r["rows"]) == len(args.levels) for r in results)
     os.makedirs(args.out, exist_ok=True)
-    meta = dict(device=device_name(device), **versions(), model=args.model,
-                batch_size=args.batch_size, image_size=args.image_size, steps=args.steps,
-                warmup=args.warmup, channels_last=args.channels_last)
+    meta = dict(device=device_name(device), **versions(), rounds=args.rounds,
+                steps_per_round=args.steps_per_round, warmup=args.warmup, threads=args.threads,
+                seconds=time.perf_counter() - t_start)
     json_path = os.path.join(args.out, f"opt_levels_{device.type}.json")
     with open(json_path, "w") as f:
-        json.dump(dict(meta, rows=rows), f, indent=2)
-    title = (f"{args.model}, batch {args.batch_size} on {meta['device']} | torch {meta['torch']}, "
-             f"triton {meta['triton']}, tritamp {meta['tritamp']}")
-    png = write_chart(rows, os.path.join(args.out, f"opt_levels_{device.type}.png"), title)
-    print(f"wrote {json_path}" + (f" and {png}" if png else ""))
-    return 0 if len(rows) == len(args.levels) else 1
+        json.dump(dict(meta, workloads=results), f, indent=2)
+    title = (f"{meta['device']} | torch {meta['torch']}, triton {meta['triton']}, "
+             f"tritamp {meta['tritamp']}")
+    png = write_chart(results, os.path.join(args.out, f"opt_levels_{device.type}.png"), title)
+    print(f"\nwrote {json_path}" + (f" and {png}" if png else "") +
+          f" in {meta['seconds']:.0f} s")
+    return 0 if complete else 1
 
 
 if __name__ == "__main__":

@@ -13,19 +13,46 @@ import opt_levels  # noqa: E402
 
 def test_smoke_run_writes_table_json_and_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    rc = opt_levels.main(["--device", "cpu", "--levels", "O0,O2,O2-bf16,torch.amp",
-                          "--batch-size", "2", "--image-size", "8", "--steps", "1",
-                          "--warmup", "1", "--out", str(tmp_path)])
+    rc = opt_levels.main(["--device", "cpu", "--workloads", "cnn-sgd",
+                          "--levels", "O0,O2,O2-bf16,torch.amp,torch.amp-bf16",
+                          "--batch-size", "2", "--image-size", "8", "--rounds", "2",
+                          "--steps-per-round", "1", "--warmup", "1", "--out", str(tmp_path)])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "samples/s" in out and "O2-bf16" in out and "torch.amp" in out
+    assert "samples/s" in out and "O2-bf16" in out and "vs torch.amp-bf16" in out
+    assert "target O2-bf16 <= 1.10x torch.amp-bf16" in out
     data = json.loads((tmp_path / "opt_levels_cpu.json").read_text())
     assert data["torch"] == torch.__version__ and "triton" in data and "tritamp" in data
-    assert [r["config"] for r in data["rows"]] == ["O0", "O2", "O2-bf16", "torch.amp"]
-    for row in data["rows"]:
+    assert data["rounds"] == 2 and data["threads"] == 1
+    (res,) = data["workloads"]
+    assert res["workload"] == "cnn-sgd" and res["model"] == "small-cnn"
+    assert [r["config"] for r in res["rows"]] == ["O0", "O2", "O2-bf16", "torch.amp",
+                                                  "torch.amp-bf16"]
+    for row in res["rows"]:
         assert row["samples_per_s"] > 0 and row["syncs_per_step"] == 0
+        assert len(row["round_ms"]) == 2
+    rows = {r["config"]: r for r in res["rows"]}
+    assert rows["torch.amp-bf16"]["vs_torch_amp_bf16"] == 1.0
+    assert rows["torch.amp"]["vs_torch_same_dtype"] == 1.0
+    assert rows["O0"]["vs_torch_same_dtype"] is None  # no torch-fp32 row in this run
     png = (tmp_path / "opt_levels_cpu.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ratio_is_the_median_of_per_round_ratios():
+    row = dict(rounds=[2.0, 9.0, 3.0])
+    base = dict(rounds=[1.0, 3.0, 2.0])
+    assert opt_levels._ratio(row, base) == 2.0  # median of 2.0, 3.0, 1.5
+
+
+def test_cpu_defaults_run_three_workloads_without_fp16():
+    args = opt_levels.parse_args(["--device", "cpu"])
+    assert list(args.workload_specs) == ["cnn-sgd", "cnn-adamw", "transformer-adamw"]
+    t = args.workload_specs["transformer-adamw"]
+    assert (t["width"], t["heads"], t["depth"], t["image_size"], t["batch_size"]) == \
+        (512, 8, 4, 128, 8)
+    assert args.levels == opt_levels.CPU_LEVELS and args.threads == 1
+    assert not any(opt_levels.CONFIGS[c][1] == torch.float16 for c in args.levels)
 
 
 def test_sync_counter_counts_a_planted_item():
@@ -44,14 +71,15 @@ def test_unknown_configuration_is_refused():
 
 
 def test_transformer_option_runs_fused_adam(tmp_path, capsys):
-    rc = opt_levels.main(["--device", "cpu", "--model", "transformer", "--levels", "O2,torch.amp",
-                          "--batch-size", "2", "--image-size", "8", "--steps", "1",
-                          "--warmup", "1", "--out", str(tmp_path)])
+    rc = opt_levels.main(["--device", "cpu", "--model", "transformer", "--levels", "O2-bf16,torch.amp-bf16",
+                          "--batch-size", "2", "--image-size", "8", "--rounds", "1",
+                          "--steps-per-round", "1", "--warmup", "1", "--out", str(tmp_path)])
     assert rc == 0
     data = json.loads((tmp_path / "opt_levels_cpu.json").read_text())
-    assert data["model"] == "transformer"
-    assert [r["config"] for r in data["rows"]] == ["O2", "torch.amp"]
-    assert all(r["syncs_per_step"] == 0 for r in data["rows"])
+    (res,) = data["workloads"]
+    assert res["model"] == "transformer" and res["optimizer"] == "adamw"
+    assert [r["config"] for r in res["rows"]] == ["O2-bf16", "torch.amp-bf16"]
+    assert all(r["syncs_per_step"] == 0 for r in res["rows"])
 
 
 def test_transformer_uses_fused_norms_for_tritamp_configs():
