@@ -428,6 +428,27 @@ class Prepared:
             fn(g)
         self.finish()
 
+    @property
+    def rebindable(self):
+        """CPU path with nothing staged: :meth:`rebind` may swap a column's tensors."""
+        return not self.triton and not self.staged and not self.writeback
+
+    def rebind(self, name, tensors):
+        """The production CPU path holds no device tables: the same validated sweep runs
+        over new tensors in column ``name`` (this step's gradients, at new addresses) when
+        the caller's key says that nothing else changed (same strides, hence same shapes,
+        dtypes and layouts: torch keeps a ``.grad``'s dtype and shape its parameter's)."""
+        col = self._lists[name] = list(tensors)
+        for g in self.cpu_groups:
+            g.lists[name] = g.pick(col)
+
+    def release(self, name):
+        """Drop the references to column ``name``'s tensors until the next :meth:`rebind`
+        (a kept CPU sweep must not keep a step's gradients alive)."""
+        self._lists[name] = None
+        for g in self.cpu_groups:
+            g.lists[name] = None
+
     def buffers(self, group, name, like, dtype=torch.float32):
         """Persistent CPU-path buffers shaped and laid out as ``like`` (see :class:`Scratch`)."""
         return self.scratch.like((group.index, name), like, dtype)
@@ -446,11 +467,12 @@ class CpuGroup:
     """The rows of one dtype group on the production CPU path: ``lists`` maps every column
     to this group's tensors (None for an optional column absent from the group), in row
     order; ``dtypes`` is the group key (the dtype of each typed or optional column)."""
-    __slots__ = ("index", "dtypes", "rows", "lists")
+    __slots__ = ("index", "dtypes", "rows", "lists", "_pick")
 
     def __init__(self, index, lists, rows):
         self.index = index
         self.rows = rows
+        self._pick = operator.itemgetter(*rows) if len(rows) > 1 else None
         self.lists = {}
         for name, col in lists.items():
             if col is None:
@@ -462,6 +484,12 @@ class CpuGroup:
 
     def __getitem__(self, name):
         return self.lists[name]
+
+    def pick(self, col):
+        """This group's rows of a full column, in row order."""
+        if self._pick is None:
+            return [col[self.rows[0]]]
+        return list(self._pick(col))
 
 
 class Scratch:
@@ -502,6 +530,16 @@ class StagedPrepared:
     def lists(self):
         """The validated lists, dense copies refreshed (what the reference path reads)."""
         return self.prepared.lists
+
+    @property
+    def rebindable(self):
+        return self.prepared.rebindable
+
+    def rebind(self, name, tensors):
+        self.prepared.rebind(name, tensors)
+
+    def release(self, name):
+        self.prepared.release(name)
 
 
 def layout_key(tensors):

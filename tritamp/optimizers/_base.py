@@ -30,6 +30,7 @@ from tritamp.kernels._multi_tensor import (SweepCache, borrowed, layout_key, res
 _data_ptr = torch.Tensor.data_ptr
 _grad_of = operator.attrgetter("grad")
 _is_not_none = functools.partial(operator.is_not, None)
+_is_none = functools.partial(operator.is_, None)
 
 
 class _Epoch:
@@ -349,13 +350,23 @@ class FusedOptimizer(torch.optim.Optimizer):
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients, "
                                    "please consider SparseAdam instead") from None
             raise
-        key = (ptrs, strides, tuple(map(_data_ptr, links.written)), self._generation,
-               self.state.epoch.value, self._plan_depends_on(group))
+        rest = (strides, tuple(map(_data_ptr, links.written)), self._generation,
+                self.state.epoch.value, self._plan_depends_on(group))
+        key = (ptrs, rest)
         cache = self._plans.get(gi)
         if cache is None:
             cache = self._plans[gi] = SweepCache()
         found = cache.get(key)
         if found is not None:
+            return found
+        found = cache.prepared
+        if found is not None and cache.key[1] == rest and found.rebindable:
+            # The CPU path keeps no device tables: only the gradients' addresses changed
+            # (on a CPU they do every step), so the validated sweep takes this step's.
+            if any(map(_is_none, grads)):
+                grads = [g for g in grads if g is not None]
+            found.rebind("grads", grads)
+            cache.key = key
             return found
         rows = [i for i, g in enumerate(grads) if g is not None]
         if not rows:
@@ -406,9 +417,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         plans = [self._group_plan(gi, group, grad_scale)
                  for gi, group in enumerate(self.param_groups)]
         extra = self._before_groups(plans, grad_scale)
-        for group, prepared in zip(self.param_groups, plans):
+        for gi, (group, prepared) in enumerate(zip(self.param_groups, plans)):
             if prepared is not None:
                 self._launch(group, prepared, grad_scale, found_inf, **extra)
+                if prepared.rebindable:
+                    # A kept CPU sweep holds this step's gradients only while it runs.
+                    prepared.release("grads")
+                    cache = self._plans[gi]
+                    cache.key = (None, cache.key[1])
         return loss
 
     def _plan_depends_on(self, group):
