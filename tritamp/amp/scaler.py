@@ -164,7 +164,13 @@ class LossScaler:
                         group=self.overflow_process_group)
 
     def update_scale(self):
-        """Update the scale from the overflow slot on the device; no host sync."""
+        """Update the scale from the overflow slot on the device; no host sync.
+
+        A static scale is never checked: the step counts as unskipped (Apex's
+        ``_unskipped``), one in-place add, nothing to report."""
+        if not self.dynamic:
+            self._state[K.UNSKIPPED:K.UNSKIPPED + 1].add_(1.0)
+            return
         K.scale_update(self._state, self.growth_factor, self.backoff_factor,
                        self.growth_interval, self.hysteresis, self.min_loss_scale,
                        self.max_loss_scale, self.dynamic, found_slot=self._slot)
