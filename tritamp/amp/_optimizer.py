@@ -13,7 +13,9 @@ scaler looks for overflows, since only it can act on one): PENDING then has no f
 ``delay_unscale=True`` adds SCALED (gradients accumulate scaled; step() refuses) until a
 later ``scale_loss`` with ``delay_unscale=False`` unscales them.
 """
+import collections
 import functools
+import itertools
 import operator
 import types
 
@@ -25,6 +27,13 @@ from tritamp.kernels._multi_tensor import SweepCache, borrowed, layout_key, zero
 _grad_of = operator.attrgetter("grad")
 _is_none = functools.partial(operator.is_, None)
 _is_not_none = functools.partial(operator.is_not, None)
+_no_grads = itertools.repeat(None)
+
+
+def _clear_grads(params):
+    """``p.grad = None`` for every parameter, iterated in C (no Python loop per tensor)."""
+    collections.deque(map(setattr, params, itertools.repeat("grad"), _no_grads), maxlen=0)
+
 
 from ._model import MASTER_ATTR, MODEL_ATTR
 from ._state import logger
@@ -148,11 +157,9 @@ class AmpStash:
             # read-only, never unscaled into fp32 copies, no stash to add back).
             self.grads_zeroed = False
             return
-        for p in self.model_params:
-            p.grad = None  # fresh half gradients; the masters' gradients accumulate
-        for i, p in enumerate(self.plain_params):
-            self.plain_stash[i] = p.grad
-            p.grad = None
+        _clear_grads(self.model_params)  # fresh half gradients; the masters' accumulate
+        self.plain_stash = list(map(_grad_of, self.plain_params))
+        _clear_grads(self.plain_params)
 
     def post_backward(self, scaler, will_update=True):
         """Check (and unscale) this backward's gradients; record what step() needs.
@@ -257,8 +264,7 @@ class AmpStash:
 
     def finish_step(self):
         """After step() or zero_grad(): back to READY; the masters' gradients are spent."""
-        for m in self.masters:
-            m.grad = None
+        _clear_grads(self.masters)
         self.grads_zeroed = False
         self.pending = False
         self.found_inf = None
@@ -312,14 +318,13 @@ def _new_zero_grad(old_zero_grad):
             old_zero_grad(set_to_none=set_to_none)
         stash = self._amp_stash
         if set_to_none:
-            for p in stash.model_params:
-                p.grad = None
+            _clear_grads(stash.model_params)
         else:
             zero_grads_([p.grad for p in stash.model_params if p.grad is not None])
         stash.finish_step()
         # What the optimizer's own zero_grad did decides: gradients still present are zeros.
-        stash.grads_zeroed = any(p.grad is not None for p in stash.plain_params) or (
-            not set_to_none and any(p.grad is not None for p in stash.model_params))
+        stash.grads_zeroed = any(map(_is_not_none, map(_grad_of, stash.plain_params))) or (
+            not set_to_none and any(map(_is_not_none, map(_grad_of, stash.model_params))))
     return zero_grad
 
 
