@@ -24,14 +24,20 @@ that is not dense (a strided view) is read through a contiguous copy. Keep the r
 :func:`multi_tensor_l2norm_prepare` while the tensors stay the same and call
 :func:`multi_tensor_l2norm_launch` on it: a steady loop then uploads and rebuilds nothing.
 
+On the CPU without the interpreter :func:`multi_tensor_l2norm_cpu` runs instead: one
+``torch._foreach_norm`` per dtype group (:class:`SquareSums`), then the reference's
+fp32 arithmetic on the per-tensor sums (a few ops on ``n`` values).
+
 :class:`SegmentLayout` and :func:`reduce_segments` are shared with the LAMB and NovoGrad
-launchers, whose first stage also writes per-block partials.
+launchers, whose first stage also writes per-block partials; :class:`SquareSums` with
+their production CPU paths.
 """
 import torch
 import triton
 import triton.language as tl
 
 from ._multi_tensor import Column, StagedPrepared, Sweep, _dense, _upload
+from ._ref_utils import sqrt_rn
 from ._tl_utils import column, inv_scale, load_f32, sweep_block
 
 # Partials summed per loop iteration of the segment stage (one program per run).
@@ -204,11 +210,12 @@ class L2NormPrepared(StagedPrepared):
 
     ``partials`` is allocated once and zeroed once: the padding between groups is never
     written, so the total (program 0 of the segment stage) can sum the whole buffer."""
-    __slots__ = ("partials", "group_partials", "segments")
+    __slots__ = ("partials", "group_partials", "segments", "cpu")
 
     def __init__(self, prepared):
         super().__init__(prepared)
         self.partials = self.group_partials = self.segments = None
+        self.cpu = {}  # the CPU path's plans, built on first use (see _l2norm_cpu_plan)
         if not self.triton:
             return
         layout = SegmentLayout(prepared)
@@ -238,9 +245,8 @@ def multi_tensor_l2norm_prepare(tensors):
 def multi_tensor_l2norm_launch(prepared, per_tensor=False, scale=None, found_inf=None):
     """(total norm 0-d fp32, per-tensor norms fp32 [n] or None) of a prepared list: one
     launch per dtype group and one small launch for the totals. No host sync."""
-    if not prepared.triton or prepared.n == 0:
-        return multi_tensor_l2norm_ref(prepared.lists.get("tensors", []), per_tensor, scale,
-                                       found_inf)
+    if not prepared.triton:
+        return multi_tensor_l2norm_cpu(prepared, per_tensor, scale, found_inf)
     prepared.prepared.launch(_l2norm_partial_kernel,
                              (scale if scale is not None else prepared.partials,),
                              dict(HAS_SCALE=scale is not None),
@@ -260,6 +266,110 @@ def multi_tensor_l2norm(tensors, per_tensor=False, scale=None, found_inf=None):
     device. No host sync."""
     return multi_tensor_l2norm_launch(multi_tensor_l2norm_prepare(tensors), per_tensor, scale,
                                       found_inf)
+
+
+# --- the production CPU path -------------------------------------------------------------
+
+# torch's CPU norm kernel sums an fp32 tensor in one vector register, so its relative
+# error grows with the length (about 1e-6 at 256K elements, 1e-4 at 4M). fp32 tensors
+# longer than 2 * CHUNK are therefore normed in CHUNK-element pieces (each piece's
+# error below ~5e-7, measured) whose squares are added in fp64.
+CHUNK = 32768
+
+
+def _flat(t):
+    """``t``'s elements as one 1-D view (``t`` dense: its storage span is its elements)."""
+    if t.is_contiguous():
+        return t.view(-1)
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+class SquareSums:
+    """Per-tensor sums of squares, in fp64, of a fixed list of dense tensors of one
+    dtype: one ``torch._foreach_norm`` over the list (or its pieces) and a few ops on
+    the results, whatever the number of tensors.
+
+    fp32 tensors are normed in fp32 (torch's vectorised kernel), long ones in pieces of
+    :data:`CHUNK` elements: within ~5e-7 relative of the exact sum. As in the kernel's
+    fp32 sum, a square or sum beyond the fp32 range gives inf. ``exact=True``, and every
+    other dtype, norms in fp64: the exact sum (the fp16/bf16 kernel runs in fp64 with no
+    cast copy; an fp32 tensor costs ~2.5x the fp32 norm). The pieces are views, built
+    once: the sums follow the tensors' current values."""
+    __slots__ = ("n", "parts", "index", "dtype")
+
+    def __init__(self, tensors, exact=False):
+        tensors = list(tensors)
+        self.n = len(tensors)
+        self.index = None
+        fp32 = bool(tensors) and tensors[0].dtype == torch.float32 and not exact
+        self.dtype = None if fp32 else torch.float64
+        self.parts = tensors
+        if fp32 and any(t.numel() > 2 * CHUNK for t in tensors):
+            pieces = [_flat(t).split(CHUNK) if t.numel() > 2 * CHUNK else (t,) for t in tensors]
+            self.parts = [piece for ps in pieces for piece in ps]
+            counts = torch.tensor([len(ps) for ps in pieces], dtype=torch.int64)
+            self.index = torch.repeat_interleave(torch.arange(self.n), counts).to(
+                tensors[0].device)
+
+    def __call__(self):
+        """fp64 [n]: the sum of squares of each tensor, in the list's order."""
+        device = self.parts[0].device
+        norms = torch.stack(torch._foreach_norm(self.parts, 2, dtype=self.dtype))
+        sq = norms.double().square()
+        if self.index is None:
+            return sq
+        return torch.zeros(self.n, dtype=torch.float64, device=device).index_add_(
+            0, self.index, sq)
+
+
+class _L2NormCpuPlan:
+    """The CPU path's per-group sums and the permutation back to the caller's order."""
+    __slots__ = ("groups", "order")
+
+    def __init__(self, prepared, exact):
+        groups = prepared.prepared.cpu_groups
+        self.groups = [SquareSums(g["tensors"], exact) for g in groups]
+        rows = [i for g in groups for i in g.rows]
+        self.order = None
+        if rows != list(range(len(rows))):
+            self.order = torch.empty(len(rows), dtype=torch.int64)
+            self.order[torch.tensor(rows)] = torch.arange(len(rows))
+            self.order = self.order.to(prepared.device)
+
+
+def multi_tensor_l2norm_cpu(prepared, per_tensor=False, scale=None, found_inf=None):
+    """The production CPU path of :func:`multi_tensor_l2norm_launch`: the reference's
+    results from one ``torch._foreach_norm`` per dtype group.
+
+    The reference sums each tensor's squares in fp32 and takes fp64 square roots of
+    fp32 sums. Here each tensor's sum comes from :class:`SquareSums` (fp64, or fp32 pieces
+    added in fp64), is rounded once to fp32 (inf where the fp32 sum overflows) and from
+    there the reference's own ops run on the ``n`` sums: the total is the fp32 sum of
+    the per-tensor fp32 sums, ``found_inf`` is set when it is not finite (an inf or NaN
+    element, or squares beyond the fp32 range). With ``scale`` the tensors are normed
+    exactly (fp64) and the sums multiplied by ``inv**2`` in fp64: the norm of the
+    unscaled elements, which cannot overflow where the unscaled ones do not, as in the
+    kernel. Nothing is read back to the host."""
+    n = prepared.n
+    if n == 0:
+        total = torch.zeros((), dtype=torch.float32)
+        return total, (torch.zeros(0, dtype=torch.float32) if per_tensor else None)
+    exact = scale is not None
+    plan = prepared.cpu.get(exact)
+    if plan is None:
+        plan = prepared.cpu[exact] = _L2NormCpuPlan(prepared, exact)
+    sums = []
+    prepared.prepared.run_cpu(lambda g: sums.append(plan.groups[g.index]()))
+    sq = sums[0] if len(sums) == 1 else torch.cat(sums)
+    if plan.order is not None:
+        sq = sq[plan.order]
+    if scale is not None:
+        inv = scale.double().reciprocal().float().double().reshape(())
+        sq = sq * (inv * inv)  # inv has 24 significant bits: inv * inv is exact in fp64
+    sq = sq.float()
+    total = sqrt_rn(sq.sum())
+    _flag(found_inf, total)
+    return total, (sqrt_rn(sq) if per_tensor else None)
 
 
 def _flag(found_inf, total):
