@@ -18,12 +18,19 @@ is a strided view is written through a dense copy and copied back; one that over
 itself is refused. :func:`multi_tensor_scale_prepare` / :func:`multi_tensor_axpby_prepare`
 validate and plan once; keep the result while the tensors stay the same and call the
 ``*_launch`` functions on it.
+
+On the CPU without the interpreter the production path (:func:`multi_tensor_scale_cpu`,
+:func:`multi_tensor_axpby_cpu`) runs torch's multi-tensor CPU ops per dtype group with the
+reference's arithmetic, so the outputs are bitwise the reference's: each product in fp32
+(``torch._amp_foreach_non_finite_check_and_unscale_`` with the coefficient as its factor:
+it multiplies in fp32 whatever the tensor's dtype, rounds once, and flags a non-finite
+input element, before the multiply), the sum in fp32, one rounding to the output dtype.
 """
 import torch
 import triton
 import triton.language as tl
 
-from ._multi_tensor import Column, Sweep, scalar_arg
+from ._multi_tensor import Column, Sweep, device_constants, scalar_arg
 from ._tl_utils import column, load_f32, store_cast, sweep_block
 from .check_unscale import LayoutPrepared, Layouts, _same_view, check_lists
 
@@ -147,9 +154,7 @@ def multi_tensor_scale_launch(prepared, scale, noop_flag=None):
     if prepared.n == 0:
         return
     if not _launch(prepared, scale, 0.0, noop_flag, True, False):
-        lists = prepared.lists
-        multi_tensor_scale_ref(lists["srcs"], lists["dsts"],
-                               scalar_arg(scale, "scale", prepared.device), noop_flag)
+        multi_tensor_scale_cpu(prepared, scale, noop_flag)
 
 
 @torch.no_grad()
@@ -180,11 +185,7 @@ def multi_tensor_axpby_launch(prepared, a, b, noop_flag=None, arg_to_check=-1):
     if prepared.n == 0:
         return
     if not _launch(prepared, a, b, noop_flag, arg_to_check in (-1, 0), arg_to_check in (-1, 1)):
-        lists = prepared.lists
-        device = prepared.device
-        multi_tensor_axpby_ref(lists["xs"], lists["ys"], lists["outs"],
-                               scalar_arg(a, "a", device), scalar_arg(b, "b", device),
-                               noop_flag, arg_to_check)
+        multi_tensor_axpby_cpu(prepared, a, b, noop_flag, arg_to_check)
 
 
 @torch.no_grad()
@@ -194,6 +195,107 @@ def multi_tensor_axpby(xs, ys, outs, a, b, noop_flag, arg_to_check=-1):
     _arg_to_check(arg_to_check)
     multi_tensor_axpby_launch(multi_tensor_axpby_prepare(xs, ys, outs), a, b, noop_flag,
                               arg_to_check)
+
+
+# --- the production CPU path -------------------------------------------------------------
+
+def _factor(c, device):
+    """A coefficient as the one-element fp32 tensor the reference multiplies by."""
+    if isinstance(c, torch.Tensor):
+        return c.reshape(1).float()
+    return device_constants(device, (c,), torch.float32)
+
+
+class _Flags:
+    """Where the CPU path's checks write: ``noop_flag`` itself when it is what torch's
+    check takes (a one-element fp32 tensor; set to 1, never cleared), else a fresh fp32
+    flag merged into it afterwards. ``ignored`` takes the flag of an unchecked input."""
+    __slots__ = ("noop", "checked", "ignored")
+
+    def __init__(self, noop_flag):
+        self.noop = noop_flag
+        self.ignored = None
+        if noop_flag is None:
+            self.checked = None
+        elif noop_flag.dtype == torch.float32 and noop_flag.is_contiguous():
+            self.checked = noop_flag
+        else:
+            self.checked = torch.zeros(1, dtype=torch.float32, device=noop_flag.device)
+
+    def for_input(self, checked):
+        if checked and self.checked is not None:
+            return self.checked
+        if self.ignored is None:
+            self.ignored = torch.zeros(1, dtype=torch.float32, device=(
+                self.noop.device if self.noop is not None else None))
+        return self.ignored
+
+    def merge(self):
+        if self.checked is not None and self.checked is not self.noop:
+            self.noop.masked_fill_(self.checked.reshape(()) != 0, 1)
+
+
+def _scaled(dsts, srcs, factor, flag):
+    """dst = fp32(src * factor) rounded once to dst's dtype (dst is src's dtype or fp32,
+    so copying src into it is exact); src's inf/NaN set ``flag``."""
+    torch._foreach_copy_(dsts, srcs)  # a tensor copied onto itself is left alone
+    torch._amp_foreach_non_finite_check_and_unscale_(dsts, flag, factor)
+
+
+def _exact_into(dst_dtype, src_dtype):
+    return dst_dtype == src_dtype or dst_dtype == torch.float32
+
+
+def multi_tensor_scale_cpu(prepared, scale, noop_flag=None):
+    """The production CPU path of :func:`multi_tensor_scale_launch` (see the module
+    docstring): per dtype group a copy into the output (or an fp32 scratch where the
+    output's dtype cannot hold the source exactly) and one check-and-multiply."""
+    s = _factor(scale, prepared.device)
+    flags = _Flags(noop_flag)
+    flag = flags.for_input(True)
+    engine = prepared.prepared
+
+    def group(g):
+        outs, xs = g["outs"], g["xs"]
+        if _exact_into(outs[0].dtype, xs[0].dtype):
+            _scaled(outs, xs, s, flag)
+            return
+        work = engine.buffers(g, "w", outs)
+        _scaled(work, xs, s, flag)
+        torch._foreach_copy_(outs, work)
+
+    prepared.layouts.before()
+    engine.run_cpu(group)
+    prepared.layouts.after()
+    flags.merge()
+
+
+def multi_tensor_axpby_cpu(prepared, a, b, noop_flag=None, arg_to_check=-1):
+    """The production CPU path of :func:`multi_tensor_axpby_launch` (see the module
+    docstring): per dtype group ``b * y`` into an fp32 scratch (first: the output may be
+    ``y``), ``a * x`` into the output when it is fp32 (else an fp32 scratch), one fp32
+    add, and a copy to a half output. Unchecked inputs are multiplied all the same."""
+    device = prepared.device
+    fa, fb = _factor(a, device), _factor(b, device)
+    flags = _Flags(noop_flag)
+    flag_x = flags.for_input(arg_to_check in (-1, 0))
+    flag_y = flags.for_input(arg_to_check in (-1, 1))
+    engine = prepared.prepared
+
+    def group(g):
+        outs, xs, ys = g["outs"], g["xs"], g["ys"]
+        by = engine.buffers(g, "by", outs)
+        _scaled(by, ys, fb, flag_y)
+        work = outs if outs[0].dtype == torch.float32 else engine.buffers(g, "w", outs)
+        _scaled(work, xs, fa, flag_x)
+        torch._foreach_add_(work, by)
+        if work is not outs:
+            torch._foreach_copy_(outs, work)
+
+    prepared.layouts.before()
+    engine.run_cpu(group)
+    prepared.layouts.after()
+    flags.merge()
 
 
 def _as_f32(c):
