@@ -13,11 +13,15 @@ round-to-nearest square root and division (``tl.sqrt_rn`` / ``tl.div_rn``; plain
 (optional) receive the updated parameter in their own dtype: the half model copy of an
 fp32 master weight, written in the same pass. When ``found_inf`` holds a non-zero value
 nothing is read or written and the step counts stay: the skipped step leaves no trace.
+
+On the CPU without Triton's interpreter, :func:`adam_step_cpu` runs the step on torch's
+fused CPU kernel (``torch._fused_adamw_`` / ``torch._fused_adam_``), see _cpu_optim.
 """
 import torch
 import triton
 import triton.language as tl
 
+from ._cpu_optim import advance_counts, amp_flags, fp32_work, write_back
 from ._multi_tensor import Column, Sweep, device_constants, scalar_arg
 from ._ref_utils import advance_steps, f32 as _f32, sqrt_rn as _sqrt_rn
 from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step, load_f32,
@@ -115,7 +119,7 @@ def adam_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=Tr
     if prepared.n == 0:
         return
     if not prepared.triton:
-        adam_step_ref(**prepared.lists, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        adam_step_cpu(prepared, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                       weight_decay=weight_decay, adam_w_mode=adam_w_mode,
                       bias_correction=bias_correction, grad_scale=grad_scale,
                       found_inf=found_inf)
@@ -149,6 +153,51 @@ def adam_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, lr, b
                 beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                 adam_w_mode=adam_w_mode, bias_correction=bias_correction,
                 grad_scale=grad_scale, found_inf=found_inf)
+
+
+# A step count of +inf: torch's fused kernel then computes 1 - beta**inf = 1 for both bias
+# corrections (C's pow(beta, +inf) is +0 for |beta| < 1), so its update is exactly Adam's
+# without bias correction: step size lr, denominator sqrt(v) / 1 + eps.
+_NO_BIAS_CORRECTION = torch.tensor(float("inf"))
+
+
+@torch.no_grad()
+def adam_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=True,
+                  bias_correction=True, grad_scale=None, found_inf=None):
+    """The production CPU path of :func:`adam_launch`: per dtype group one call of torch's
+    fused CPU Adam/AdamW kernel on fp32 lists (half parameters and gradients through fp32
+    scratch, see _cpu_optim), the step counts advanced first (torch's kernel reads the
+    count of the step being taken), ``found_inf`` handed to the kernel (it then writes
+    nothing) and the copies written from the updated fp32 values.
+
+    torch's kernel rounds differently from :func:`adam_step_ref` in two places (the
+    first moment as one fused multiply-add, ``(lr / bc1 * m) / denom`` for
+    ``lr / bc1 * (m / denom)``): a few ulps per step, as between torch's own fused and
+    foreach Adam."""
+    if not bias_correction and not (abs(beta1) < 1.0 and abs(beta2) < 1.0):
+        # beta ** inf is not 0 here: the fused kernel cannot express this (degenerate)
+        # setting, which FusedAdam refuses anyway.
+        adam_step_ref(**prepared.lists, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                      weight_decay=weight_decay, adam_w_mode=adam_w_mode,
+                      bias_correction=False, grad_scale=grad_scale, found_inf=found_inf)
+        return
+    lr = scalar_arg(lr, "lr", prepared.device)
+    skip, keep = amp_flags(found_inf)
+    fused = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
+    beta1, beta2, eps, weight_decay = float(beta1), float(beta2), float(eps), float(weight_decay)
+
+    def group_step(group):
+        lists = group.lists
+        params, steps = lists["params"], lists["steps"]
+        work_p, work_g, scale = fp32_work(prepared, group, params, lists["grads"], grad_scale)
+        advance_counts(steps, keep)
+        fused(work_p, work_g, lists["exp_avgs"], lists["exp_avg_sqs"], [],
+              steps if bias_correction else [_NO_BIAS_CORRECTION] * len(steps),
+              lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+              amsgrad=False, maximize=False, grad_scale=scale, found_inf=skip)
+        write_back(params, work_p, lists["copies"])
+
+    prepared.run_cpu(group_step)
 
 
 def _betas(device, beta1, beta2):
