@@ -17,12 +17,16 @@ and leaves the step counts as they are.
 step count of 0 in ``steps``: the count is read on the device, so a skipped first step
 leaves the buffer unused, as torch's lazily created buffer would be. The counts advance
 inside the kernel (see _tl_utils.finish_tensor_step).
+
+On the CPU without Triton's interpreter, :func:`sgd_step_cpu` runs the step on torch's
+fused CPU kernel (``torch._fused_sgd_``), see _cpu_optim.
 """
 import torch
 import triton
 import triton.language as tl
 
 from ._dispatch import use_triton  # noqa: F401  (tests read the module's dispatch)
+from ._cpu_optim import advance_counts, amp_flags, decay_factor, fp32_work, write_back
 from ._multi_tensor import Column, Sweep, scalar_arg
 from ._ref_utils import advance_steps, f32
 from ._tl_utils import (column, column_f32, finish_tensor_step, load_f32, load_grad, load_lr,
@@ -114,9 +118,12 @@ def sgd_prepare(params, grads, momentum_buffers=None, copies=None, steps=None):
 
 
 def _missing_buffer(prepared):
-    """The index of a non-empty parameter without a momentum buffer, or None. On the
-    Triton path the groups say it (a steady step scans no list)."""
-    if prepared.triton and all(g.constexprs["HAS_MOMENTUM_BUFFERS"] for g in prepared.groups):
+    """The index of a non-empty parameter without a momentum buffer, or None. The groups
+    say it (a steady step scans no list)."""
+    if prepared.triton:
+        if all(g.constexprs["HAS_MOMENTUM_BUFFERS"] for g in prepared.groups):
+            return None
+    elif all(g.lists["momentum_buffers"] is not None for g in prepared.cpu_groups):
         return None
     bufs = prepared.lists.get("momentum_buffers")
     for i, p in enumerate(prepared.lists["params"]):
@@ -138,7 +145,7 @@ def sgd_launch(prepared, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, n
             raise ValueError(f"sgd_step: momentum != 0 needs momentum_buffers ({what}); pass "
                              "one fp32 buffer per parameter")
     if not prepared.triton:
-        sgd_step_ref(**prepared.lists, lr=lr, momentum=momentum, dampening=dampening,
+        sgd_step_cpu(prepared, lr=lr, momentum=momentum, dampening=dampening,
                      weight_decay=weight_decay, nesterov=nesterov,
                      wd_after_momentum=wd_after_momentum, first_run=first_run,
                      grad_scale=grad_scale, found_inf=found_inf)
@@ -155,6 +162,81 @@ def sgd_launch(prepared, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, n
         FIRST_RUN=bool(first_run), NESTEROV=bool(nesterov),
         WD_AFTER_MOMENTUM=bool(wd_after_momentum)))
     prepared.advance_empty_steps(found_inf)
+
+
+@torch.no_grad()
+def sgd_step_cpu(prepared, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                 nesterov=False, wd_after_momentum=False, first_run=False, grad_scale=None,
+                 found_inf=None):
+    """The production CPU path of :func:`sgd_launch`: per dtype group torch's fused CPU
+    SGD kernel on fp32 lists (half parameters and gradients through fp32 scratch, see
+    _cpu_optim), ``found_inf`` handed to it (it then writes nothing), the step counts
+    advanced by 1 (0 on a skipped step), the copies written from the updated values.
+
+    - First step: torch's kernel takes one ``is_first_step`` for the whole call, the
+      kernel's rule is per tensor (``first_run``, or a step count of 0). Without
+      ``first_run`` the counts are looked at on the host (CPU tensors: no device
+      synchronisation): all started -> one call, none started -> one call with
+      ``is_first_step``, a mix (a parameter taking its first step beside older ones) ->
+      one call for each part.
+    - ``wd_after_momentum`` (Apex): ``p -= lr * (d + wd * p)`` is taken as
+      ``p *= 1 - lr * wd`` (a factor of exactly 1 on a skipped step) before the fused
+      kernel's ``p -= lr * d`` with no weight decay of its own.
+
+    torch's kernel fuses ``g + wd * p`` and the buffer update into multiply-adds where
+    :func:`sgd_step_ref` rounds twice: an ulp or so per step."""
+    lr = scalar_arg(lr, "lr", prepared.device)
+    skip, keep = amp_flags(found_inf)
+    decay = None
+    if wd_after_momentum and weight_decay != 0:
+        decay = decay_factor(lr, weight_decay, skip)
+    kw = dict(weight_decay=0.0 if wd_after_momentum else float(weight_decay),
+              momentum=float(momentum), lr=lr, dampening=float(dampening),
+              nesterov=bool(nesterov), maximize=False, found_inf=skip)
+
+    def group_step(group):
+        lists = group.lists
+        params, bufs, steps = lists["params"], lists["momentum_buffers"], lists["steps"]
+        if momentum != 0 and bufs is None:  # sgd_launch checked: every parameter is empty
+            if steps is not None:
+                advance_counts(steps, keep)
+            return
+        work_p, work_g, scale = fp32_work(prepared, group, params, lists["grads"], grad_scale)
+        if decay is not None:
+            torch._foreach_mul_(work_p, decay)
+        if momentum == 0:
+            torch._fused_sgd_(work_p, work_g, [], is_first_step=False, grad_scale=scale, **kw)
+        elif first_run or steps is None:
+            torch._fused_sgd_(work_p, work_g, bufs, is_first_step=bool(first_run),
+                              grad_scale=scale, **kw)
+        else:
+            _momentum_step_by_counts(work_p, work_g, bufs, steps, scale, kw)
+        if steps is not None:
+            advance_counts(steps, keep)
+        write_back(params, work_p, lists["copies"])
+
+    prepared.run_cpu(group_step)
+
+
+def _momentum_step_by_counts(params, grads, bufs, steps, scale, kw):
+    """torch's fused SGD with ``is_first_step`` decided per tensor by its step count."""
+    try:
+        counts = torch.stack(steps)
+    except RuntimeError:  # one-element counts of different shapes
+        counts = torch.stack([s.reshape(()) for s in steps])
+    first = counts.reshape(-1).eq(0)
+    if not first.any():
+        torch._fused_sgd_(params, grads, bufs, is_first_step=False, grad_scale=scale, **kw)
+        return
+    flags = first.tolist()
+    if all(flags):
+        torch._fused_sgd_(params, grads, bufs, is_first_step=True, grad_scale=scale, **kw)
+        return
+    for is_first in (True, False):
+        rows = [i for i, f in enumerate(flags) if f == is_first]
+        torch._fused_sgd_([params[i] for i in rows], [grads[i] for i in rows],
+                          [bufs[i] for i in rows], is_first_step=is_first, grad_scale=scale,
+                          **kw)
 
 
 @torch.no_grad()
