@@ -17,12 +17,16 @@ non-zero value nothing is read or written and the step counts stay.
 Square root and division are IEEE round-to-nearest (``tl.sqrt_rn`` / ``tl.div_rn``): on
 the GPU plain ``tl.sqrt`` and ``/`` compile to approximate instructions, and the sum of
 squares feeds every later step, so the error would compound against torch's.
+
+On the CPU without Triton's interpreter, :func:`adagrad_step_cpu` runs the step on
+torch's fused CPU kernel (``torch._fused_adagrad_``), see _cpu_optim.
 """
 import torch
 import triton
 import triton.language as tl
 
 from ._dispatch import use_triton  # noqa: F401  (tests read the module's dispatch)
+from ._cpu_optim import advance_counts, amp_flags, decay_factor, fp32_work, write_back
 from ._multi_tensor import Column, Sweep, scalar_arg
 from ._ref_utils import advance_steps, f32 as _f32, sqrt_rn as _sqrt_rn
 from ._tl_utils import (column, column_f32, finish_tensor_step, load_f32, load_grad, load_lr,
@@ -100,7 +104,7 @@ def adagrad_launch(prepared, *, lr, eps, weight_decay=0.0, adagrad_w_mode=False,
     if prepared.n == 0:
         return
     if not prepared.triton:
-        adagrad_step_ref(**prepared.lists, lr=lr, eps=eps, weight_decay=weight_decay,
+        adagrad_step_cpu(prepared, lr=lr, eps=eps, weight_decay=weight_decay,
                          adagrad_w_mode=adagrad_w_mode, grad_scale=grad_scale,
                          found_inf=found_inf)
         return
@@ -114,6 +118,50 @@ def adagrad_launch(prepared, *, lr, eps, weight_decay=0.0, adagrad_w_mode=False,
         LR_IS_TENSOR=isinstance(lr, torch.Tensor), HAS_SCALE=grad_scale is not None,
         HAS_FOUND_INF=found_inf is not None, ADAGRAD_W=bool(adagrad_w_mode)))
     prepared.advance_empty_steps(found_inf)
+
+
+# The step count torch's kernel reads for its learning-rate decay: with lr_decay = 0 its
+# step size is lr / (1 + (0 - 1) * 0) = lr exactly, whatever the real counts hold.
+_NO_LR_DECAY_STEP = torch.tensor(0.0)
+
+
+@torch.no_grad()
+def adagrad_step_cpu(prepared, *, lr, eps, weight_decay=0.0, adagrad_w_mode=False,
+                     grad_scale=None, found_inf=None):
+    """The production CPU path of :func:`adagrad_launch`: per dtype group torch's fused
+    CPU Adagrad kernel (``lr_decay=0``) on fp32 lists (half parameters and gradients
+    through fp32 scratch, see _cpu_optim), ``found_inf`` handed to it (it then writes
+    nothing), the step counts advanced by 1 (0 on a skipped step), the copies written
+    from the updated values.
+
+    ``adagrad_w_mode`` (decoupled decay, ``p -= lr * (g / (sqrt(h) + eps) + wd * p)``) is
+    taken as ``p *= 1 - lr * wd`` (a factor of exactly 1 on a skipped step) before the
+    fused kernel's ``p -= lr * g / (sqrt(h) + eps)`` with no weight decay of its own.
+
+    torch's kernel computes ``(lr * g) / std`` where :func:`adagrad_step_ref` computes
+    ``lr * (g / std)``: an ulp or so per step."""
+    lr = scalar_arg(lr, "lr", prepared.device)
+    skip, keep = amp_flags(found_inf)
+    decay = None
+    if adagrad_w_mode and weight_decay != 0:
+        decay = decay_factor(lr, weight_decay, skip)
+    fused_wd = 0.0 if adagrad_w_mode else float(weight_decay)
+    eps = float(eps)
+
+    def group_step(group):
+        lists = group.lists
+        params, steps = lists["params"], lists["steps"]
+        work_p, work_g, scale = fp32_work(prepared, group, params, lists["grads"], grad_scale)
+        if decay is not None:
+            torch._foreach_mul_(work_p, decay)
+        torch._fused_adagrad_(work_p, work_g, lists["sums"], [_NO_LR_DECAY_STEP] * len(params),
+                              lr=lr, lr_decay=0.0, weight_decay=fused_wd, eps=eps,
+                              maximize=False, grad_scale=scale, found_inf=skip)
+        if steps is not None:
+            advance_counts(steps, keep)
+        write_back(params, work_p, lists["copies"])
+
+    prepared.run_cpu(group_step)
 
 
 @torch.no_grad()
