@@ -10,17 +10,17 @@ so each op feeds them:
 - fp32 working lists: the parameters themselves when fp32, else persistent fp32 scratch
   (:meth:`Prepared.buffers`) filled with ``torch._foreach_copy_`` and copied back after
   (on a skipped step the half -> fp32 -> half round trip is exact); the gradients
-  themselves when fp32 and unscaled, else fp32 scratch: unscaled into it by
-  ``1/scale`` (fp32 gradients) or copied into it with ``grad_scale`` left for the fused
-  op to apply there (half gradients);
+  themselves when fp32 and unscaled, else fp32 scratch they are copied into, with
+  ``grad_scale`` left for the fused op to apply there (it divides by the scale where the
+  kernels multiply by ``1/scale`` rounded to fp32: the same for a power-of-two scale,
+  an ulp apart at most otherwise; ``torch.ops.aten._foreach_mul.Tensor_out`` would
+  unscale in one pass but allocates and copies, several times slower on the CPU);
 - ``skip``: 1.0 when ``found_inf`` is non-zero, else 0.0, the flag the fused ops test;
   ``keep`` (its complement) advances the step counts by 1 or 0.
 
 Nothing here reads a tensor's value on the host.
 """
 import torch
-
-_mul_out = torch.ops.aten._foreach_mul.Tensor_out
 
 
 def amp_flags(found_inf):
@@ -64,14 +64,8 @@ def fp32_work(prepared, group, params, grads, grad_scale):
     if params[0].dtype != torch.float32:
         work_p = prepared.buffers(group, "params", params)
         torch._foreach_copy_(work_p, params)
-    if grads[0].dtype == torch.float32:
-        if grad_scale is None:
-            return work_p, grads, None
-        # 1/scale in fp64 rounded to fp32, as the kernels and torch.amp's GradScaler do.
-        inv = grad_scale.reshape(()).double().reciprocal().float()
-        work_g = prepared.buffers(group, "grads", grads)
-        _mul_out(grads, inv, out=work_g)
-        return work_p, work_g, None
+    if grads[0].dtype == torch.float32 and grad_scale is None:
+        return work_p, grads, None
     work_g = prepared.buffers(group, "grads", grads)
     torch._foreach_copy_(work_g, grads)
     return work_p, work_g, grad_scale
