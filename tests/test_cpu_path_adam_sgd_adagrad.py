@@ -471,3 +471,34 @@ def test_gradscaler_with_an_overflow_drives_the_cpu_path_like_torch(name, cpu_pa
         torch.testing.assert_close(pa, pb, **TOL[torch.float32])
         if "step" in opt_a.state[pa] and name != "sgd_dampening":
             assert opt_a.state[pa]["step"].item() == 3
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd_nesterov", "adagrad"])
+def test_amp_o2_on_the_cpu_path_matches_the_kernel_path(name):
+    """tritamp.amp at O2 (fp32 masters, the half model's gradients read directly, the half
+    model written in the same step) with an overflow in step 2, through both paths."""
+    from tritamp import amp
+    results = []
+    for cpu in (True, False):
+        model = _model()
+        opt = OPTIMIZERS[name](model.parameters())
+        model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+        gen = torch.Generator().manual_seed(9)
+        for factor in (1.0, math.inf, 1.0):
+            x = torch.randn(4, 7, generator=gen)
+            opt.zero_grad()
+            with amp.scale_loss(model(x).float().square().mean() * factor, opt) as loss:
+                loss.backward()
+            if cpu:
+                with force_cpu_path():
+                    opt.step()
+            else:
+                opt.step()
+        assert _plans_on_cpu_path(opt) == cpu
+        masters = list(amp.master_params(opt))
+        halves = list(model.parameters())
+        for m, h in zip(masters, halves):
+            assert m.dtype == torch.float32 and h.dtype == torch.float16
+            assert torch.equal(h.detach(), m.detach().half())
+        results.append(masters)
+    assert_close_to_ref(*results, "masters")
