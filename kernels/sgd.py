@@ -175,10 +175,11 @@ def sgd_step_cpu(prepared, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
 
     - First step: torch's kernel takes one ``is_first_step`` for the whole call, the
       kernel's rule is per tensor (``first_run``, or a step count of 0). Without
-      ``first_run`` the counts are looked at on the host (CPU tensors: no device
-      synchronisation): all started -> one call, none started -> one call with
-      ``is_first_step``, a mix (a parameter taking its first step beside older ones) ->
-      one call for each part.
+      dampening no flag is needed: a buffer at step count 0 holds zeros (the optimizers
+      create it so and a skipped step leaves it so), and ``momentum * 0 + g`` is ``g``.
+      With dampening the counts are looked at on the host (CPU tensors: no device
+      synchronisation, but a host read): all started -> one call, none started -> one
+      call with ``is_first_step``, a mix -> one call for each part.
     - ``wd_after_momentum`` (Apex): ``p -= lr * (d + wd * p)`` is taken as
       ``p *= 1 - lr * wd`` (a factor of exactly 1 on a skipped step) before the fused
       kernel's ``p -= lr * d`` with no weight decay of its own.
@@ -209,6 +210,12 @@ def sgd_step_cpu(prepared, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
         elif first_run or steps is None:
             torch._fused_sgd_(work_p, work_g, bufs, is_first_step=bool(first_run),
                               grad_scale=scale, **kw)
+        elif dampening == 0:
+            # Without dampening the first step needs no flag: a buffer whose step count is
+            # 0 holds zeros (created so, a skipped step leaves it so, FusedSGD zeroes it on
+            # load), and momentum * 0 + g is g. No count is read.
+            torch._fused_sgd_(work_p, work_g, bufs, is_first_step=False, grad_scale=scale,
+                              **kw)
         else:
             _momentum_step_by_counts(work_p, work_g, bufs, steps, scale, kw)
         if steps is not None:

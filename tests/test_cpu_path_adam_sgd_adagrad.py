@@ -111,9 +111,11 @@ class CountOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.host_reads = 0  # a tensor's value read on the host (.item(), bool(), float())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
+        self.host_reads += func is torch.ops.aten._local_scalar_dense.default
         return func(*args, **(kwargs or {}))
 
 
@@ -189,6 +191,8 @@ def sgd_run(lists, grads, cpu, **kw):
 @pytest.mark.parametrize("case", CASES)
 def test_sgd_cpu_path_matches_ref(case, variant, amp):
     params, grads, (bufs,), copies, steps = make_lists(case, 1)
+    for b in bufs:  # step counts 0: fresh buffers, zeros as the optimizers create them
+        b.zero_()
     ours = [params, bufs, steps, copies]
     ref = clones(ours)
     grad_scale, found_inf = amp_args(amp)
@@ -223,6 +227,40 @@ def test_sgd_first_step_per_tensor_as_the_kernel(counts, first_run):
         assert_close_to_ref(a, b, name)
     if counts is not None:
         assert [s.item() for s in ours[2]] == [c + 1 for c in counts]
+
+
+def test_sgd_without_dampening_takes_mixed_first_steps_in_one_call():
+    """Without dampening a buffer at step count 0 (zeros, as created) needs no first-step
+    flag: mixed counts give the kernel's per-tensor rule with no count read."""
+    params, grads, (bufs,), _, _ = make_lists("fp32", 1, seed=4)
+    counts = (0.0, 3.0, 1.0, 0.0)
+    for b, c in zip(bufs, counts):
+        if c == 0.0:
+            b.zero_()
+    steps = [torch.tensor([c]) for c in counts]
+    ours = [params, bufs, steps, None]
+    ref = clones(ours)
+    kw = dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=True)
+    with CountOps() as ops:
+        sgd_run(ours, grads[0], True, **kw)
+    sgd_run(ref, grads[0], False, **kw)
+    for name, a, b in zip(("params", "momentum_buffers"), ours, ref):
+        assert_close_to_ref(a, b, name)
+    assert ops.host_reads == 0
+
+
+def test_fused_sgd_zeroes_unused_buffers_on_load():
+    """A loaded buffer at step count 0 is unused (the first step sets it): held at zeros."""
+    from tritamp.optimizers import FusedSGD
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = FusedSGD([p], lr=0.1, momentum=0.9)
+    sd = {"state": {0: {"momentum_buffer": torch.full((3,), 5.0), "step": torch.tensor(0.0)}},
+          "param_groups": opt.state_dict()["param_groups"]}
+    opt.load_state_dict(sd)
+    assert torch.equal(opt.state[p]["momentum_buffer"], torch.zeros(3))
+    sd["state"][0]["step"] = torch.tensor(2.0)
+    opt.load_state_dict(sd)
+    assert torch.equal(opt.state[p]["momentum_buffer"], torch.full((3,), 5.0))
 
 
 def test_sgd_skipped_first_step_leaves_the_buffer_unused():

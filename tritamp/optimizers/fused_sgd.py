@@ -56,6 +56,16 @@ class FusedSGD(FusedOptimizer):
                                                         device=target.device))
         return st
 
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        # A buffer whose step count is 0 is unused (the first step sets it to the
+        # gradient): hold it at zeros, the invariant the CPU path's single fused call
+        # relies on. Read once here, never on a step.
+        for st in self.state.values():
+            step, buf = st.get("step"), st.get("momentum_buffer")
+            if step is not None and buf is not None and float(step) == 0.0:
+                buf.zero_()
+
     def _plan_depends_on(self, group):
         return group["momentum"] != 0
 
