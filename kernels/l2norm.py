@@ -25,18 +25,18 @@ that is not dense (a strided view) is read through a contiguous copy. Keep the r
 :func:`multi_tensor_l2norm_launch` on it: a steady loop then uploads and rebuilds nothing.
 
 On the CPU without the interpreter :func:`multi_tensor_l2norm_cpu` runs instead: one
-``torch._foreach_norm`` per dtype group (:class:`SquareSums`), then the reference's
+fp64 ``torch._foreach_norm`` per dtype group (:func:`square_sums`), then the reference's
 fp32 arithmetic on the per-tensor sums (a few ops on ``n`` values).
 
 :class:`SegmentLayout` and :func:`reduce_segments` are shared with the LAMB and NovoGrad
-launchers, whose first stage also writes per-block partials; :class:`SquareSums` with
-their production CPU paths.
+launchers, whose first stage also writes per-block partials; :func:`square_sums` and
+a few helpers with their production CPU paths.
 """
 import torch
 import triton
 import triton.language as tl
 
-from ._multi_tensor import Column, StagedPrepared, Sweep, _dense, _upload
+from ._multi_tensor import Column, StagedPrepared, Sweep, _dense, _upload, device_constants
 from ._ref_utils import sqrt_rn
 from ._tl_utils import column, inv_scale, load_f32, sweep_block
 
@@ -215,7 +215,7 @@ class L2NormPrepared(StagedPrepared):
     def __init__(self, prepared):
         super().__init__(prepared)
         self.partials = self.group_partials = self.segments = None
-        self.cpu = {}  # the CPU path's plans, built on first use (see _l2norm_cpu_plan)
+        self.cpu = None  # the CPU path's _L2NormCpuPlan, built on first use
         if not self.triton:
             return
         layout = SegmentLayout(prepared)
@@ -270,71 +270,30 @@ def multi_tensor_l2norm(tensors, per_tensor=False, scale=None, found_inf=None):
 
 # --- the production CPU path -------------------------------------------------------------
 
-# torch's CPU norm kernel sums an fp32 tensor in one vector register, so its relative
-# error grows with the length (about 1e-6 at 256K elements, 1e-4 at 4M). fp32 tensors
-# longer than 2 * CHUNK are therefore normed in CHUNK-element pieces (each piece's
-# error below ~5e-7, measured) whose squares are added in fp64.
-CHUNK = 32768
+def square_sums(tensors):
+    """Per-tensor sums of squares, fp64 [n], of a list of tensors of one dtype: one
+    ``torch._foreach_norm`` in fp64 (reading the tensors in their own dtype, no cast
+    copy) and a square. Exact to fp64 rounding.
 
-
-def _flat(t):
-    """``t``'s elements as one 1-D view (``t`` dense: its storage span is its elements)."""
-    if t.is_contiguous():
-        return t.view(-1)
-    return t.as_strided((t.numel(),), (1,), t.storage_offset())
-
-
-class SquareSums:
-    """Per-tensor sums of squares, in fp64, of a fixed list of dense tensors of one
-    dtype: one ``torch._foreach_norm`` over the list (or its pieces) and a few ops on
-    the results, whatever the number of tensors.
-
-    fp32 tensors are normed in fp32 (torch's vectorised kernel), long ones in pieces of
-    :data:`CHUNK` elements: within ~5e-7 relative of the exact sum. As in the kernel's
-    fp32 sum, a square or sum beyond the fp32 range gives inf. ``exact=True``, and every
-    other dtype, norms in fp64: the exact sum (the fp16/bf16 kernel runs in fp64 with no
-    cast copy; an fp32 tensor costs ~2.5x the fp32 norm). The pieces are views, built
-    once: the sums follow the tensors' current values."""
-    __slots__ = ("n", "parts", "index", "dtype")
-
-    def __init__(self, tensors, exact=False):
-        tensors = list(tensors)
-        self.n = len(tensors)
-        self.index = None
-        fp32 = bool(tensors) and tensors[0].dtype == torch.float32 and not exact
-        self.dtype = None if fp32 else torch.float64
-        self.parts = tensors
-        if fp32 and any(t.numel() > 2 * CHUNK for t in tensors):
-            pieces = [_flat(t).split(CHUNK) if t.numel() > 2 * CHUNK else (t,) for t in tensors]
-            self.parts = [piece for ps in pieces for piece in ps]
-            counts = torch.tensor([len(ps) for ps in pieces], dtype=torch.int64)
-            self.index = torch.repeat_interleave(torch.arange(self.n), counts).to(
-                tensors[0].device)
-
-    def __call__(self):
-        """fp64 [n]: the sum of squares of each tensor, in the list's order."""
-        device = self.parts[0].device
-        norms = torch.stack(torch._foreach_norm(self.parts, 2, dtype=self.dtype))
-        sq = norms.double().square()
-        if self.index is None:
-            return sq
-        return torch.zeros(self.n, dtype=torch.float64, device=device).index_add_(
-            0, self.index, sq)
+    Not fp32 accumulation: torch's CPU norm kernel sums an fp32 tensor in one vector
+    register, so its error grows with the length (1e-6 at 256K elements, 1e-4 at 4M),
+    and with values of few significant bits (half gradients in fp32) it is biased: in
+    pieces of 4K elements still 1e-6. fp64 costs ~2.5x the fp32 norm of an fp32 list
+    and about as much as it for a bf16 one."""
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64)).square()
 
 
 class _L2NormCpuPlan:
-    """The CPU path's per-group sums and the permutation back to the caller's order."""
-    __slots__ = ("groups", "order")
+    """The permutation from the CPU groups' order back to the caller's (None: same)."""
+    __slots__ = ("order",)
 
-    def __init__(self, prepared, exact):
-        groups = prepared.prepared.cpu_groups
-        self.groups = [SquareSums(g["tensors"], exact) for g in groups]
-        rows = [i for g in groups for i in g.rows]
+    def __init__(self, prepared):
+        rows = [i for g in prepared.prepared.cpu_groups for i in g.rows]
         self.order = None
         if rows != list(range(len(rows))):
-            self.order = torch.empty(len(rows), dtype=torch.int64)
-            self.order[torch.tensor(rows)] = torch.arange(len(rows))
-            self.order = self.order.to(prepared.device)
+            order = torch.empty(len(rows), dtype=torch.int64)
+            order[torch.tensor(rows)] = torch.arange(len(rows))
+            self.order = order.to(prepared.device)
 
 
 def multi_tensor_l2norm_cpu(prepared, per_tensor=False, scale=None, found_inf=None):
@@ -342,27 +301,24 @@ def multi_tensor_l2norm_cpu(prepared, per_tensor=False, scale=None, found_inf=No
     results from one ``torch._foreach_norm`` per dtype group.
 
     The reference sums each tensor's squares in fp32 and takes fp64 square roots of
-    fp32 sums. Here each tensor's sum comes from :class:`SquareSums` (fp64, or fp32 pieces
-    added in fp64), is rounded once to fp32 (inf where the fp32 sum overflows) and from
-    there the reference's own ops run on the ``n`` sums: the total is the fp32 sum of
-    the per-tensor fp32 sums, ``found_inf`` is set when it is not finite (an inf or NaN
-    element, or squares beyond the fp32 range). With ``scale`` the tensors are normed
-    exactly (fp64) and the sums multiplied by ``inv**2`` in fp64: the norm of the
-    unscaled elements, which cannot overflow where the unscaled ones do not, as in the
-    kernel. Nothing is read back to the host."""
+    fp32 sums. Here each tensor's sum comes from :func:`square_sums` (exact, fp64), is
+    rounded once to fp32 (inf where an fp32 sum overflows) and from there the
+    reference's own ops run on the ``n`` sums: the total is the fp32 sum of the
+    per-tensor fp32 sums, ``found_inf`` is set when it is not finite (an inf or NaN
+    element, or squares beyond the fp32 range). With ``scale`` the sums are multiplied
+    by ``inv**2`` in fp64: the norm of the unscaled elements, which overflows only where
+    theirs does, as in the kernel. Nothing is read back to the host."""
     n = prepared.n
     if n == 0:
         total = torch.zeros((), dtype=torch.float32)
         return total, (torch.zeros(0, dtype=torch.float32) if per_tensor else None)
-    exact = scale is not None
-    plan = prepared.cpu.get(exact)
-    if plan is None:
-        plan = prepared.cpu[exact] = _L2NormCpuPlan(prepared, exact)
+    if prepared.cpu is None:
+        prepared.cpu = _L2NormCpuPlan(prepared)
     sums = []
-    prepared.prepared.run_cpu(lambda g: sums.append(plan.groups[g.index]()))
+    prepared.prepared.run_cpu(lambda g: sums.append(square_sums(g["tensors"])))
     sq = sums[0] if len(sums) == 1 else torch.cat(sums)
-    if plan.order is not None:
-        sq = sq[plan.order]
+    if prepared.cpu.order is not None:
+        sq = sq[prepared.cpu.order]
     if scale is not None:
         inv = scale.double().reciprocal().float().double().reshape(())
         sq = sq * (inv * inv)  # inv has 24 significant bits: inv * inv is exact in fp64
@@ -370,6 +326,22 @@ def multi_tensor_l2norm_cpu(prepared, per_tensor=False, scale=None, found_inf=No
     total = sqrt_rn(sq.sum())
     _flag(found_inf, total)
     return total, (sqrt_rn(sq) if per_tensor else None)
+
+
+# --- shared with the LAMB and NovoGrad CPU paths ------------------------------------------
+
+def scalar_views(tensors):
+    """One-element views of one-element tensors (``[]`` or ``[1]``): ``torch.cat`` of
+    them is the vector of their current values, and ``torch._foreach_copy_`` into them
+    from ``vector.split(1)`` writes it back. Built once per prepared sweep."""
+    return [t.view(1) for t in tensors]
+
+
+def bias_correction_terms(steps, beta):
+    """``1 - beta**(step + 1)`` per step count (fp64 [n]; ``steps`` fp32 [n]), with the
+    reference's ops (an fp64 power through exp2 and log2)."""
+    b = device_constants(steps.device, (beta,))
+    return 1.0 - torch.exp2((steps.double() + 1.0) * torch.log2(b[0]))
 
 
 def _flag(found_inf, total):
