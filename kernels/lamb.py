@@ -39,6 +39,9 @@ of every group, ``scale=grad_scale``): a 0-d fp32 device tensor read on the devi
 When ``found_inf`` holds a non-zero value nothing is read or written and the step
 counts stay: the skipped step leaves no trace. :func:`lamb_prepare` validates and plans
 once (tables, segment table, buffers); :func:`lamb_launch` then uploads nothing.
+
+On the CPU without the interpreter :func:`lamb_step_cpu` runs the same stages as
+torch foreach ops over fp32 working lists, per dtype group (see its docstring).
 """
 import torch
 import triton
@@ -49,7 +52,9 @@ from ._ref_utils import advance_steps, f32 as _f32
 from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step, load_f32,
                         load_grad, load_lr, scalar_ptr, store_param, sweep_block, tensor_step,
                         unscale_factor)
-from .l2norm import SegmentLayout, reduce_segments, segment_pairs
+from ._cpu_optim import advance_counts, amp_flags
+from .l2norm import (SegmentLayout, bias_correction_terms, reduce_segments, scalar_views,
+                     segment_pairs)
 
 LAMB = Sweep("lamb_step", [
     Column("params", "param"), Column("grads", "grad"), Column("exp_avgs", "state"),
@@ -203,12 +208,13 @@ def _lamb_apply_kernel(
 class LambPrepared(StagedPrepared):
     """A prepared ``LAMB`` sweep and what its three stages share, built once: the
     per-group slices of the partials and norms buffers and the segment table."""
-    __slots__ = ("partials", "norms", "segments", "moments_args", "apply_args")
+    __slots__ = ("partials", "norms", "segments", "moments_args", "apply_args", "cpu")
 
     def __init__(self, prepared):
         super().__init__(prepared)
         self.partials = self.norms = self.segments = None
         self.moments_args = self.apply_args = ()
+        self.cpu = None  # the CPU path's per-group lists (_CpuLists), built on first use
         if not self.triton or not prepared.groups:
             return
         layout = SegmentLayout(prepared)
@@ -238,7 +244,7 @@ def lamb_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=Tr
     if prepared.n == 0:
         return
     if not prepared.triton:
-        lamb_step_ref(**prepared.lists, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        lamb_step_cpu(prepared, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                       weight_decay=weight_decay, adam_w_mode=adam_w_mode,
                       grad_averaging=grad_averaging, bias_correction=bias_correction,
                       use_nvlamb=use_nvlamb, global_grad_norm=global_grad_norm,
@@ -291,6 +297,223 @@ def lamb_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, lr, b
                 bias_correction=bias_correction, use_nvlamb=use_nvlamb,
                 global_grad_norm=global_grad_norm, max_grad_norm=max_grad_norm,
                 grad_scale=grad_scale, found_inf=found_inf)
+
+
+# --- the production CPU path -------------------------------------------------------------
+#
+# Shared with NovoGrad's CPU path. A skipped step (found_inf non-zero) must leave every
+# value as it was without reading the flag on the host, and no foreach op chooses
+# between an old value and a new one that may be inf or NaN (0 * inf is NaN). So the one
+# input that is non-finite on an overflow, the gradient, is gated: its fp32 working copy
+# is written by torch._fused_sgd_ (which skips itself on the flag) over a buffer of -0.0,
+# leaving -0.0 on a skipped step; every later write is then an identity: the moments'
+# factors become 1 and their addend -0.0 (x * 1 and x + -0.0 are x, bitwise), per-tensor
+# vectors keep their old values (torch.where on n values), the step counts add 0, and a
+# parameter update and the copies' write go through torch._fused_sgd_ again.
+
+_NEG_ZERO = {}
+
+
+def _neg_zero(device):
+    t = _NEG_ZERO.get(device)
+    if t is None:
+        t = _NEG_ZERO[device] = torch.tensor(-0.0, device=device)
+    return t
+
+
+def gated(value, keep, identity):
+    """``value`` (a float or a 0-d tensor), or ``identity`` on a skipped step (``keep``
+    the 0-d 1/0 flag of ``_cpu_optim.amp_flags``; None: never skipped)."""
+    if keep is None:
+        return value
+    return torch.where(keep.bool(), value, identity)
+
+
+class _CpuLists:
+    """What the CPU path derives once per prepared group: one-element views of the step
+    counts, and the rows that have a copy (with the copies) when only some do."""
+    __slots__ = ("steps", "copy_rows", "copies", "_sources")
+
+    def __init__(self, group):
+        self.steps = scalar_views(group["steps"])
+        copies = group["copies"]
+        self.copy_rows = self.copies = self._sources = None
+        if copies is not None:
+            rows = [i for i, c in enumerate(copies) if c is not None]
+            self.copies = [copies[i] for i in rows]
+            self.copy_rows = None if len(rows) == len(copies) else rows
+
+    def copy_sources(self, work):
+        """The rows of ``work`` (a persistent list) that have a copy; picked once per list."""
+        if self.copy_rows is None:
+            return work
+        if self._sources is None or self._sources[0] is not work:
+            self._sources = (work, [work[i] for i in self.copy_rows])
+        return self._sources[1]
+
+
+def cpu_lists(prepared, make):
+    """The per-group :class:`_CpuLists` (or ``make``'s) of a prepared LAMB or NovoGrad
+    sweep, built on first use and kept with it."""
+    if prepared.cpu is None:
+        prepared.cpu = [make(g) for g in prepared.prepared.cpu_groups]
+    return prepared.cpu
+
+
+def fp32_params(engine, group, params):
+    """The parameters as fp32: themselves, or their persistent fp32 scratch filled now
+    (the half -> fp32 -> half round trip of a skipped step is exact)."""
+    if params[0].dtype == torch.float32:
+        return params
+    work = engine.buffers(group, "params", params)
+    torch._foreach_copy_(work, params)
+    return work
+
+
+def write_params(engine, group, params, work, plan, skip):
+    """Half parameters from their fp32 working copy (exact on a skipped step: the
+    round trip of an unchanged value), and the copies in their dtype. A copy may differ
+    from its parameter's rounding, so on a skipped step it must not be written: the new
+    copies are staged in a scratch and moved in as the momentum buffer of torch's fused
+    SGD on a "first step" (the buffer takes the gradient exactly), which skips itself on
+    the flag."""
+    if work is not params:
+        torch._foreach_copy_(params, work)
+    if plan.copies is None:
+        return
+    sources = plan.copy_sources(work)
+    if skip is None:
+        torch._foreach_copy_(plan.copies, sources)
+        return
+    staged = engine.buffers(group, "copies", plan.copies, dtype=plan.copies[0].dtype)
+    torch._foreach_copy_(staged, sources)
+    torch._fused_sgd_(staged, staged, plan.copies, weight_decay=0.0, momentum=1.0, lr=0.0,
+                      dampening=0.0, nesterov=False, maximize=False, is_first_step=True,
+                      grad_scale=None, found_inf=skip)
+
+
+def fp32_scalar(x, device):
+    """A float or a one-element tensor as a 0-d fp32 tensor (the reference's ``_f32``)."""
+    if isinstance(x, torch.Tensor):
+        return x.float().reshape(())
+    return device_constants(device, (x,), torch.float32).reshape(())
+
+
+def _sgd_(params, grads, lr, skip):
+    """params -= lr * grads (``lr`` a float or a 0-d tensor, one rounding), nothing at all
+    when ``skip`` is 1: torch's fused SGD CPU kernel without momentum or decay."""
+    torch._fused_sgd_(params, grads, [], weight_decay=0.0, momentum=0.0, lr=lr,
+                      dampening=0.0, nesterov=False, maximize=False, is_first_step=False,
+                      grad_scale=None, found_inf=skip)
+
+
+def fp32_grads(engine, group, grads, factor, skip, spare):
+    """An fp32 scratch (laid out as the parameters) holding ``grads * factor`` (``factor``
+    a 0-d fp32 tensor or None for 1: the product rounded once), or -0.0 everywhere when
+    ``skip`` is set. ``spare`` (an fp32 scratch list free until later) stages half
+    gradients for the fused kernel, which takes one dtype."""
+    params = group["params"]
+    work = engine.buffers(group, "grads", params)
+    if skip is None:
+        torch._foreach_copy_(work, grads)
+        if factor is not None:
+            torch._foreach_mul_(work, factor)
+        return work
+    if grads[0].dtype != torch.float32:
+        torch._foreach_copy_(spare, grads)
+        grads = spare
+    torch._foreach_copy_(work, [_neg_zero(work[0].device)] * len(work))
+    _sgd_(work, grads, -1.0 if factor is None else -factor, skip)
+    return work
+
+
+def first_moment(m, grad, beta1, grad_averaging, keep):
+    """m = beta1 * m + (1 - beta1) * g (+ g without averaging): the reference's product,
+    then an add (which torch's vectorised add may fuse into one rounding). ``lerp`` would
+    be one pass fewer but is several ulps off where |g| >> |m|."""
+    torch._foreach_mul_(m, gated(beta1, keep, 1.0))
+    torch._foreach_add_(m, grad, alpha=1.0 - beta1 if grad_averaging else 1.0)
+
+
+def bias_correction_f32(steps, beta):
+    """:func:`~.l2norm.bias_correction_terms` rounded once to fp32, as the kernel does."""
+    return bias_correction_terms(steps, beta).float()
+
+
+@torch.no_grad()
+def lamb_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=True,
+                  grad_averaging=True, bias_correction=True, use_nvlamb=False,
+                  global_grad_norm=None, max_grad_norm=1.0, grad_scale=None, found_inf=None):
+    """The production CPU path of :func:`lamb_launch`: :func:`lamb_step_ref`'s stages as
+    torch foreach ops, per dtype group, with no Python work per tensor and no host read.
+
+    fp32 working lists: the parameters (or an fp32 scratch copy of half ones), a scratch
+    gradient (the user's gradients are only read: copied there, unscaled and clipped by
+    one factor), later reused for the denominators, and the update ``u`` in a second
+    scratch. The per-tensor numbers (bias corrections from each tensor's step count,
+    the trust ratio from ``torch._foreach_norm`` of p and u, the norm the reference
+    takes too) are vectors of ``n`` values applied through lists of 0-d views. torch's
+    vectorised ops may fuse a multiply and an add into one rounding, so values differ
+    from the reference's in the last bits. On a skipped step nothing changes (see the
+    comment above: the gradient is gated, every write is an identity)."""
+    device = prepared.device
+    engine = prepared.prepared
+    skip, keep = amp_flags(found_inf)
+    has_decay = weight_decay != 0
+    use_ratio = bool(use_nvlamb) or has_decay
+    lr32 = fp32_scalar(lr, device)
+    # The gradient's factor: 1/scale (fp64 reciprocal rounded to fp32) over the clip.
+    factor = None
+    if grad_scale is not None:
+        factor = grad_scale.double().reciprocal().float().reshape(())
+    if global_grad_norm is not None:
+        gn = global_grad_norm.float().reshape(())
+        mx = fp32_scalar(float(max_grad_norm), device)
+        clip = torch.where(gn > mx, gn / mx, 1.0)
+        factor = clip.reciprocal() if factor is None else factor / clip
+    l2 = not adam_w_mode and has_decay
+    decay = gated(fp32_scalar(weight_decay, device), keep, 0.0) if l2 else None
+    plans = cpu_lists(prepared, _CpuLists)
+
+    def group(g):
+        plan = plans[g.index]
+        params = g["params"]
+        n = len(params)
+        p = fp32_params(engine, g, params)
+        u = engine.buffers(g, "update", params)
+        grad = fp32_grads(engine, g, g["grads"], factor, skip, u)
+        if l2:
+            torch._foreach_addcmul_(grad, p, [decay] * n)
+        m, v = g["exp_avgs"], g["exp_avg_sqs"]
+        first_moment(m, grad, beta1, grad_averaging, keep)
+        torch._foreach_mul_(v, gated(beta2, keep, 1.0))
+        torch._foreach_addcmul_(v, grad, grad, value=1.0 - beta2)
+        # u = (m / bc1) / (sqrt(v / bc2) + eps), the denominators in the gradient scratch.
+        denom = grad
+        torch._foreach_copy_(denom, v)
+        torch._foreach_copy_(u, m)
+        if bias_correction:
+            steps = torch.cat(plan.steps)
+            torch._foreach_div_(denom, bias_correction_f32(steps, beta2).unbind(0))
+            torch._foreach_div_(u, bias_correction_f32(steps, beta1).unbind(0))
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_div_(u, denom)
+        if adam_w_mode and has_decay:
+            torch._foreach_add_(u, p, alpha=weight_decay)
+        # p -= ratio * u: the product rounded, then the subtraction, as the reference.
+        if use_ratio:
+            p_norm = torch.stack(torch._foreach_norm(p))
+            u_norm = torch.stack(torch._foreach_norm(u))
+            ratio = torch.where((p_norm != 0) & (u_norm != 0), lr32 * (p_norm / u_norm), lr32)
+            torch._foreach_mul_(u, ratio.unbind(0))
+        else:
+            torch._foreach_mul_(u, lr32)
+        _sgd_(p, u, 1.0, skip)
+        write_params(engine, g, params, p, plan, skip)
+        advance_counts(g["steps"], keep)
+
+    engine.run_cpu(group)
 
 
 @torch.no_grad()
