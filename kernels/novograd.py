@@ -35,6 +35,9 @@ the number of tensors:
 When ``found_inf`` holds a non-zero value nothing is written and the step counts stay:
 the skipped step leaves no trace. :func:`novograd_prepare` validates and plans once
 (tables, blend table, buffers); :func:`novograd_launch` then uploads nothing.
+
+On the CPU without the interpreter :func:`novograd_step_cpu` runs the same stages as
+torch foreach ops over fp32 working lists, per dtype group (see its docstring).
 """
 import torch
 import triton
@@ -45,7 +48,11 @@ from ._ref_utils import advance_steps, f32 as _f32
 from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step, load_f32,
                         load_grad, load_lr, scalar_ptr, store_param, sweep_block, tensor_step,
                         unscale_factor)
-from .l2norm import SEGMENT_BLOCK, SegmentLayout
+from ._cpu_optim import advance_counts, amp_flags
+from .l2norm import (SEGMENT_BLOCK, SegmentLayout, bias_correction_terms, scalar_views,
+                     square_sums)
+from .lamb import (_CpuLists, bias_correction_f32, cpu_lists, first_moment, fp32_grads,
+                   fp32_params, fp32_scalar, gated, write_params)
 
 NOVOGRAD = Sweep("novograd_step", [
     Column("params", "param"), Column("grads", "grad"), Column("exp_avgs", "state"),
@@ -205,13 +212,14 @@ class NovoGradPrepared(StagedPrepared):
     """A prepared ``NOVOGRAD`` sweep and what its three stages share, built once: the
     per-group slices of the partials buffer and the blend stage's table (per non-empty
     tensor: its run of partials, the addresses of its v and step)."""
-    __slots__ = ("partials", "tensors", "n_tensors", "norm_args")
+    __slots__ = ("partials", "tensors", "n_tensors", "norm_args", "cpu")
 
     def __init__(self, prepared):
         super().__init__(prepared)
         self.partials = self.tensors = None
         self.n_tensors = 0
         self.norm_args = ()
+        self.cpu = None  # the CPU path's per-group lists (_NovoGradCpuLists), on first use
         if not self.triton or not prepared.groups:
             return
         layout = SegmentLayout(prepared)
@@ -243,7 +251,7 @@ def novograd_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, reg_inside
     if prepared.n == 0:
         return
     if not prepared.triton:
-        novograd_step_ref(**prepared.lists, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        novograd_step_cpu(prepared, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                           weight_decay=weight_decay, reg_inside_moment=reg_inside_moment,
                           grad_averaging=grad_averaging, norm_type=norm_type,
                           init_zero=init_zero, bias_correction=bias_correction,
@@ -294,6 +302,136 @@ def novograd_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, l
                     reg_inside_moment=reg_inside_moment, grad_averaging=grad_averaging,
                     norm_type=norm_type, init_zero=init_zero, bias_correction=bias_correction,
                     grad_scale=grad_scale, found_inf=found_inf)
+
+
+# --- the production CPU path -------------------------------------------------------------
+
+class _NovoGradCpuLists(_CpuLists):
+    """:class:`~.lamb._CpuLists` plus one-element views of the second moments and which
+    rows are empty (their moment stays, as in the reference)."""
+    __slots__ = ("moments", "nonempty", "rows", "_picked")
+
+    def __init__(self, group):
+        super().__init__(group)
+        params = group["params"]
+        self.moments = scalar_views(group["exp_avg_sqs"])
+        numels = list(map(torch.Tensor.numel, params))
+        self.rows = self.nonempty = None  # None: no empty tensor in the group
+        if not all(numels):
+            self.rows = [i for i, n in enumerate(numels) if n]
+            self.nonempty = torch.tensor([n > 0 for n in numels], device=params[0].device)
+        self._picked = None
+
+    def nonempty_of(self, work):
+        """The non-empty tensors of ``work`` (a persistent list), picked once per list."""
+        if self._picked is None or self._picked[0] is not work:
+            index = torch.tensor(self.rows, dtype=torch.int64, device=work[0].device)
+            self._picked = (work, [work[i] for i in self.rows], index)
+        return self._picked[1], self._picked[2]
+
+
+@torch.no_grad()
+def novograd_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay,
+                      reg_inside_moment=False, grad_averaging=True, norm_type=2,
+                      init_zero=False, bias_correction=True, grad_scale=None, found_inf=None):
+    """The production CPU path of :func:`novograd_launch`: :func:`novograd_step_ref`'s
+    stages as torch foreach ops, per dtype group, with no Python work per tensor and no
+    host read.
+
+    The gradients are only read: copied into an fp32 scratch (unscaled there by the
+    reference's fp32 ``1/scale``) unless they are fp32 and used as they are. Each
+    tensor's norm: L2 from :func:`~.l2norm.square_sums` of the gradients themselves
+    (exact in fp64, times ``inv**2``, rounded to fp32: the reference's fp32 sum of
+    ``(g * inv)**2`` within its rounding, inf where that overflows), max from
+    ``torch._foreach_max`` of ``|g|`` (NaN propagates). The per-tensor moments, bias
+    corrections and denominators are vectors of ``n`` values computed with the
+    reference's ops and applied through lists of 0-d views; the parameter update folds
+    its per-tensor factors (``lr / (bc1 * denom)``) into one multiplier, so values
+    differ from the reference's in the last bits. A skipped step changes nothing (see
+    lamb.py's CPU path: the gradient is gated, every write an identity; the update's
+    addend is then ``m * 0``, so a parameter holding -0.0 would come back +0.0)."""
+    _check_norm_type(norm_type)
+    device = prepared.device
+    engine = prepared.prepared
+    skip, keep = amp_flags(found_inf)
+    lr32 = fp32_scalar(lr, device)
+    inv = None if grad_scale is None else grad_scale.double().reciprocal().float().reshape(())
+    decay = None
+    if weight_decay != 0:
+        decay = (gated(fp32_scalar(weight_decay, device), keep, 0.0) if reg_inside_moment
+                 else gated(torch.rsub(lr32 * weight_decay, 1.0), keep, 1.0))
+    plans = cpu_lists(prepared, _NovoGradCpuLists)
+
+    def group(g):
+        plan = plans[g.index]
+        params, grads = g["params"], g["grads"]
+        n = len(params)
+        p = fp32_params(engine, g, params)
+        if skip is None and inv is None and not reg_inside_moment \
+                and grads[0].dtype == torch.float32:
+            grad = grads  # read as they are
+        else:
+            grad = fp32_grads(engine, g, grads, inv, skip, engine.buffers(g, "spare", params))
+        v_old = torch.cat(plan.moments)
+        if norm_type == 0:
+            norm = _max_abs(engine, g, grad, plan)
+        else:
+            sq = square_sums(grads)
+            if inv is not None:
+                inv64 = inv.double()
+                sq = sq * (inv64 * inv64)  # inv has 24 significant bits: exact in fp64
+            sq = sq.float()
+            norm = sq.double().sqrt().float()
+        steps = torch.cat(plan.steps)
+        v = v_old if init_zero else torch.where(steps == 0, norm, v_old)
+        if norm_type == 0:
+            v = v * beta2 + norm * (1.0 - beta2)
+        else:
+            v = torch.sqrt(v * beta2 * v + sq * (1.0 - beta2))
+        if plan.nonempty is not None:
+            v = torch.where(plan.nonempty, v, v_old)
+        v = gated(v, keep, v_old)
+        if bias_correction:
+            bc1 = bias_correction_f32(steps, beta1)
+            bc2 = torch.sqrt(bias_correction_terms(steps, beta2)).float()
+            denom = v / bc2 + eps
+        else:
+            bc1 = None
+            denom = v + eps
+        m = g["exp_avgs"]
+        if reg_inside_moment:
+            # A skipped step divides its -0.0 gradient by 1 (a zero denominator: NaN).
+            torch._foreach_div_(grad, gated(denom, keep, 1.0).unbind(0))
+            if decay is not None:
+                torch._foreach_addcmul_(grad, p, [decay] * n)
+            first_moment(m, grad, beta1, grad_averaging, keep)
+            step = lr32 if bc1 is None else lr32 / bc1
+        else:
+            first_moment(m, grad, beta1, grad_averaging, keep)
+            if decay is not None:
+                torch._foreach_mul_(p, decay)
+            step = lr32 / denom if bc1 is None else lr32 / (bc1 * denom)
+        step = gated(step, keep, 0.0)
+        torch._foreach_addcmul_(p, m, step.expand(n).unbind(0), value=-1.0)
+        write_params(engine, g, params, p, plan, skip)
+        torch._foreach_copy_(plan.moments, v.split(1))
+        advance_counts(g["steps"], keep)
+
+    engine.run_cpu(group)
+
+
+def _max_abs(engine, group, grad, plan):
+    """max |g| per tensor (fp32 [n]; NaN where g holds one; 0 for an empty tensor)."""
+    work = engine.buffers(group, "spare", grad)
+    torch._foreach_copy_(work, grad)
+    torch._foreach_abs_(work)
+    if plan.rows is None:
+        return torch.stack(torch._foreach_max(work))
+    out = torch.zeros(len(work), dtype=torch.float32, device=work[0].device)
+    picked, index = plan.nonempty_of(work)
+    if picked:
+        out.index_copy_(0, index, torch.stack(torch._foreach_max(picked)))
+    return out
 
 
 @torch.no_grad()
