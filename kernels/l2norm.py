@@ -25,11 +25,11 @@ that is not dense (a strided view) is read through a contiguous copy. Keep the r
 :func:`multi_tensor_l2norm_launch` on it: a steady loop then uploads and rebuilds nothing.
 
 On the CPU without the interpreter :func:`multi_tensor_l2norm_cpu` runs instead: one
-fp64 ``torch._foreach_norm`` per dtype group (:func:`square_sums`), then the reference's
-fp32 arithmetic on the per-tensor sums (a few ops on ``n`` values).
+``torch._foreach_norm`` per dtype group (:class:`SquareSums`), then the reference's fp32
+arithmetic on the per-tensor sums (a few ops on ``n`` values).
 
 :class:`SegmentLayout` and :func:`reduce_segments` are shared with the LAMB and NovoGrad
-launchers, whose first stage also writes per-block partials; :func:`square_sums` and
+launchers, whose first stage also writes per-block partials; :class:`SquareSums` and
 a few helpers with their production CPU paths.
 """
 import torch
@@ -215,7 +215,7 @@ class L2NormPrepared(StagedPrepared):
     def __init__(self, prepared):
         super().__init__(prepared)
         self.partials = self.group_partials = self.segments = None
-        self.cpu = None  # the CPU path's _L2NormCpuPlan, built on first use
+        self.cpu = {}  # the CPU path's _L2NormCpuPlan per exactness, built on first use
         if not self.triton:
             return
         layout = SegmentLayout(prepared)
@@ -270,25 +270,68 @@ def multi_tensor_l2norm(tensors, per_tensor=False, scale=None, found_inf=None):
 
 # --- the production CPU path -------------------------------------------------------------
 
-def square_sums(tensors):
-    """Per-tensor sums of squares, fp64 [n], of a list of tensors of one dtype: one
-    ``torch._foreach_norm`` in fp64 (reading the tensors in their own dtype, no cast
-    copy) and a square. Exact to fp64 rounding.
+# fp32 tensors longer than this are normed in pieces of this many elements.
+FP32_PIECE = 32768
+# Other dtypes are normed in fp64 in pieces of this many elements.
+FP64_PIECE = 16384
 
-    Not fp32 accumulation: torch's CPU norm kernel sums an fp32 tensor in one vector
-    register, so its error grows with the length (1e-6 at 256K elements, 1e-4 at 4M),
-    and with values of few significant bits (half gradients in fp32) it is biased: in
-    pieces of 4K elements still 1e-6. fp64 costs ~2.5x the fp32 norm of an fp32 list
-    and about as much as it for a bf16 one."""
-    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64)).square()
+
+def _flat(t):
+    """``t``'s elements as one 1-D view (``t`` dense: its storage span is its elements)."""
+    if t.is_contiguous():
+        return t.view(-1)
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+class SquareSums:
+    """Per-tensor sums of squares, fp64 [n], of a fixed list of dense tensors of one
+    dtype: one ``torch._foreach_norm`` over the tensors (long ones in pieces, views
+    built once) and a few ops on the results, whatever the number of tensors.
+
+    Why pieces. torch's fp32 CPU norm kernel accumulates a tensor in one vector
+    register, so its relative error grows with the length: 1e-6 at 256K elements, 1e-4
+    at 4M. Normed in pieces of :data:`FP32_PIECE` elements whose squares are added in
+    fp64, fp32 tensors come within ~5e-7 of the exact sum (measured on normal data); on
+    values with few significant bits (half values held in fp32) that kernel's rounding
+    is biased and the error reaches ~6e-6. As in the oracle's fp32 sum, squares beyond
+    the fp32 range give inf. Other dtypes, and fp32 with ``exact=True``, are normed in
+    fp64: exactly, and without overflow (torch converts each piece of
+    :data:`FP64_PIECE` elements to a 128 KB fp64 temporary; a model-sized temporary per
+    tensor would cost page faults on every step); ~3x the fp32 norm's time."""
+    __slots__ = ("n", "parts", "index", "dtype", "device")
+
+    def __init__(self, tensors, exact=False):
+        tensors = list(tensors)
+        self.n = len(tensors)
+        self.device = tensors[0].device
+        fp32 = tensors[0].dtype == torch.float32 and not exact
+        self.dtype = None if fp32 else torch.float64
+        piece = FP32_PIECE if fp32 else FP64_PIECE
+        limit = 2 * piece if fp32 else piece
+        self.parts, self.index = tensors, None
+        if any(t.numel() > limit for t in tensors):
+            pieces = [_flat(t).split(piece) if t.numel() > limit else (t,) for t in tensors]
+            self.parts = [x for ps in pieces for x in ps]
+            counts = torch.tensor([len(ps) for ps in pieces])
+            self.index = torch.repeat_interleave(torch.arange(self.n), counts).to(self.device)
+
+    def __call__(self):
+        sq = torch.stack(torch._foreach_norm(self.parts, 2, dtype=self.dtype)).double().square()
+        if self.index is None:
+            return sq
+        return torch.zeros(self.n, dtype=torch.float64, device=self.device).index_add_(
+            0, self.index, sq)
 
 
 class _L2NormCpuPlan:
-    """The permutation from the CPU groups' order back to the caller's (None: same)."""
-    __slots__ = ("order",)
+    """Per CPU group its :class:`SquareSums`, and the permutation from the groups' order
+    back to the caller's (None: the same)."""
+    __slots__ = ("sums", "order")
 
-    def __init__(self, prepared):
-        rows = [i for g in prepared.prepared.cpu_groups for i in g.rows]
+    def __init__(self, prepared, exact):
+        groups = prepared.prepared.cpu_groups
+        self.sums = [SquareSums(g["tensors"], exact) for g in groups]
+        rows = [i for g in groups for i in g.rows]
         self.order = None
         if rows != list(range(len(rows))):
             order = torch.empty(len(rows), dtype=torch.int64)
@@ -301,24 +344,28 @@ def multi_tensor_l2norm_cpu(prepared, per_tensor=False, scale=None, found_inf=No
     results from one ``torch._foreach_norm`` per dtype group.
 
     The reference sums each tensor's squares in fp32 and takes fp64 square roots of
-    fp32 sums. Here each tensor's sum comes from :func:`square_sums` (exact, fp64), is
-    rounded once to fp32 (inf where an fp32 sum overflows) and from there the
-    reference's own ops run on the ``n`` sums: the total is the fp32 sum of the
-    per-tensor fp32 sums, ``found_inf`` is set when it is not finite (an inf or NaN
-    element, or squares beyond the fp32 range). With ``scale`` the sums are multiplied
-    by ``inv**2`` in fp64: the norm of the unscaled elements, which overflows only where
-    theirs does, as in the kernel. Nothing is read back to the host."""
+    fp32 sums. Here each tensor's sum comes from :class:`SquareSums` (fp64, or fp32
+    pieces added in fp64), is rounded once to fp32 (inf where an fp32 sum overflows) and
+    from there the reference's own ops run on the ``n`` sums: the total is the fp32 sum
+    of the per-tensor fp32 sums, ``found_inf`` is set when it is not finite (an inf or
+    NaN element, or squares beyond the fp32 range). With ``scale`` the tensors are
+    normed exactly (fp64) and the sums multiplied by ``inv**2`` (exact in fp64): the norm
+    of the unscaled elements, whose squares overflow only where the reference's do
+    (raw fp32 squares of scaled gradients could overflow where those do not). Nothing
+    is read back to the host."""
     n = prepared.n
     if n == 0:
         total = torch.zeros((), dtype=torch.float32)
         return total, (torch.zeros(0, dtype=torch.float32) if per_tensor else None)
-    if prepared.cpu is None:
-        prepared.cpu = _L2NormCpuPlan(prepared)
+    exact = scale is not None
+    plan = prepared.cpu.get(exact)
+    if plan is None:
+        plan = prepared.cpu[exact] = _L2NormCpuPlan(prepared, exact)
     sums = []
-    prepared.prepared.run_cpu(lambda g: sums.append(square_sums(g["tensors"])))
+    prepared.prepared.run_cpu(lambda g: sums.append(plan.sums[g.index]()))
     sq = sums[0] if len(sums) == 1 else torch.cat(sums)
-    if prepared.cpu.order is not None:
-        sq = sq[prepared.cpu.order]
+    if plan.order is not None:
+        sq = sq[plan.order]
     if scale is not None:
         inv = scale.double().reciprocal().float().double().reshape(())
         sq = sq * (inv * inv)  # inv has 24 significant bits: inv * inv is exact in fp64

@@ -49,8 +49,8 @@ from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step
                         load_grad, load_lr, scalar_ptr, store_param, sweep_block, tensor_step,
                         unscale_factor)
 from ._cpu_optim import advance_counts, amp_flags
-from .l2norm import (SEGMENT_BLOCK, SegmentLayout, bias_correction_terms, scalar_views,
-                     square_sums)
+from .l2norm import (SEGMENT_BLOCK, SegmentLayout, SquareSums, bias_correction_terms,
+                     scalar_views)
 from .lamb import (_CpuLists, bias_correction_f32, cpu_lists, first_moment, fp32_grads,
                    fp32_params, fp32_scalar, gated, write_params)
 
@@ -307,9 +307,10 @@ def novograd_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, l
 # --- the production CPU path -------------------------------------------------------------
 
 class _NovoGradCpuLists(_CpuLists):
-    """:class:`~.lamb._CpuLists` plus one-element views of the second moments and which
-    rows are empty (their moment stays, as in the reference)."""
-    __slots__ = ("moments", "nonempty", "rows", "_picked")
+    """:class:`~.lamb._CpuLists` plus one-element views of the second moments, which
+    rows are empty (their moment stays, as in the reference) and the gradient norms'
+    :class:`~.l2norm.SquareSums` (kept with the list it reads)."""
+    __slots__ = ("moments", "nonempty", "rows", "_picked", "_sums")
 
     def __init__(self, group):
         super().__init__(group)
@@ -320,7 +321,15 @@ class _NovoGradCpuLists(_CpuLists):
         if not all(numels):
             self.rows = [i for i, n in enumerate(numels) if n]
             self.nonempty = torch.tensor([n > 0 for n in numels], device=params[0].device)
-        self._picked = None
+        self._picked = self._sums = None
+
+    def sums(self, grads):
+        """The :class:`~.l2norm.SquareSums` of ``grads``: built again only for another
+        list (the fp32 scratch is kept; the user's own gradients are a new list after a
+        kept plan takes a step's gradients)."""
+        if self._sums is None or self._sums[0] is not grads:
+            self._sums = (grads, SquareSums(grads))
+        return self._sums[1]
 
     def nonempty_of(self, work):
         """The non-empty tensors of ``work`` (a persistent list), picked once per list."""
@@ -340,10 +349,9 @@ def novograd_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay,
 
     The gradients are only read: copied into an fp32 scratch (unscaled there by the
     reference's fp32 ``1/scale``) unless they are fp32 and used as they are. Each
-    tensor's norm: L2 from :func:`~.l2norm.square_sums` of the gradients themselves
-    (exact in fp64, times ``inv**2``, rounded to fp32: the reference's fp32 sum of
-    ``(g * inv)**2`` within its rounding, inf where that overflows), max from
-    ``torch._foreach_max`` of ``|g|`` (NaN propagates). The per-tensor moments, bias
+    tensor's norm, from that fp32 gradient: L2 from :class:`~.l2norm.SquareSums` (fp32
+    pieces added in fp64, rounded to fp32), max from ``torch._foreach_max`` of ``|g|``
+    (NaN propagates). The per-tensor moments, bias
     corrections and denominators are vectors of ``n`` values computed with the
     reference's ops and applied through lists of 0-d views; the parameter update folds
     its per-tensor factors (``lr / (bc1 * denom)``) into one multiplier, so values
@@ -376,11 +384,9 @@ def novograd_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay,
         if norm_type == 0:
             norm = _max_abs(engine, g, grad, plan)
         else:
-            sq = square_sums(grads)
-            if inv is not None:
-                inv64 = inv.double()
-                sq = sq * (inv64 * inv64)  # inv has 24 significant bits: exact in fp64
-            sq = sq.float()
+            # The reference's g (bitwise): its fp32 squares overflow where the
+            # reference's do.
+            sq = plan.sums(grad)().float()
             norm = sq.double().sqrt().float()
         steps = torch.cat(plan.steps)
         v = v_old if init_zero else torch.where(steps == 0, norm, v_old)
