@@ -28,12 +28,22 @@ Layouts, per row:
 Keep the result of :func:`check_unscale_prepare` while the tensors stay the same (same
 addresses and strides) and call :func:`check_unscale_launch` on it: the steady state
 uploads and re-derives nothing.
+
+On a CPU without the interpreter, :func:`check_unscale_cpu` runs the same sweep (over the
+same dense stand-ins) on torch's multi-tensor CPU ops: one
+``torch._amp_foreach_non_finite_check_and_unscale_`` per dtype group checks and unscales,
+in the sources' dtype when that is exact or in fp32 otherwise, and ``torch._foreach_copy_``
+/ ``torch._foreach_add_`` cast and add. The results equal :func:`check_unscale_ref` bit for
+bit; a check-only sweep writes the sources' own values back (NaN payloads of fp16/bf16
+values aside: a NaN stays a NaN).
 """
+import operator
+
 import torch
 import triton
 import triton.language as tl
 
-from ._multi_tensor import HALF_OR_FLOAT, Column, Sweep, _dense, same_layout
+from ._multi_tensor import HALF_OR_FLOAT, Column, Sweep, _dense, device_constants, same_layout
 from ._tl_utils import column, inv_scale, load_f32, store_cast, sweep_block
 
 CHECK_UNSCALE = Sweep("check_unscale", [
@@ -209,7 +219,8 @@ class LayoutPrepared:
     stand-ins it reads and writes through. ``lists`` holds the caller's validated lists
     (what the torch reference runs on); ``options`` what the launcher needs to know of
     the lists (check_unscale: whether it writes)."""
-    __slots__ = ("prepared", "lists", "layouts", "options", "n", "triton", "device")
+    __slots__ = ("prepared", "lists", "layouts", "options", "n", "triton", "device",
+                 "cpu_plans")
 
     def __init__(self, prepared, lists, layouts, options=None):
         self.prepared = prepared
@@ -219,11 +230,20 @@ class LayoutPrepared:
         self.n = prepared.n
         self.triton = prepared.triton
         self.device = prepared.device
+        self.cpu_plans = {}  # the CPU path's per-group plans (by group index), made once
 
     def launch(self, kernel, args, constexprs):
         """Refresh the read copies, launch once per dtype group, copy results back."""
         self.layouts.before()
         self.prepared.launch(kernel, args, constexprs)
+        self.layouts.after()
+
+    def run_cpu(self, fn):
+        """The production CPU path's :meth:`launch`: ``fn(group)`` once per
+        :class:`~._multi_tensor.CpuGroup` of the stand-in lists, the read copies refreshed
+        before and the results copied back after."""
+        self.layouts.before()
+        self.prepared.run_cpu(fn)
         self.layouts.after()
 
     @property
@@ -271,7 +291,7 @@ def check_unscale_launch(prepared, scale=None, found_inf=None):
     if prepared.n == 0 or (not write and found_inf is None):
         return
     if not prepared.triton:
-        check_unscale_ref(scale=scale, found_inf=found_inf, **prepared.lists)
+        check_unscale_cpu(prepared, scale, found_inf)
         return
     anchor = prepared.anchor
     has_scale = write and scale is not None
@@ -279,6 +299,118 @@ def check_unscale_launch(prepared, scale=None, found_inf=None):
         scale if has_scale else anchor,
         found_inf if found_inf is not None else anchor), dict(
         HAS_SCALE=has_scale, CHECK=found_inf is not None, WRITE=write))
+
+
+# --- the production CPU path ---------------------------------------------------------------
+
+_flags = {}
+
+
+def _spare_flag(device):
+    """An fp32 flag for torch's check-and-unscale when the caller checks nothing (torch's op
+    always checks; its verdict is dropped here)."""
+    t = _flags.get(device)
+    if t is None:
+        t = _flags[device] = torch.zeros((), dtype=torch.float32, device=device)
+    return t
+
+
+def _storage_ptrs(tensors):
+    return set(map(torch.UntypedStorage.data_ptr, map(torch.Tensor.untyped_storage, tensors)))
+
+
+class _CpuPlan:
+    """How one dtype group of a check/unscale sweep runs on torch's CPU ops, decided once
+    per prepared sweep.
+
+    ``work`` is where the unscaled values are formed before the cast to the destination:
+    ``"dsts"`` when the destination can hold them exactly (fp32, or the sources' own dtype
+    without an addend: torch's op then rounds once, as the reference does), ``"scratch"``
+    (persistent fp32 buffers) otherwise: a narrower destination is written only from the
+    finished fp32 result, so a finite fp32 source that overflows the destination's dtype
+    is not an overflow (the reference checks the sources), and an addend that aliases its
+    destination is read before the destination is written."""
+    __slots__ = ("in_place", "work", "add_into_dsts")
+
+    def __init__(self, g):
+        srcs, dsts, adds = g["srcs"], g["dsts"], g["adds"]
+        d_dtype, s_dtype = dsts[0].dtype, srcs[0].dtype
+        self.in_place = all(map(operator.is_, srcs, dsts))
+        # y = x * inv + add accumulated into the destination itself (a second backward
+        # into the same fp32 gradient): add the unscaled scratch to it (IEEE addition
+        # commutes, so add + y is y + add bit for bit).
+        self.add_into_dsts = (adds is not None and d_dtype == torch.float32
+                              and all(map(_same_view, adds, dsts)))
+        if adds is None:
+            exact_in_dst = d_dtype == s_dtype or d_dtype == torch.float32
+        else:
+            # (an addend read after some destination is written must not live there)
+            exact_in_dst = (d_dtype == torch.float32 and not self.add_into_dsts
+                            and _storage_ptrs(dsts).isdisjoint(_storage_ptrs(adds)))
+        self.work = "dsts" if exact_in_dst else "scratch"
+
+
+@torch.no_grad()
+def check_unscale_cpu(prepared, scale=None, found_inf=None):
+    """The production CPU path of :func:`check_unscale_launch` over a prepared sweep (a
+    :class:`LayoutPrepared` whose sweep runs on the CPU): per dtype group, a few of torch's
+    multi-tensor CPU ops, no Python loop over the tensors, nothing read on the host.
+
+    ``1 / scale`` is taken in fp64 and rounded to fp32 once per call (the reference's
+    rounding); torch's ``_amp_foreach_non_finite_check_and_unscale_`` then checks the
+    sources (or their exact fp32 copies) and multiplies in fp32, and the casts round once,
+    so the results equal :func:`check_unscale_ref` bit for bit."""
+    write = prepared.options["write"]
+    if prepared.n == 0 or (not write and found_inf is None):
+        return
+    device = prepared.device
+    one = device_constants(device, (1.0,), torch.float32)
+    if not write:
+        # Multiplying by 1.0 writes every source's own value back (torch's op skips the
+        # multiply for 1.0): a read-only check at the cost of one write, ~20x faster than
+        # torch's other multi-tensor way to see a non-finite value (_foreach_norm, inf).
+        prepared.run_cpu(lambda g: torch._amp_foreach_non_finite_check_and_unscale_(
+            g["srcs"], found_inf, one))
+        return
+    inv = None if scale is None else scale.double().reciprocal().float()
+    flag = found_inf
+    if flag is None and inv is not None:
+        flag = _spare_flag(device)
+    plans = prepared.cpu_plans
+
+    def run(g):
+        plan = plans.get(g.index)
+        if plan is None:
+            plan = plans[g.index] = _CpuPlan(g)
+        srcs, dsts, adds = g["srcs"], g["dsts"], g["adds"]
+        if inv is None and flag is None and adds is None:
+            if not plan.in_place:
+                torch._foreach_copy_(dsts, srcs)  # a cast: one rounding, as the reference
+            return
+        if plan.work == "dsts":
+            work = dsts
+            if not plan.in_place:
+                torch._foreach_copy_(work, srcs)
+        else:
+            work = prepared.prepared.buffers(g, "work", dsts)
+            torch._foreach_copy_(work, srcs)
+        if flag is not None:
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                work, flag, one if inv is None else inv)
+        if adds is not None:
+            if plan.add_into_dsts:
+                torch._foreach_add_(dsts, work)
+                return
+            if adds[0].dtype != torch.float32:
+                # Widened first (exact): torch's add of mixed dtypes runs a slow casting loop.
+                widened = prepared.prepared.buffers(g, "adds", adds)
+                torch._foreach_copy_(widened, adds)
+                adds = widened
+            torch._foreach_add_(work, adds)
+        if work is not dsts:
+            torch._foreach_copy_(dsts, work)
+
+    prepared.run_cpu(run)
 
 
 @torch.no_grad()

@@ -750,28 +750,30 @@ def test_one_launch_per_dtype_group(src_dtypes, dst_dtypes, n_launches, launches
 
 # ------------------------------------------------------------------------ dispatcher
 
-def test_cpu_without_interpreter_runs_the_reference(monkeypatch, launches):
+def test_cpu_without_interpreter_runs_the_production_path(monkeypatch, launches):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     x = torch.tensor([2.0, -6.0, math.inf, 1.5])
     assert not K.use_triton(x)
     calls = []
-    real = cu_mod.check_unscale_ref
+    real = cu_mod.check_unscale_cpu
 
     def spy(*args, **kwargs):
         calls.append(args)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cu_mod, "check_unscale_ref", spy)
+    monkeypatch.setattr(cu_mod, "check_unscale_cpu", spy)
+    monkeypatch.setattr(cu_mod, "check_unscale_ref",
+                        lambda *a, **k: pytest.fail("the reference ran on the CPU path"))
     f = torch.zeros(())
     check_unscale([x], torch.tensor(2.0), f)
     assert len(calls) == 1 and launches.grids == []
-    assert_bitwise(x, torch.tensor([1.0, -3.0, math.inf, 0.75]), "reference path")
+    assert_bitwise(x, torch.tensor([1.0, -3.0, math.inf, 0.75]), "CPU path")
     assert f.item() == 1.0
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the reference path runs CPU tensors")
 def test_reference_path_validates_and_handles_layouts_the_same(monkeypatch, launches):
-    """Without the interpreter the torch reference runs, after the same validation: the
+    """Without the interpreter the production CPU path runs, after the same validation: the
     overlapping in-place unscale is refused there too; other layouts give the kernel's
     results."""
     gen = torch.Generator().manual_seed(11)
