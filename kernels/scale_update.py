@@ -124,12 +124,67 @@ def scale_update(state, growth_factor=2.0, backoff_factor=0.5, growth_interval=2
         raise ValueError(f"scale_update: found_slot must be FOUND_INF ({FOUND_INF}) or "
                          f"FOUND_INF_NEXT ({FOUND_INF_NEXT}), got {found_slot!r}")
     if not use_triton(state):
-        scale_update_ref(state, growth_factor, backoff_factor, growth_interval,
+        scale_update_cpu(state, growth_factor, backoff_factor, growth_interval,
                          hysteresis, min_scale, max_scale, dynamic, found_slot)
         return
     config = _config(state.device, growth_factor, backoff_factor, min_scale, max_scale)
     _scale_update_kernel[(1,)](state, config, int(growth_interval), int(hysteresis),
                                int(found_slot), DYNAMIC=bool(dynamic), num_warps=1)
+
+
+_cpu_index = {}
+
+
+def _written_slots(device, found_slot, dynamic):
+    """The slots the CPU path writes, as an index tensor made once per device and case."""
+    key = (device, found_slot, dynamic)
+    t = _cpu_index.get(key)
+    if t is None:
+        slots = ((SCALE, UNSKIPPED, HYSTERESIS, FLOOR_STREAK) if dynamic else (UNSKIPPED,)) \
+            + (USED_SCALE, SKIPPED, other_found_slot(found_slot))
+        t = _cpu_index[key] = torch.tensor(slots, dtype=torch.long).to(device)
+    return t
+
+
+@torch.no_grad()
+def scale_update_cpu(state, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
+                     hysteresis=1, min_scale=0.0, max_scale=float("inf"), dynamic=True,
+                     found_slot=FOUND_INF):
+    """The production CPU path of :func:`scale_update`: the kernel's rule as a handful of
+    element-wise ops on 0-d views of the state, written back with one ``index_copy_``;
+    nothing read on the host. The arithmetic is the kernel's (products in fp64 rounded
+    once to fp32), so the state equals :func:`scale_update_ref`'s bit for bit.
+
+    (``torch._amp_update_scale_`` has neither hysteresis nor clamps.)"""
+    slots = state.unbind()
+    scale, unskipped, hyst, skipped, streak = (slots[SCALE], slots[UNSKIPPED],
+                                               slots[HYSTERESIS], slots[SKIPPED],
+                                               slots[FLOOR_STREAK])
+    found = slots[found_slot] != 0.0  # NaN counts as an overflow
+    zero = scale.new_zeros(())
+    new_skipped = torch.where(found, skipped + 1.0, skipped)
+    if dynamic:
+        growth, backoff, lo, hi = _config(state.device, growth_factor, backoff_factor,
+                                          min_scale, max_scale).unbind()
+        scale64 = scale.double()
+        backed_off = torch.maximum(scale64 * backoff, lo).float()
+        grown = (scale64 * growth).float()
+        grown = torch.where(torch.isinf(grown), scale, torch.minimum(grown.double(), hi).float())
+        hyst_after = torch.where(found, hyst - 1.0, hyst)
+        clean_count = unskipped + 1.0
+        grow = (~found) & (clean_count >= growth_interval)
+        new_scale = torch.where(found & (hyst_after <= 0), backed_off,
+                                torch.where(grow, grown, scale))
+        new = torch.stack([
+            new_scale,
+            torch.where(found | grow, zero, clean_count),
+            torch.where(grow, float(hysteresis), torch.clamp(hyst_after, min=0.0)),
+            torch.where(found & (new_scale.double() <= lo), streak + 1.0, zero),
+            scale, new_skipped, zero])
+    else:
+        new = torch.stack([torch.where(found, unskipped, unskipped + 1.0), scale, new_skipped,
+                           zero])
+    state.index_copy_(0, _written_slots(state.device, found_slot, bool(dynamic)), new)
 
 
 @torch.no_grad()

@@ -391,16 +391,18 @@ def test_bad_state_raises(bad, fn):
 
 # ---------------------------------------------------------------------- dispatcher
 
-def test_cpu_without_interpreter_runs_the_reference(monkeypatch):
+def test_cpu_without_interpreter_runs_the_production_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     calls = []
-    real = su_mod.scale_update_ref
+    real = su_mod.scale_update_cpu
 
     def spy(*args, **kwargs):
         calls.append(args)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(su_mod, "scale_update_ref", spy)
+    monkeypatch.setattr(su_mod, "scale_update_cpu", spy)
+    monkeypatch.setattr(su_mod, "scale_update_ref",
+                        lambda *a, **k: pytest.fail("the reference ran on the CPU path"))
     monkeypatch.setattr(su_mod, "_scale_update_kernel", None)  # launching would fail
     state = torch.zeros(STATE_SIZE)
     state[SCALE], state[FOUND_INF] = 8.0, 1.0
