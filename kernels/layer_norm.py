@@ -289,7 +289,7 @@ def layer_norm_fwd(x, n, weight=None, bias=None, eps=1e-5, rms=False, out_dtype=
     RMSNorm) and ``rstd`` fp32 with one value per row."""
     _check(x, n, weight, bias)
     if not use_triton(x):
-        return layer_norm_fwd_ref(x, n, weight, bias, eps, rms, out_dtype)
+        return layer_norm_fwd_cpu(x, n, weight, bias, eps, rms, out_dtype)
     out_dtype = out_dtype or x.dtype
     x2, stride = _rows(x, n)
     m = x2.shape[0]
@@ -317,7 +317,7 @@ def layer_norm_bwd(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, r
     (None where there is no parameter)."""
     _check(saved, n, weight, bias)
     if not use_triton(dy):
-        return layer_norm_bwd_ref(dy, saved, n, weight, bias, mean, rstd, rms, from_output,
+        return layer_norm_bwd_cpu(dy, saved, n, weight, bias, mean, rstd, rms, from_output,
                                   x_dtype)
     x_dtype = x_dtype or saved.dtype
     v2, stride = _rows(saved, n)
@@ -358,6 +358,133 @@ def layer_norm_bwd(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, r
             HAS_WEIGHT=has_w, HAS_BIAS=has_b, EMULATE_BF16_ROUNDING=dy.device.type != "cuda",
             BLOCK_G=32, BLOCK_N=block_n, num_warps=4)
     return dx, dw, db
+
+
+# --- the production CPU path ---------------------------------------------------------------
+
+_ones = {}
+
+
+def _f32(t):
+    return None if t is None else t.reshape(-1).float()
+
+
+def _ones_f32(n, device):
+    """fp32 ones of length ``n``, made once: the weight handed to torch's mixed-dtype
+    kernel for a half input without one, so that its statistics come back in fp32."""
+    key = (n, device)
+    t = _ones.get(key)
+    if t is None:
+        if len(_ones) > 64:
+            _ones.clear()
+        t = _ones[key] = torch.ones(n, dtype=torch.float32, device=device)
+    return t
+
+
+def layer_norm_fwd_cpu(x, n, weight=None, bias=None, eps=1e-5, rms=False, out_dtype=None):
+    """The production CPU path of :func:`layer_norm_fwd`: torch's own CPU kernels.
+
+    LayerNorm: ``torch.native_layer_norm``, straight on a half input when the output keeps
+    the input's dtype (torch's mixed-dtype kernel computes in fp32 and rounds once; handed
+    fp32 parameters, it returns fp32 statistics), else on the fp32 input with one cast of
+    the result. RMSNorm: ``torch._fused_rms_norm`` (fp32 statistics; the reference's
+    arithmetic, bit for bit)."""
+    _check(x, n, weight, bias)
+    if rms and bias is not None:
+        # (an RMSNorm with a bias: no module makes one; torch's kernel has no bias)
+        return layer_norm_fwd_ref(x, n, weight, bias, eps, rms, out_dtype)
+    out_dtype = out_dtype or x.dtype
+    x2 = x.reshape(-1, n)
+    direct = out_dtype == x.dtype
+    if not direct:
+        x2 = x2.float()
+    if rms:
+        y, rstd = torch._fused_rms_norm(x2, [n], None if weight is None else weight.reshape(-1),
+                                        eps)
+        mean = None
+    else:
+        w32 = _f32(weight)
+        if w32 is None and x2.dtype != torch.float32:
+            w32 = _ones_f32(n, x.device)
+        y, mean, rstd = torch.native_layer_norm(x2, [n], w32, _f32(bias), eps)
+        mean = mean.reshape(-1)
+    if not direct:
+        y = y.to(out_dtype)
+    return y.reshape(x.shape), mean, rstd.reshape(-1)
+
+
+def layer_norm_bwd_cpu(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, rms=False,
+                       from_output=False, x_dtype=None):
+    """The production CPU path of :func:`layer_norm_bwd`.
+
+    LayerNorm from the input: torch's fp32 ``native_layer_norm_backward``, as the reference
+    already runs it (half operands are widened first: torch's mixed-dtype backward
+    accumulates the weight and bias gradients with too little precision). From the output
+    (``memory_efficient``): ``xhat = (y - bias) / weight`` in one fp32 pass, then the same
+    kernel with unit statistics (mean 0, rstd 1: it then takes ``xhat`` as the normalised
+    input) and one multiply by ``rstd``. RMSNorm (torch has no CPU backward kernel): the
+    reference's arithmetic with its temporaries reused in place (bit for bit)."""
+    _check(saved, n, weight, bias)
+    x_dtype = x_dtype or saved.dtype
+    v = saved.reshape(-1, n)
+    dy2 = dy.reshape(-1, n)
+    w32 = _f32(weight)
+    has_b = bias is not None and not rms
+    b32 = _f32(bias) if has_b else None
+    if rms:
+        dx, dw = _rms_norm_bwd_cpu(dy2, v, w32, rstd, from_output, n)
+        db = None
+    else:
+        dy32 = dy2.float()
+        mask = [True, weight is not None, has_b]
+        if not from_output:
+            # (the reference's own path: torch's fp32 kernel)
+            dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+                dy32, v.float(), [n], mean[:, None], rstd[:, None], w32, b32, mask)
+        else:
+            xhat = _xhat_from_output(v, w32, b32)
+            m = v.shape[0]
+            dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+                dy32, xhat, [n], xhat.new_zeros(m, 1), xhat.new_ones(m, 1), w32, b32, mask)
+            dx.mul_(rstd[:, None])
+    dw = None if weight is None else dw.to(weight.dtype).reshape(weight.shape)
+    db = None if not has_b else db.to(bias.dtype).reshape(bias.shape)
+    return dx.to(x_dtype).reshape(saved.shape), dw, db
+
+
+def _xhat_from_output(y, w32, b32):
+    """``(y - bias) / weight`` in a new fp32 tensor (``y`` itself when fp32 and there is
+    nothing to undo). Half operands are widened first: torch's element-wise ops on mixed
+    dtypes run a slow casting loop."""
+    owned = y.dtype != torch.float32
+    xhat = y.float()
+    if b32 is not None:
+        xhat = xhat.sub_(b32) if owned else torch.sub(xhat, b32)
+        owned = True
+    if w32 is not None:
+        xhat = xhat.div_(w32) if owned else torch.div(xhat, w32)
+    return xhat
+
+
+def _rms_norm_bwd_cpu(dy, v, w32, rstd, from_output, n):
+    """RMSNorm's ``(dx, dw)`` in fp32, the reference's arithmetic step for step
+    (``dx = (w dy - xhat * mean(xhat * w dy)) * rstd``, ``dw = sum(dy * xhat)``, ``xhat =
+    x * rstd`` or, from the output, ``y / weight``) with its temporaries reused in place."""
+    dy32 = dy.float()
+    r = rstd[:, None]
+    if from_output:
+        xhat = _xhat_from_output(v, w32, None)
+    elif v.dtype == torch.float32:
+        xhat = torch.mul(v, r)
+    else:
+        xhat = v.float().mul_(r)
+    wdy = dy32 if w32 is None else torch.mul(dy32, w32)
+    prod = torch.mul(xhat, wdy)
+    c1 = prod.mean(dim=1, keepdim=True)
+    # wdy - xhat * c1 with both roundings (no fused multiply-add), then * rstd
+    dx = torch.sub(wdy, torch.mul(xhat, c1, out=prod), out=prod).mul_(r)
+    dw = None if w32 is None else xhat.mul_(dy32).sum(0)
+    return dx, dw
 
 
 def layer_norm_fwd_ref(x, n, weight=None, bias=None, eps=1e-5, rms=False, out_dtype=None):
