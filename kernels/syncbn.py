@@ -490,7 +490,7 @@ def syncbn_stats(x):
     :func:`syncbn_finalize`, passing ``shift`` along."""
     geo = _Geometry(x)
     if not use_triton(x):
-        return syncbn_stats_ref(x)
+        return syncbn_stats_cpu(x)
     if x.numel() == 0:
         return torch.zeros(1, 2 * geo.C + 1, dtype=torch.float32, device=x.device), None
     chunks, per = geo.chunks(x.device)
@@ -517,6 +517,8 @@ def syncbn_combine(rows, shift=None):
     one row ``[2C + 1]`` of absolute ``(mean, m2, count)`` (Chan's formula)."""
     p, c = _check_rows(rows, shift)
     if not use_triton(rows):
+        # The reference is already the production CPU path: a few vectorised ops on the
+        # [P, 2C + 1] rows (P = 1 or the world size), no Python loop.
         return syncbn_combine_ref(rows, shift)
     out = torch.empty(2 * c + 1, dtype=torch.float32, device=rows.device)
     block_p, block_c = _merge_settings(p, c, rows.device)
@@ -545,6 +547,7 @@ def syncbn_finalize(rows, eps, running_mean=None, running_var=None, momentum=0.1
             raise ValueError("syncbn_finalize: momentum=None (cumulative average) needs "
                              "num_batches_tracked")
     if not use_triton(rows):
+        # The reference is the production CPU path too (vectorised ops on the small rows).
         return syncbn_finalize_ref(rows, eps, running_mean, running_var, momentum,
                                    num_batches_tracked, shift)
     mean = torch.empty(c, dtype=torch.float32, device=rows.device)
@@ -581,8 +584,7 @@ def syncbn_forward(x, mean, invstd, weight=None, bias=None, z=None, relu=False, 
     if out is not None and out.dtype != x.dtype:
         raise ValueError(f"syncbn_forward: out must be {x.dtype}, got {out.dtype}")
     if not use_triton(x):
-        y = syncbn_forward_ref(x, mean, invstd, weight, bias, z, relu)
-        return y if out is None else out.copy_(y)
+        return syncbn_forward_cpu(x, mean, invstd, weight, bias, z, relu, out)
     geo = _Geometry(x)
     y = torch.empty_like(x) if out is None else out
     if x.numel() == 0:
@@ -605,7 +607,7 @@ def syncbn_backward_reduce(dy, x, mean, invstd, weight=None, bias=None, z=None, 
     _check_partner("dy", dy, x)
     _check_partner("z", z, x)
     if not use_triton(x):
-        return syncbn_backward_reduce_ref(dy, x, mean, invstd, weight, bias, z, relu,
+        return syncbn_backward_reduce_cpu(dy, x, mean, invstd, weight, bias, z, relu,
                                           need_weight_grad, need_bias_grad)
     geo = _Geometry(x)
     has_gw = weight is not None and need_weight_grad
@@ -646,7 +648,7 @@ def syncbn_backward_input(dy, x, mean, invstd, weight=None, sums=None, count=Non
                              or count is None):
         raise ValueError(f"syncbn_backward_input: sums must be fp32 [{2 * c}] with a count")
     if not use_triton(x):
-        return syncbn_backward_input_ref(dy, x, mean, invstd, weight, sums, count, bias, z,
+        return syncbn_backward_input_cpu(dy, x, mean, invstd, weight, sums, count, bias, z,
                                          relu, need_dz)
     geo = _Geometry(x)
     dx = torch.empty_like(x)
@@ -663,7 +665,132 @@ def syncbn_backward_input(dy, x, mean, invstd, weight=None, sums=None, count=Non
     return dx, dz
 
 
-# -- torch references (the CPU path without the interpreter) ------------------------------------
+# -- the production CPU path ---------------------------------------------------------------------
+# Vectorised torch code over the canonical view, written so that every full-size pass is
+# one of torch's fast CPU loops: element-wise ops on one dtype (half operands are widened
+# once with .float(): a mixed-dtype element-wise op runs a casting loop ~30x slower),
+# temporaries reused in place, and no boolean masks (torch.where over a mask is ~40x slower
+# than an arithmetic pass on a CPU; the ReLU mask is torch's threshold_backward).
+# The forward, the ReLU mask and both backward launchers follow the reference's arithmetic
+# step for step (the same results, bit for bit); the statistics are the same sums taken
+# another way (two passes instead of torch.var_mean's Welford loop, ~25x slower here).
+
+_INF = float("inf")
+
+
+def _widened(t):
+    """``(t as fp32, owned)``: ``owned`` when the fp32 tensor is a new one (may be written)."""
+    return (t, False) if t.dtype == torch.float32 else (t.float(), True)
+
+
+def _centred(x, mean):
+    """``x - mean`` (per channel) in a new fp32 tensor."""
+    xf, owned = _widened(x)
+    m = _per_channel(mean, x)
+    return xf.sub_(m) if owned else torch.sub(xf, m)
+
+
+def _affine_cpu(x, mean, invstd, weight, bias, z, out=None):
+    """The reference's ``(x - mean) * (invstd * weight) + bias (+ z)`` before any ReLU, in
+    fp32, in ``out`` (fp32, shaped like ``x``) or a new tensor."""
+    m = _per_channel(mean, x)
+    if out is not None:
+        y = torch.sub(x, m, out=out)
+    else:
+        y = _centred(x, mean)
+    scale = invstd if weight is None else invstd * weight.float()
+    y.mul_(_per_channel(scale, x))
+    if bias is not None:
+        y.add_(_per_channel(bias.float(), x))
+    if z is not None:
+        y.add_(z.float())
+    return y
+
+
+def _masked_dy_cpu(dy, x, mean, invstd, weight, bias, z, relu):
+    """``(dy, owned)``: the output gradient in fp32, zeroed where the recomputed output is
+    not > 0 (NaN included, as the reference's ``torch.where(y > 0, dy, 0)``) when
+    ``relu``; ``owned`` when it is a new tensor."""
+    dyf, owned = _widened(dy)
+    if not relu:
+        return dyf, owned
+    y = _affine_cpu(x, mean, invstd, weight, bias, z)
+    y.nan_to_num_(nan=0.0, posinf=_INF, neginf=-_INF)
+    return torch.ops.aten.threshold_backward.grad_input(dyf, y, 0.0, grad_input=y), True
+
+
+@torch.no_grad()
+def syncbn_stats_cpu(x):
+    """The production CPU path of :func:`syncbn_stats`: one row of absolute statistics
+    (P = 1, no shift), the mean from one sum and m2 from a second pass over the centred
+    values (no E[x^2] - E[x]^2)."""
+    c = _channels(x)
+    n = x.numel() // c if c else 0
+    if not n:
+        return torch.zeros(1, 2 * c + 1, dtype=torch.float32, device=x.device), None
+    dims = _reduce_dims(x)
+    xf, owned = _widened(x)
+    mean = xf.sum(dims).div_(n)
+    m = _per_channel(mean, x)
+    xc = xf.sub_(m) if owned else torch.sub(xf, m)
+    m2 = xc.mul_(xc).sum(dims)
+    return torch.cat([mean, m2, mean.new_full((1,), n)]).view(1, -1), None
+
+
+@torch.no_grad()
+def syncbn_forward_cpu(x, mean, invstd, weight=None, bias=None, z=None, relu=False, out=None):
+    """The production CPU path of :func:`syncbn_forward` (the reference's arithmetic, in
+    place; written straight into an fp32 ``out``)."""
+    direct = out is not None and x.dtype == torch.float32
+    y = _affine_cpu(x, mean, invstd, weight, bias, z, out=out if direct else None)
+    if relu:
+        y.relu_()
+    if direct:
+        return out
+    if out is not None:
+        return out.copy_(y)
+    return y.to(x.dtype)
+
+
+@torch.no_grad()
+def syncbn_backward_reduce_cpu(dy, x, mean, invstd, weight=None, bias=None, z=None, relu=False,
+                               need_weight_grad=True, need_bias_grad=True):
+    """The production CPU path of :func:`syncbn_backward_reduce`: the reference's sums of
+    the same fp32 products (``sum(dy)``, ``sum(dy * (x - mean))``), formed in place."""
+    dyf, _ = _masked_dy_cpu(dy, x, mean, invstd, weight, bias, z, relu)
+    dims = _reduce_dims(x)
+    sum_dy = dyf.sum(dims)
+    sum_dy_xmu = _centred(x, mean).mul_(dyf).sum(dims)
+    gw = (sum_dy_xmu * invstd).to(weight.dtype) if weight is not None and need_weight_grad \
+        else None
+    gb = sum_dy.to((bias if bias is not None else weight).dtype) \
+        if weight is not None and need_bias_grad else None
+    return torch.cat([sum_dy, sum_dy_xmu]), gw, gb
+
+
+@torch.no_grad()
+def syncbn_backward_input_cpu(dy, x, mean, invstd, weight=None, sums=None, count=None,
+                              bias=None, z=None, relu=False, need_dz=False):
+    """The production CPU path of :func:`syncbn_backward_input` (the reference's arithmetic,
+    in place)."""
+    dyf, owned = _masked_dy_cpu(dy, x, mean, invstd, weight, bias, z, relu)
+    dz = dyf.to((z if z is not None else x).dtype) if need_dz else None
+    if dz is dyf:
+        owned = False
+    scale = _per_channel(invstd if weight is None else invstd * weight.float(), x)
+    if sums is None:
+        dx = dyf.mul_(scale) if owned else torch.mul(dyf, scale)
+        return dx.to(x.dtype), dz
+    c = _channels(x)
+    mean_dy = _per_channel(sums[:c] / count, x)
+    proj = _per_channel(invstd * invstd * (sums[c:] / count), x)
+    # (dy - mean_dy - (x - mean) * proj) * scale, in the reference's order
+    xmu_proj = _centred(x, mean).mul_(proj)
+    dx = dyf.sub_(mean_dy) if owned else torch.sub(dyf, mean_dy)
+    return dx.sub_(xmu_proj).mul_(scale).to(x.dtype), dz
+
+
+# -- torch references (the oracles of the kernels and of the CPU path) ---------------------------
 def _reduce_dims(x):
     return (0,) if x.dim() == 2 else (0, 2)
 
