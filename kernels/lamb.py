@@ -43,6 +43,8 @@ once (tables, segment table, buffers); :func:`lamb_launch` then uploads nothing.
 On the CPU without the interpreter :func:`lamb_step_cpu` runs the same stages as
 torch foreach ops over fp32 working lists, per dtype group (see its docstring).
 """
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -444,61 +446,51 @@ def bias_correction_f32(steps, beta):
 def lamb_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=True,
                   grad_averaging=True, bias_correction=True, use_nvlamb=False,
                   global_grad_norm=None, max_grad_norm=1.0, grad_scale=None, found_inf=None):
-    """The production CPU path of :func:`lamb_launch`: :func:`lamb_step_ref`'s stages as
-    torch foreach ops, per dtype group, with no Python work per tensor and no host read.
+    """The production CPU path of :func:`lamb_launch`: :func:`lamb_step_ref`'s stages on
+    torch's multi-tensor CPU ops, per dtype group, with no Python work per tensor and no
+    host read.
 
     fp32 working lists: the parameters (or an fp32 scratch copy of half ones), a scratch
-    gradient (the user's gradients are only read: copied there, unscaled and clipped by
-    one factor), later reused for the denominators, and the update ``u`` in a second
-    scratch. The per-tensor numbers (bias corrections from each tensor's step count,
-    the trust ratio from ``torch._foreach_norm`` of p and u, the norm the reference
-    takes too) are vectors of ``n`` values applied through lists of 0-d views. torch's
-    vectorised ops may fuse a multiply and an add into one rounding, so values differ
-    from the reference's in the last bits. On a skipped step nothing changes (see the
-    comment above: the gradient is gated, every write is an identity)."""
+    gradient where the user's cannot be read as it is (they are never written), and the
+    update ``u`` in a second scratch. With grad averaging, LAMB's moments and
+    ``u = (m / bc1) / (sqrt(v / bc2) + eps)`` are Adam's: one ``torch._fused_adam_``
+    call updates m and v and writes ``u`` into a zeroed scratch as its "parameter" (lr
+    -1, no decay; unscale and clip folded into its ``grad_scale`` where the gradient is
+    a scratch; a step count of +inf turns bias correction off), and skips itself on
+    ``found_inf``. Without grad averaging, foreach ops (:func:`_lamb_moments_foreach`).
+    Then the decay, the trust ratio from ``torch._foreach_norm`` of p and u (the norm
+    the reference takes), and ``p -= ratio * u`` through torch's fused SGD (skipped on
+    ``found_inf``). Per-tensor numbers are vectors of ``n`` values applied through lists
+    of 0-d views. Adam's kernel computes ``lerp``-style moments and
+    ``sqrt(v) / sqrt(bc2)``, so values differ from the reference's in the last bits
+    (and more, relative to a first moment that nearly cancels). A skipped step changes
+    nothing (see the comment above)."""
     device = prepared.device
     engine = prepared.prepared
     skip, keep = amp_flags(found_inf)
     has_decay = weight_decay != 0
     use_ratio = bool(use_nvlamb) or has_decay
+    l2 = not adam_w_mode and has_decay
     lr32 = fp32_scalar(lr, device)
-    # The gradient's factor: 1/scale (fp64 reciprocal rounded to fp32) over the clip.
-    factor = None
-    if grad_scale is not None:
-        factor = grad_scale.double().reciprocal().float().reshape(())
+    inv = None if grad_scale is None else grad_scale.double().reciprocal().float().reshape(())
+    clip = None
     if global_grad_norm is not None:
         gn = global_grad_norm.float().reshape(())
         mx = fp32_scalar(float(max_grad_norm), device)
         clip = torch.where(gn > mx, gn / mx, 1.0)
-        factor = clip.reciprocal() if factor is None else factor / clip
-    l2 = not adam_w_mode and has_decay
-    decay = gated(fp32_scalar(weight_decay, device), keep, 0.0) if l2 else None
-    plans = cpu_lists(prepared, _CpuLists)
+    plans = cpu_lists(prepared, _LambCpuLists)
+    hyper = dict(beta1=beta1, beta2=beta2, eps=eps, l2=l2, weight_decay=weight_decay,
+                 inv=inv, clip=clip, skip=skip, keep=keep)
 
     def group(g):
         plan = plans[g.index]
         params = g["params"]
-        n = len(params)
         p = fp32_params(engine, g, params)
         u = engine.buffers(g, "update", params)
-        grad = fp32_grads(engine, g, g["grads"], factor, skip, u)
-        if l2:
-            torch._foreach_addcmul_(grad, p, [decay] * n)
-        m, v = g["exp_avgs"], g["exp_avg_sqs"]
-        first_moment(m, grad, beta1, grad_averaging, keep)
-        torch._foreach_mul_(v, gated(beta2, keep, 1.0))
-        torch._foreach_addcmul_(v, grad, grad, value=1.0 - beta2)
-        # u = (m / bc1) / (sqrt(v / bc2) + eps), the denominators in the gradient scratch.
-        denom = grad
-        torch._foreach_copy_(denom, v)
-        torch._foreach_copy_(u, m)
-        if bias_correction:
-            steps = torch.cat(plan.steps)
-            torch._foreach_div_(denom, bias_correction_f32(steps, beta2).unbind(0))
-            torch._foreach_div_(u, bias_correction_f32(steps, beta1).unbind(0))
-        torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, eps)
-        torch._foreach_div_(u, denom)
+        if grad_averaging:
+            _lamb_moments_fused(engine, g, plan, p, u, bias_correction, **hyper)
+        else:
+            _lamb_moments_foreach(engine, g, plan, p, u, bias_correction, **hyper)
         if adam_w_mode and has_decay:
             torch._foreach_add_(u, p, alpha=weight_decay)
         # p -= ratio * u: the product rounded, then the subtraction, as the reference.
@@ -511,9 +503,78 @@ def lamb_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=
             torch._foreach_mul_(u, lr32)
         _sgd_(p, u, 1.0, skip)
         write_params(engine, g, params, p, plan, skip)
-        advance_counts(g["steps"], keep)
 
     engine.run_cpu(group)
+
+
+class _LambCpuLists(_CpuLists):
+    """:class:`_CpuLists` plus a list of +inf step counts (Adam's kernel without bias
+    correction), made on first use."""
+    __slots__ = ("_no_bias",)
+
+    def __init__(self, group):
+        super().__init__(group)
+        self._no_bias = None
+
+    def no_bias_steps(self, device):
+        if self._no_bias is None:
+            self._no_bias = [torch.tensor(math.inf, device=device)] * len(self.steps)
+        return self._no_bias
+
+
+def _lamb_moments_fused(engine, g, plan, p, u, bias_correction, *, beta1, beta2, eps, l2,
+                        weight_decay, inv, clip, skip, keep):
+    """m, v and u by ``torch._fused_adam_`` (see :func:`lamb_step_cpu`); advances the step
+    counts first (by 1, or 0 on a skipped step), as torch's Adam does."""
+    grads = g["grads"]
+    scale = None
+    if l2 or grads[0].dtype != torch.float32 or inv is not None or clip is not None:
+        work = engine.buffers(g, "grads", g["params"])
+        torch._foreach_copy_(work, grads)
+        grads = work
+        if l2:
+            # The decay joins the unscaled, clipped gradient before the moments.
+            factor = inv if clip is None else (clip.reciprocal() if inv is None else inv / clip)
+            if factor is not None:
+                torch._foreach_mul_(work, factor)
+            torch._foreach_add_(work, p, alpha=weight_decay)
+        elif inv is not None or clip is not None:
+            # Adam's kernel divides the (scratch) gradient by its grad_scale.
+            scale = (clip if inv is None else (clip if clip is not None else 1.0) / inv)
+            scale = scale.reshape(())
+    advance_counts(g["steps"], keep)
+    steps = g["steps"] if bias_correction else plan.no_bias_steps(u[0].device)
+    torch._foreach_zero_(u)
+    torch._fused_adam_(u, grads, g["exp_avgs"], g["exp_avg_sqs"], [], steps, lr=-1.0,
+                       beta1=beta1, beta2=beta2, weight_decay=0.0, eps=eps, amsgrad=False,
+                       maximize=False, grad_scale=scale, found_inf=skip)
+
+
+def _lamb_moments_foreach(engine, g, plan, p, u, bias_correction, *, beta1, beta2, eps, l2,
+                          weight_decay, inv, clip, skip, keep):
+    """m = beta1 * m + g (no grad averaging), v and u by foreach ops, with the gated
+    gradient of the comment above; advances the step counts after."""
+    factor = inv if clip is None else (clip.reciprocal() if inv is None else inv / clip)
+    grad = fp32_grads(engine, g, g["grads"], factor, skip, u)
+    if l2:
+        torch._foreach_addcmul_(grad, p, [gated(fp32_scalar(weight_decay, p[0].device), keep,
+                                                0.0)] * len(p))
+    m, v = g["exp_avgs"], g["exp_avg_sqs"]
+    first_moment(m, grad, beta1, False, keep)
+    torch._foreach_mul_(v, gated(beta2, keep, 1.0))
+    torch._foreach_addcmul_(v, grad, grad, value=1.0 - beta2)
+    # u = (m / bc1) / (sqrt(v / bc2) + eps), the denominators in the gradient scratch.
+    denom = grad
+    torch._foreach_copy_(denom, v)
+    torch._foreach_copy_(u, m)
+    if bias_correction:
+        steps = torch.cat(plan.steps)
+        torch._foreach_div_(denom, bias_correction_f32(steps, beta2).unbind(0))
+        torch._foreach_div_(u, bias_correction_f32(steps, beta1).unbind(0))
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_div_(u, denom)
+    advance_counts(g["steps"], keep)
 
 
 @torch.no_grad()

@@ -344,6 +344,7 @@ def clones(lists):
 LAMB_VARIANTS = {
     "default": dict(),
     "l2_no_bc_no_avg": dict(adam_w_mode=False, bias_correction=False, grad_averaging=False),
+    "l2_no_bc": dict(adam_w_mode=False, bias_correction=False),
     "no_decay": dict(weight_decay=0.0),
     "nvlamb_no_decay": dict(weight_decay=0.0, use_nvlamb=True),
     "no_clip_lr_tensor": dict(clip=False, lr_tensor=True),
