@@ -238,6 +238,27 @@ class LayoutPrepared:
         self.prepared.launch(kernel, args, constexprs)
         self.layouts.after()
 
+    @property
+    def rebindable(self):
+        """A read-only check on the CPU path over the sources themselves (no stand-in):
+        :meth:`rebind_sources` may give it another step's gradients."""
+        return (not self.options["write"] and self.prepared.rebindable
+                and not self.layouts.reads and not self.layouts.writeback)
+
+    def rebind_sources(self, srcs):
+        """The same checked sweep over ``srcs`` (this step's gradients: the caller's key
+        says they have the kept ones' strides, shapes and dtypes)."""
+        srcs = list(srcs)
+        self.lists["srcs"] = srcs
+        self.prepared.rebind("srcs", srcs)
+        self.prepared.rebind("dsts", srcs)
+
+    def release(self):
+        """Drop the references to the sources until the next :meth:`rebind_sources`."""
+        self.lists["srcs"] = None
+        self.prepared.release("srcs")
+        self.prepared.release("dsts")
+
     def run_cpu(self, fn):
         """The production CPU path's :meth:`launch`: ``fn(group)`` once per
         :class:`~._multi_tensor.CpuGroup` of the stand-in lists, the read copies refreshed

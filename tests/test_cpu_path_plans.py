@@ -80,3 +80,30 @@ def test_a_gradient_with_other_strides_is_re_prepared(cpu_path):
     (cache,) = opt._plans.values()
     assert cache.builds == 2
     assert not torch.equal(before, w.detach())
+
+
+def test_amp_check_is_rebound_and_still_catches_an_overflow(cpu_path):
+    """O2 with a dynamic scale on the CPU path: the read-only check of the half gradients
+    is prepared once, takes each step's gradients, and an overflow is still seen."""
+    from tritamp import amp
+    model = _model()
+    model, opt = amp.initialize(model, FusedAdam(model.parameters(), lr=1e-2),
+                                opt_level="O2", half_dtype=torch.bfloat16, loss_scale="dynamic",
+                                verbosity=0)
+    x = torch.randn(5, 8)
+    for factor in (1.0, 1.0, float("inf"), 1.0):
+        opt.zero_grad(set_to_none=True)
+        before = [m.detach().clone() for m in amp.master_params(opt)]
+        with amp.scale_loss(model(x).float().square().mean() * factor, opt) as scaled:
+            scaled.backward()
+        grad = weakref.ref(model[0].weight.grad)
+        opt.step()
+        after = list(amp.master_params(opt))
+        changed = any(not torch.equal(b, a) for b, a in zip(before, after))
+        assert changed == (factor == 1.0)
+    cache = opt._amp_stash._sweeps["check"]
+    assert cache.builds == 1
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    assert grad() is None
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0 ** 15

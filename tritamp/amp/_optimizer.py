@@ -60,23 +60,39 @@ class AmpStash:
         self._sweeps = {}          # cached check/unscale sweeps, by purpose
 
     def _check_unscale(self, purpose, srcs, scale, found, dsts=None, adds=None, write=True,
-                       key=None):
+                       key=None, rebind_on=None):
         """check_unscale over a sweep prepared once and kept while the tensors keep their
         addresses and strides (the steady state of a training loop rebuilds nothing).
 
         ``key`` (optional) says what the lists were gathered from, per parameter; by
         default the key holds every tensor's address, strides, shape and dtype (the
-        lists may be subsets: a position is not tied to one parameter)."""
+        lists may be subsets: a position is not tied to one parameter).
+        ``rebind_on`` (optional, read-only checks) is the part of ``key`` without the
+        addresses: when only those changed, a kept CPU-path check takes the new sources
+        instead of being prepared again."""
         if not srcs:
             return
         if key is None:
             key = tuple((t.data_ptr(), t.stride(), t.shape, t.dtype)
                         for t in (*srcs, *(dsts or ()), *(adds or ())))
-        key = (key, len(srcs), dsts is None, adds is None, write)
+        if rebind_on is None:
+            key = (key, None, len(srcs), dsts is None, adds is None, write)
+        else:
+            key = (key[0], rebind_on, len(srcs), dsts is None, adds is None, write)
         cache = self._sweeps.get(purpose)
         if cache is None:
             cache = self._sweeps[purpose] = SweepCache()
         prepared = cache.get(key)
+        if prepared is None and rebind_on is not None and cache.prepared is not None \
+                and cache.prepared.rebindable and cache.key[1:] == key[1:]:
+            # The CPU path keeps no device tables: this step's gradients (at new
+            # addresses on a CPU, every step) go through the kept, validated check.
+            prepared = cache.prepared
+            prepared.rebind_sources(srcs)
+            K.check_unscale_launch(prepared, scale=scale, found_inf=found)
+            prepared.release()  # no gradient kept alive between steps
+            cache.key = (None, *key[1:])
+            return
         if prepared is None:
             # Borrowed tensors: the kept sweep must not keep this step's gradients alive.
             lent = borrowed(list(srcs) + list(dsts or ()) + list(adds or ()))
@@ -184,7 +200,8 @@ class AmpStash:
             if check is not None:
                 if any(map(_is_none, grads)):
                     grads = [g for g in grads if g is not None]
-                self._check_unscale("check", grads, None, check, write=False, key=key)
+                self._check_unscale("check", grads, None, check, write=False, key=key,
+                                    rebind_on=key[1])
             self._pending(scaler, carried, check)
             return
         master_fresh = []  # (index, half gradient) of masters without a gradient yet
