@@ -311,7 +311,9 @@ def lamb_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, lr, b
 # leaving -0.0 on a skipped step; every later write is then an identity: the moments'
 # factors become 1 and their addend -0.0 (x * 1 and x + -0.0 are x, bitwise), per-tensor
 # vectors keep their old values (torch.where on n values), the step counts add 0, and a
-# parameter update and the copies' write go through torch._fused_sgd_ again.
+# parameter update and the copies' write go through torch._fused_sgd_ again. (LAMB with
+# grad averaging needs no gated gradient: torch._fused_adam_ writes its moments and
+# update and skips itself on the flag.)
 
 _NEG_ZERO = {}
 
