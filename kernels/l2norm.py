@@ -227,6 +227,17 @@ class L2NormPrepared(StagedPrepared):
         self.segments = segment_pairs(pairs, self.device)
 
 
+    def rebind(self, name, tensors):
+        """The same validated norm over new tensors (see :meth:`Prepared.rebind`); the CPU
+        plans hold views of the old ones and are made again at the next launch."""
+        self.prepared.rebind(name, tensors)
+        self.cpu = {}
+
+    def release(self, name):
+        self.prepared.release(name)
+        self.cpu = {}
+
+
 def multi_tensor_l2norm_prepare(tensors):
     """Validate and plan the norm of ``tensors`` (one device; fp32/fp16/bf16/fp64; any
     layout: a tensor that is not dense is read through a contiguous copy, refreshed at

@@ -614,19 +614,11 @@ def _train(model, opt, cpu, steps=3, seed=5):
 
 def _plans_on_cpu_path(opt):
     plans = [c.prepared for c in opt._plans.values() if c.prepared is not None]
-    plans = [p[0] if isinstance(p, tuple) else p for p in plans]
     return all(not p.triton for p in plans)
 
 
 def _optimizer_cases():
-    for name in OPTIMIZERS:
-        marks = ()
-        if name.startswith("lamb"):
-            # FusedLAMB keeps a (plan, gradients) tuple as its plan, which the base class's
-            # kept-plan rebinding (tritamp/optimizers/_base.py) reads as a plan.
-            marks = pytest.mark.xfail(raises=AttributeError, reason="FusedLAMB's plan is a "
-                                      "tuple without FusedOptimizer's rebindable/release")
-        yield pytest.param(name, marks=marks, id=name)
+    return [pytest.param(name, id=name) for name in OPTIMIZERS]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16_master"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tritamp.optimizers import FusedAdam, FusedSGD
+from tritamp.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 
 
 def _model():
@@ -47,21 +47,35 @@ def test_the_kept_plan_holds_no_gradient_between_steps(cpu_path):
     assert grad() is None
 
 
-def test_rebound_steps_match_fresh_plans(cpu_path):
-    """Steps through one rebound plan equal steps through plans built anew each step."""
+ALL = {
+    "adam": lambda p: FusedAdam(p, lr=1e-2),
+    "sgd": lambda p: FusedSGD(p, lr=1e-2, momentum=0.9),
+    "adagrad": lambda p: FusedAdagrad(p, lr=1e-2),
+    "lamb": lambda p: FusedLAMB(p, lr=1e-2),
+    "novograd": lambda p: FusedNovoGrad(p, lr=1e-2),
+}
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_rebound_steps_match_fresh_plans(cpu_path, name):
+    """Steps through one rebound plan equal steps through plans built anew each step
+    (LAMB: its global gradient norm follows the rebound gradients too)."""
     a, b = _model(), _model()
-    opt_a = FusedAdam(a.parameters(), lr=1e-2)
-    opt_b = FusedAdam(b.parameters(), lr=1e-2)
+    opt_a = ALL[name](a.parameters())
+    opt_b = ALL[name](b.parameters())
     for step in range(3):
         for model, opt in ((a, opt_a), (b, opt_b)):
             torch.manual_seed(step)
             opt.zero_grad(set_to_none=True)
             _backward(model)
         opt_b._plans.clear()  # b re-prepares every step
+        opt_b.__dict__.pop("_norm_plan", None)
         opt_a.step()
         opt_b.step()
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
+    (cache,) = opt_a._plans.values()
+    assert cache.builds == 1
 
 
 def test_a_gradient_with_other_strides_is_re_prepared(cpu_path):

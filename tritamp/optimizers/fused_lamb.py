@@ -6,6 +6,32 @@ from tritamp.kernels.lamb import lamb_launch, lamb_prepare
 from ._base import FusedOptimizer
 
 
+class _LambPlan:
+    """A group's prepared LAMB sweep and the gradients it was given (the global norm's
+    input), rebound together on the CPU path."""
+    __slots__ = ("prepared", "grads")
+
+    def __init__(self, prepared, grads):
+        self.prepared = prepared
+        self.grads = list(grads)
+
+    @property
+    def triton(self):
+        return self.prepared.triton
+
+    @property
+    def rebindable(self):
+        return self.prepared.rebindable
+
+    def rebind(self, name, tensors):
+        self.prepared.rebind(name, tensors)
+        self.grads = list(tensors)
+
+    def release(self, name):
+        self.prepared.release(name)
+        self.grads = None
+
+
 class FusedLAMB(FusedOptimizer):
     """LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning") on Triton.
 
@@ -50,7 +76,7 @@ class FusedLAMB(FusedOptimizer):
         prepared = lamb_prepare(targets, grads, [s["exp_avg"] for s in states],
                                 [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
                                 copies)
-        return prepared, list(grads)
+        return _LambPlan(prepared, grads)
 
     def _before_groups(self, plans, grad_scale):
         max_grad_norm = self.defaults["max_grad_norm"]
@@ -58,17 +84,23 @@ class FusedLAMB(FusedOptimizer):
         if not (live and max_grad_norm):
             return dict(global_norm=None)
         # One norm over every gradient of every group, of the unscaled gradients; planned
-        # once while every group keeps its plan.
+        # once while every group keeps its plan. On the CPU path the plans keep no
+        # gradient between steps: the norm takes this step's (rebind) and drops them.
         cached = getattr(self, "_norm_plan", None)
+        grads = [g for plan in live for g in plan.grads]
         if cached is None or len(cached[0]) != len(live) \
                 or any(a is not b for a, b in zip(cached[0], live)):
-            grads = [g for _, group_grads in live for g in group_grads]
             cached = self._norm_plan = (live, multi_tensor_l2norm_prepare(grads))
-        return dict(global_norm=multi_tensor_l2norm_launch(cached[1], scale=grad_scale)[0])
+        elif cached[1].rebindable:
+            cached[1].rebind("tensors", grads)
+        norm = multi_tensor_l2norm_launch(cached[1], scale=grad_scale)[0]
+        if cached[1].rebindable:
+            cached[1].release("tensors")
+        return dict(global_norm=norm)
 
     def _launch(self, group, prepared, grad_scale, found_inf, global_norm=None):
         beta1, beta2 = group["betas"]
-        lamb_launch(prepared[0], lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+        lamb_launch(prepared.prepared, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], adam_w_mode=bool(self.adam_w_mode),
                     grad_averaging=bool(group["grad_averaging"]),
                     bias_correction=bool(group["bias_correction"]),
