@@ -380,7 +380,9 @@ class Prepared:
             # The production CPU path: torch's multi-tensor ops take empty tensors too.
             for i, key in enumerate(zip(*keys)):
                 groups.setdefault(key, []).append(i)
-            self.cpu_groups = [CpuGroup(k, lists, rows) for k, rows in enumerate(groups.values())]
+            scalars = [c.name for c in sweep.columns if c.role == "scalar"]
+            self.cpu_groups = [CpuGroup(k, lists, rows, scalars)
+                               for k, rows in enumerate(groups.values())]
             return
         block, warps, emulate = kernel_settings(self.device)
         for i, (numel, key) in enumerate(zip(map(torch.Tensor.numel, params), zip(*keys))):
@@ -467,12 +469,13 @@ class CpuGroup:
     """The rows of one dtype group on the production CPU path: ``lists`` maps every column
     to this group's tensors (None for an optional column absent from the group), in row
     order; ``dtypes`` is the group key (the dtype of each typed or optional column)."""
-    __slots__ = ("index", "dtypes", "rows", "lists", "_pick")
+    __slots__ = ("index", "dtypes", "rows", "lists", "_pick", "_counts")
 
-    def __init__(self, index, lists, rows):
+    def __init__(self, index, lists, rows, scalars=()):
         self.index = index
         self.rows = rows
         self._pick = operator.itemgetter(*rows) if len(rows) > 1 else None
+        self._counts = {}
         self.lists = {}
         for name, col in lists.items():
             if col is None:
@@ -481,6 +484,16 @@ class CpuGroup:
             picked = [col[i] for i in rows]
             self.lists[name] = None if all(map(_is_none, picked)) else picked
         self.dtypes = tuple(None if v is None else v[0].dtype for v in self.lists.values())
+        for name in scalars:
+            counts = _share_storage(self.lists.get(name))
+            if counts is not None:
+                self._counts[name] = [counts]
+
+    def counted(self, name):
+        """Column ``name``'s one-element tensors as a list to update with one foreach op:
+        ``[buffer]`` when they were re-homed into one buffer (see :func:`_share_storage`),
+        else the tensors themselves."""
+        return self._counts.get(name) or self.lists[name]
 
     def __getitem__(self, name):
         return self.lists[name]
@@ -490,6 +503,26 @@ class CpuGroup:
         if self._pick is None:
             return [col[self.rows[0]]]
         return list(self._pick(col))
+
+
+def _share_storage(tensors):
+    """Re-home distinct one-element fp32 tensors (per-parameter step counts) into one
+    contiguous buffer, each becoming a view of its slot (same tensor objects, same
+    values, same shapes), and return the buffer: one in-place op then advances every
+    count, where a foreach op over n tiny tensors costs a dispatch per tensor on a CPU.
+    None (nothing changed) for fewer than two tensors or repeated ones."""
+    if tensors is None or len(tensors) < 2 or any(map(_is_none, tensors)) \
+            or len(set(map(id, tensors))) != len(tensors):
+        return None
+    buf = torch.cat([t.detach().reshape(1) for t in tensors])
+    storage = buf.untyped_storage()
+    try:
+        with torch.no_grad():
+            for i, t in enumerate(tensors):
+                t.set_(storage, i, t.shape, t.stride())
+    except RuntimeError:  # a tensor torch will not re-home (made by .detach()): the
+        return None       # list is advanced as it is; moved ones keep their values
+    return buf
 
 
 class Scratch:

@@ -158,7 +158,7 @@ def adagrad_step_cpu(prepared, *, lr, eps, weight_decay=0.0, adagrad_w_mode=Fals
                               lr=lr, lr_decay=0.0, weight_decay=fused_wd, eps=eps,
                               maximize=False, grad_scale=scale, found_inf=skip)
         if steps is not None:
-            advance_counts(steps, keep)
+            advance_counts(group.counted("steps"), keep)
         write_back(params, work_p, lists["copies"])
 
     prepared.run_cpu(group_step)

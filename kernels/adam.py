@@ -190,7 +190,7 @@ def adam_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=
         lists = group.lists
         params, steps = lists["params"], lists["steps"]
         work_p, work_g, scale = fp32_work(prepared, group, params, lists["grads"], grad_scale)
-        advance_counts(steps, keep)
+        advance_counts(group.counted("steps"), keep)
         fused(work_p, work_g, lists["exp_avgs"], lists["exp_avg_sqs"], [],
               steps if bias_correction else [_NO_BIAS_CORRECTION] * len(steps),
               lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,

@@ -544,7 +544,7 @@ def _lamb_moments_fused(engine, g, plan, p, u, bias_correction, *, beta1, beta2,
             # Adam's kernel divides the (scratch) gradient by its grad_scale.
             scale = (clip if inv is None else (clip if clip is not None else 1.0) / inv)
             scale = scale.reshape(())
-    advance_counts(g["steps"], keep)
+    advance_counts(g.counted("steps"), keep)
     steps = g["steps"] if bias_correction else plan.no_bias_steps(u[0].device)
     torch._foreach_zero_(u)
     torch._fused_adam_(u, grads, g["exp_avgs"], g["exp_avg_sqs"], [], steps, lr=-1.0,
@@ -576,7 +576,7 @@ def _lamb_moments_foreach(engine, g, plan, p, u, bias_correction, *, beta1, beta
     torch._foreach_sqrt_(denom)
     torch._foreach_add_(denom, eps)
     torch._foreach_div_(u, denom)
-    advance_counts(g["steps"], keep)
+    advance_counts(g.counted("steps"), keep)
 
 
 @torch.no_grad()

@@ -421,7 +421,7 @@ def novograd_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay,
         torch._foreach_addcmul_(p, m, step.expand(n).unbind(0), value=-1.0)
         write_params(engine, g, params, p, plan, skip)
         torch._foreach_copy_(plan.moments, v.split(1))
-        advance_counts(g["steps"], keep)
+        advance_counts(g.counted("steps"), keep)
 
     engine.run_cpu(group)
 

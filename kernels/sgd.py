@@ -200,7 +200,7 @@ def sgd_step_cpu(prepared, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
         params, bufs, steps = lists["params"], lists["momentum_buffers"], lists["steps"]
         if momentum != 0 and bufs is None:  # sgd_launch checked: every parameter is empty
             if steps is not None:
-                advance_counts(steps, keep)
+                advance_counts(group.counted("steps"), keep)
             return
         work_p, work_g, scale = fp32_work(prepared, group, params, lists["grads"], grad_scale)
         if decay is not None:
@@ -219,7 +219,7 @@ def sgd_step_cpu(prepared, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
         else:
             _momentum_step_by_counts(work_p, work_g, bufs, steps, scale, kw)
         if steps is not None:
-            advance_counts(steps, keep)
+            advance_counts(group.counted("steps"), keep)
         write_back(params, work_p, lists["copies"])
 
     prepared.run_cpu(group_step)

@@ -121,3 +121,27 @@ def test_amp_check_is_rebound_and_still_catches_an_overflow(cpu_path):
     gc.collect()
     assert grad() is None
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0 ** 15
+
+
+def test_step_counts_share_one_buffer_and_advance_in_one_op(cpu_path):
+    """The CPU path re-homes a group's step counts into one buffer (same tensor objects,
+    same values): one in-place add advances them all, and a checkpoint keeps them."""
+    model = _model()
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        _backward(model)
+        opt.step()
+    steps = [opt.state[p]["step"] for p in model.parameters()]
+    assert all(s.item() == 3.0 and s.dim() == 0 for s in steps)
+    base = steps[0].untyped_storage().data_ptr()
+    assert all(s.untyped_storage().data_ptr() == base for s in steps)
+    (cache,) = opt._plans.values()
+    (group,) = cache.prepared.cpu_groups
+    assert len(group.counted("steps")) == 1
+    # a checkpoint of views restores independent counts that keep advancing
+    import copy
+    other = FusedAdam(_model().parameters(), lr=1e-2)
+    other.load_state_dict(copy.deepcopy(opt.state_dict()))
+    steps[0].add_(10.0)
+    assert all(other.state[p]["step"].item() == 3.0 for p in other.state)
