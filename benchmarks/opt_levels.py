@@ -60,10 +60,16 @@ TARGETS = [("O1-bf16", BASELINE, 1.00), ("O2-bf16", BASELINE, 1.10),
 
 WORKLOADS = {
     # name: model, optimizer, and the sizes of a CPU run
-    "cnn-sgd": dict(model="small-cnn", optimizer="sgd", batch_size=16, image_size=16),
-    "cnn-adamw": dict(model="small-cnn", optimizer="adamw", batch_size=16, image_size=16),
+    # (steps per round and warm-up: a round of a few tenths of a second per configuration)
+    # (a round of a few tenths of a second per configuration; small models repeated in
+    # fresh processes: where their tensors land moves their step time by several percent)
+    "cnn-sgd": dict(model="small-cnn", optimizer="sgd", batch_size=16, image_size=16,
+                    steps_per_round=30, warmup=10, repeats=2),
+    "cnn-adamw": dict(model="small-cnn", optimizer="adamw", batch_size=16, image_size=16,
+                      steps_per_round=30, warmup=10, repeats=2),
     "transformer-adamw": dict(model="transformer", optimizer="adamw", batch_size=8,
-                              image_size=128, width=512, depth=4, heads=8),
+                              image_size=128, width=512, depth=4, heads=8, steps_per_round=2,
+                              warmup=2, repeats=1),
 }
 
 
@@ -344,39 +350,61 @@ class Worker:
             self.proc.kill()
 
 
-def measure(workload, workers, args):
-    """Warm every configuration up, then interleaved rounds; one row per configuration."""
-    alive, rows = [], {}
+def measure(workload, args):
+    """For each of the workload's repetitions a fresh set of worker processes: warm every
+    configuration up, then interleaved rounds. One row per configuration, its ratios the
+    median over every (repetition, round) of the per-round ratios: a slow spell of the
+    machine hits every configuration of a round alike, and a process that happens to be
+    placed badly (small models are sensitive to where their tensors land) is one
+    repetition among several."""
+    rows = {}
+    for _ in range(workload["repeats"]):
+        workers = [Worker(name, _worker_argv(args, name)) for name in args.levels]
+        try:
+            _one_repetition(workload, workers, args, rows)
+        finally:
+            for w in workers:
+                w.close()
+    out = [rows[name] for name in args.levels if name in rows]
+    for row in out:
+        row["round_ms"] = [t * 1e3 for t in row["rounds"]]
+        median = statistics.median(row["times"])
+        row.update(samples_per_s=workload["batch_size"] / median, step_ms=median * 1e3,
+                   first_step_extra_s=max(row.pop("first") - median, 0.0))
+    by_name = {r["config"]: r for r in out}
+    for row in out:
+        row["vs_torch_amp_bf16"] = _ratio(row, by_name.get(BASELINE))
+        same = SAME_DTYPE_BASELINE[CONFIGS[row["config"]][1]]
+        row["vs_torch_same_dtype"] = _ratio(row, by_name.get(same))
+    for row in out:
+        del row["times"], row["rounds"]
+    return out
+
+
+def _one_repetition(workload, workers, args, rows):
+    alive = []
     for w in workers:
         try:
-            info = w.ask(cmd="setup", workload=workload, warmup=args.warmup)
+            info = w.ask(cmd="setup", workload=workload, warmup=workload["warmup"])
         except RuntimeError as e:
             print(f"{w.name}: failed\n{e}", file=sys.stderr)
             continue
         alive.append(w)
-        rows[w.name] = dict(config=w.name, first=info["first_step_s"], times=[], rounds=[])
+        row = rows.setdefault(w.name, dict(config=w.name, first=info["first_step_s"],
+                                           times=[], rounds=[], syncs_per_step=0,
+                                           peak_memory_mb=0.0))
     for r in range(args.rounds):
         k = r % max(len(alive), 1)
         for w in alive[k:] + alive[:k]:
-            times = w.ask(cmd="run", steps=args.steps_per_round)["times"]
+            times = w.ask(cmd="run", steps=workload["steps_per_round"])["times"]
             rows[w.name]["times"].extend(times)
             rows[w.name]["rounds"].append(statistics.median(times))
-    out = []
     for w in alive:
         row = rows[w.name]
-        row.update(w.ask(cmd="finish"))
-        median = statistics.median(row["times"])
-        row.update(samples_per_s=workload["batch_size"] / median, step_ms=median * 1e3,
-                   first_step_extra_s=max(row.pop("first") - median, 0.0))
-        out.append(row)
-    by_name = {r["config"]: r for r in out}
-    for row in out:
-        row["vs_torch_amp_bf16"] = _ratio(row, by_name.get(BASELINE))
-        row["vs_torch_same_dtype"] = _ratio(row, by_name.get(SAME_DTYPE_BASELINE[CONFIGS[row["config"]][1]]))
-    for row in out:
-        row["round_ms"] = [t * 1e3 for t in row.pop("rounds")]
-        del row["times"]
-    return out
+        info = w.ask(cmd="finish")
+        row.update(syncs_per_step=max(row["syncs_per_step"], info["syncs_per_step"]),
+                   peak_memory_mb=max(row["peak_memory_mb"], info["peak_memory_mb"]),
+                   final_loss=info["final_loss"])
 
 
 def _ratio(row, base):
@@ -500,6 +528,9 @@ def parse_args(argv=None):
     p.add_argument("--image-size", type=int, default=None,
                    help="image side, or the sequence length of the transformer")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="fresh sets of worker processes per workload (default on a CPU: 2 "
+                        "for the small CNN, 1 for the transformer)")
     p.add_argument("--steps-per-round", type=int, default=None,
                    help="timed steps of each configuration per round")
     p.add_argument("--warmup", type=int, default=None)
@@ -519,11 +550,11 @@ def parse_args(argv=None):
         p.error("--device cuda but no CUDA device is present")
     device = torch.device(args.device)
     cpu = device.type != "cuda"
-    for k, v in dict(rounds=5, steps_per_round=2 if cpu else 10, warmup=2 if cpu else 5,
-                     threads=1 if cpu else 0).items():
+    for k, v in dict(rounds=5, threads=1 if cpu else 0).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if args.warmup < 1 or args.rounds < 1 or args.steps_per_round < 1:
+    if args.rounds < 1 or (args.warmup is not None and args.warmup < 1) \
+            or (args.steps_per_round is not None and args.steps_per_round < 1):
         p.error("--rounds, --steps-per-round and --warmup must be >= 1")
     if args.worker:
         return args
@@ -557,6 +588,17 @@ def parse_args(argv=None):
         if args.channels_last is not None:
             w["channels_last"] = args.channels_last
         w.setdefault("channels_last", not cpu)
+        w.setdefault("steps_per_round", 10)
+        w.setdefault("warmup", 5)
+        w.setdefault("repeats", 1)
+        if not cpu:
+            w.update(steps_per_round=10, warmup=5, repeats=1)
+        if args.repeats is not None:
+            w["repeats"] = args.repeats
+        if args.steps_per_round is not None:
+            w["steps_per_round"] = args.steps_per_round
+        if args.warmup is not None:
+            w["warmup"] = args.warmup
     args.workload_specs = workloads
     if args.levels is None:
         levels = CPU_LEVELS if cpu else list(CONFIGS)
@@ -585,34 +627,29 @@ def main(argv=None):
         print("No GPU in use: a CPU run of small models; its numbers say nothing about GPU "
               "speed." + (" fp16 configurations are left out (a CPU has no fp16 arithmetic; "
                           "--levels runs them)." if args.fp16_left_out else ""))
-    print(f"{args.rounds} interleaved rounds of {args.steps_per_round} timed steps per "
-          f"configuration after {args.warmup} warm-up, "
+    print(f"{args.rounds} interleaved rounds per workload, "
           f"{args.threads or 'default'} thread(s), on {device_name(device)}")
     t_start = time.perf_counter()
-    workers = [Worker(name, _worker_argv(args, name)) for name in args.levels]
     results = []
-    try:
-        for wname, spec in args.workload_specs.items():
-            data = (f"{spec['image_size']}-token sequences" if spec["model"] == "transformer"
-                    else f"{spec['image_size']}x{spec['image_size']} images")
-            print(f"\n== {wname}: {spec['model']} + {spec['optimizer']}, batch "
-                  f"{spec['batch_size']}, synthetic {data}")
-            rows = measure(spec, workers, args)
-            if not rows:
-                print("no configuration ran", file=sys.stderr)
-                return 1
-            print(format_table(rows))
-            for text, _ in target_lines(rows) if device.type != "cuda" else []:
-                print("  target " + text)
-            results.append(dict(workload=wname, **spec, rows=rows))
-    finally:
-        for w in workers:
-            w.close()
+    for wname, spec in args.workload_specs.items():
+        data = (f"{spec['image_size']}-token sequences" if spec["model"] == "transformer"
+                else f"{spec['image_size']}x{spec['image_size']} images")
+        print(f"\n== {wname}: {spec['model']} + {spec['optimizer']}, batch "
+              f"{spec['batch_size']}, synthetic {data}; {spec['repeats']} x {args.rounds} "
+              f"rounds of {spec['steps_per_round']} timed steps per configuration after "
+              f"{spec['warmup']} warm-up")
+        rows = measure(spec, args)
+        if not rows:
+            print("no configuration ran", file=sys.stderr)
+            return 1
+        print(format_table(rows))
+        for text, _ in target_lines(rows) if device.type != "cuda" else []:
+            print("  target " + text)
+        results.append(dict(workload=wname, **spec, rows=rows))
     complete = all(len(r["rows"]) == len(args.levels) for r in results)
     os.makedirs(args.out, exist_ok=True)
     meta = dict(device=device_name(device), **versions(), rounds=args.rounds,
-                steps_per_round=args.steps_per_round, warmup=args.warmup, threads=args.threads,
-                seconds=time.perf_counter() - t_start)
+                threads=args.threads, seconds=time.perf_counter() - t_start)
     json_path = os.path.join(args.out, f"opt_levels_{device.type}.json")
     with open(json_path, "w") as f:
         json.dump(dict(meta, workloads=results), f, indent=2)

@@ -16,7 +16,8 @@ def test_smoke_run_writes_table_json_and_png(tmp_path, capsys):
     rc = opt_levels.main(["--device", "cpu", "--workloads", "cnn-sgd",
                           "--levels", "O0,O2,O2-bf16,torch.amp,torch.amp-bf16",
                           "--batch-size", "2", "--image-size", "8", "--rounds", "2",
-                          "--steps-per-round", "1", "--warmup", "1", "--out", str(tmp_path)])
+                          "--repeats", "1", "--steps-per-round", "1", "--warmup", "1",
+                          "--out", str(tmp_path)])
     assert rc == 0
     out = capsys.readouterr().out
     assert "samples/s" in out and "O2-bf16" in out and "vs torch.amp-bf16" in out
@@ -52,6 +53,7 @@ def test_cpu_defaults_run_three_workloads_without_fp16():
     assert (t["width"], t["heads"], t["depth"], t["image_size"], t["batch_size"]) == \
         (512, 8, 4, 128, 8)
     assert args.levels == opt_levels.CPU_LEVELS and args.threads == 1
+    assert [w["repeats"] for w in args.workload_specs.values()] == [2, 2, 1]
     assert not any(opt_levels.CONFIGS[c][1] == torch.float16 for c in args.levels)
 
 
