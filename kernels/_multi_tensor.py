@@ -424,7 +424,11 @@ class Prepared:
 
     def run_cpu(self, fn):
         """The production CPU path: ``fn(group)`` once per :class:`CpuGroup` (dense copies
-        refreshed before, written ones copied back after)."""
+        refreshed before, written ones copied back after), with autograd off (a no-op
+        check inside an optimizer's step, which already runs without it)."""
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self.run_cpu(fn)
         self.stage()
         for g in self.cpu_groups:
             fn(g)

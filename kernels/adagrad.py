@@ -125,7 +125,6 @@ def adagrad_launch(prepared, *, lr, eps, weight_decay=0.0, adagrad_w_mode=False,
 _NO_LR_DECAY_STEP = torch.tensor(0.0)
 
 
-@torch.no_grad()
 def adagrad_step_cpu(prepared, *, lr, eps, weight_decay=0.0, adagrad_w_mode=False,
                      grad_scale=None, found_inf=None):
     """The production CPU path of :func:`adagrad_launch`: per dtype group torch's fused

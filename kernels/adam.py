@@ -161,7 +161,6 @@ def adam_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, lr, b
 _NO_BIAS_CORRECTION = torch.tensor(float("inf"))
 
 
-@torch.no_grad()
 def adam_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=True,
                   bias_correction=True, grad_scale=None, found_inf=None):
     """The production CPU path of :func:`adam_launch`: per dtype group one call of torch's

@@ -371,7 +371,6 @@ class _CpuPlan:
         self.work = "dsts" if exact_in_dst else "scratch"
 
 
-@torch.no_grad()
 def check_unscale_cpu(prepared, scale=None, found_inf=None):
     """The production CPU path of :func:`check_unscale_launch` over a prepared sweep (a
     :class:`LayoutPrepared` whose sweep runs on the CPU): per dtype group, a few of torch's

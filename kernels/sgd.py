@@ -164,7 +164,6 @@ def sgd_launch(prepared, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, n
     prepared.advance_empty_steps(found_inf)
 
 
-@torch.no_grad()
 def sgd_step_cpu(prepared, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, wd_after_momentum=False, first_run=False, grad_scale=None,
                  found_inf=None):
