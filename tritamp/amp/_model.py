@@ -68,6 +68,10 @@ def to_type(dtype, t):
     return t.to(dtype)
 
 
+def _is_plain_tensor(value):
+    return type(value) is torch.Tensor or type(value) is torch.nn.Parameter
+
+
 def applier(value, fn):
     """Apply ``fn`` to every tensor in a (nested) container; other values pass through."""
     if isinstance(value, torch.Tensor):
@@ -103,15 +107,20 @@ def patch_forward(model, input_dtype=None, output_dtype=None, autocast_dtype=Non
     @functools.wraps(old_forward)
     def new_forward(*args, **kwargs):
         if input_caster is not None:
-            args = applier(args, input_caster)
-            kwargs = applier(kwargs, input_caster)
+            if all(map(_is_plain_tensor, args)):  # the common call: model(x), model(x, y)
+                args = tuple(map(input_caster, args))
+            else:
+                args = applier(args, input_caster)
+            if kwargs:
+                kwargs = applier(kwargs, input_caster)
         if autocast_dtype is not None:
             with torch.autocast(_device_type(args, kwargs, model), dtype=autocast_dtype):
                 output = old_forward(*args, **kwargs)
         else:
             output = old_forward(*args, **kwargs)
         if output_caster is not None:
-            output = applier(output, output_caster)
+            output = (output_caster(output) if type(output) is torch.Tensor
+                      else applier(output, output_caster))
         return output
 
     model.forward = new_forward
