@@ -64,12 +64,12 @@ WORKLOADS = {
     # (a round of a few tenths of a second per configuration; small models repeated in
     # fresh processes: where their tensors land moves their step time by several percent)
     "cnn-sgd": dict(model="small-cnn", optimizer="sgd", batch_size=16, image_size=16,
-                    steps_per_round=30, warmup=10, repeats=2),
+                    steps_per_round=30, warmup=10, repeats=2, rounds=5),
     "cnn-adamw": dict(model="small-cnn", optimizer="adamw", batch_size=16, image_size=16,
-                      steps_per_round=30, warmup=10, repeats=2),
+                      steps_per_round=30, warmup=10, repeats=2, rounds=5),
     "transformer-adamw": dict(model="transformer", optimizer="adamw", batch_size=8,
                               image_size=128, width=512, depth=4, heads=8, steps_per_round=2,
-                              warmup=2, repeats=1),
+                              warmup=2, repeats=1, rounds=8),
 }
 
 
@@ -393,7 +393,7 @@ def _one_repetition(workload, workers, args, rows):
         row = rows.setdefault(w.name, dict(config=w.name, first=info["first_step_s"],
                                            times=[], rounds=[], syncs_per_step=0,
                                            peak_memory_mb=0.0))
-    for r in range(args.rounds):
+    for r in range(workload["rounds"]):
         k = r % max(len(alive), 1)
         for w in alive[k:] + alive[:k]:
             times = w.ask(cmd="run", steps=workload["steps_per_round"])["times"]
@@ -527,7 +527,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--image-size", type=int, default=None,
                    help="image side, or the sequence length of the transformer")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds per workload (default on a CPU: 5 for the "
+                        "small CNN, 8 for the transformer)")
     p.add_argument("--repeats", type=int, default=None,
                    help="fresh sets of worker processes per workload (default on a CPU: 2 "
                         "for the small CNN, 1 for the transformer)")
@@ -550,12 +551,11 @@ def parse_args(argv=None):
         p.error("--device cuda but no CUDA device is present")
     device = torch.device(args.device)
     cpu = device.type != "cuda"
-    for k, v in dict(rounds=5, threads=1 if cpu else 0).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    if args.rounds < 1 or (args.warmup is not None and args.warmup < 1) \
-            or (args.steps_per_round is not None and args.steps_per_round < 1):
-        p.error("--rounds, --steps-per-round and --warmup must be >= 1")
+    if args.threads is None:
+        args.threads = 1 if cpu else 0
+    if any(v is not None and v < 1 for v in (args.rounds, args.warmup, args.steps_per_round,
+                                              args.repeats)):
+        p.error("--rounds, --repeats, --steps-per-round and --warmup must be >= 1")
     if args.worker:
         return args
     if args.model is not None:
@@ -591,6 +591,9 @@ def parse_args(argv=None):
         w.setdefault("steps_per_round", 10)
         w.setdefault("warmup", 5)
         w.setdefault("repeats", 1)
+        w.setdefault("rounds", 5)
+        if args.rounds is not None:
+            w["rounds"] = args.rounds
         if not cpu:
             w.update(steps_per_round=10, warmup=5, repeats=1)
         if args.repeats is not None:
@@ -627,15 +630,15 @@ def main(argv=None):
         print("No GPU in use: a CPU run of small models; its numbers say nothing about GPU "
               "speed." + (" fp16 configurations are left out (a CPU has no fp16 arithmetic; "
                           "--levels runs them)." if args.fp16_left_out else ""))
-    print(f"{args.rounds} interleaved rounds per workload, "
-          f"{args.threads or 'default'} thread(s), on {device_name(device)}")
+    print(f"interleaved rounds, {args.threads or 'default'} thread(s), on "
+          f"{device_name(device)}")
     t_start = time.perf_counter()
     results = []
     for wname, spec in args.workload_specs.items():
         data = (f"{spec['image_size']}-token sequences" if spec["model"] == "transformer"
                 else f"{spec['image_size']}x{spec['image_size']} images")
         print(f"\n== {wname}: {spec['model']} + {spec['optimizer']}, batch "
-              f"{spec['batch_size']}, synthetic {data}; {spec['repeats']} x {args.rounds} "
+              f"{spec['batch_size']}, synthetic {data}; {spec['repeats']} x {spec['rounds']} "
               f"rounds of {spec['steps_per_round']} timed steps per configuration after "
               f"{spec['warmup']} warm-up")
         rows = measure(spec, args)
@@ -648,8 +651,8 @@ def main(argv=None):
         results.append(dict(workload=wname, **spec, rows=rows))
     complete = all(len(r["rows"]) == len(args.levels) for r in results)
     os.makedirs(args.out, exist_ok=True)
-    meta = dict(device=device_name(device), **versions(), rounds=args.rounds,
-                threads=args.threads, seconds=time.perf_counter() - t_start)
+    meta = dict(device=device_name(device), **versions(), threads=args.threads,
+                seconds=time.perf_counter() - t_start)
     json_path = os.path.join(args.out, f"opt_levels_{device.type}.json")
     with open(json_path, "w") as f:
         json.dump(dict(meta, workloads=results), f, indent=2)
