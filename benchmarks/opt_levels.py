@@ -64,9 +64,9 @@ WORKLOADS = {
     # (a round of a few tenths of a second per configuration; small models repeated in
     # fresh processes: where their tensors land moves their step time by several percent)
     "cnn-sgd": dict(model="small-cnn", optimizer="sgd", batch_size=16, image_size=16,
-                    steps_per_round=30, warmup=10, repeats=2, rounds=5),
+                    steps_per_round=30, warmup=10, repeats=5, rounds=3),
     "cnn-adamw": dict(model="small-cnn", optimizer="adamw", batch_size=16, image_size=16,
-                      steps_per_round=30, warmup=10, repeats=2, rounds=5),
+                      steps_per_round=30, warmup=10, repeats=5, rounds=3),
     "transformer-adamw": dict(model="transformer", optimizer="adamw", batch_size=8,
                               image_size=128, width=512, depth=4, heads=8, steps_per_round=2,
                               warmup=2, repeats=1, rounds=8),
@@ -350,21 +350,27 @@ class Worker:
             self.proc.kill()
 
 
-def measure(workload, args):
-    """For each of the workload's repetitions a fresh set of worker processes: warm every
-    configuration up, then interleaved rounds. One row per configuration, its ratios the
-    median over every (repetition, round) of the per-round ratios: a slow spell of the
-    machine hits every configuration of a round alike, and a process that happens to be
-    placed badly (small models are sensitive to where their tensors land) is one
-    repetition among several."""
-    rows = {}
-    for _ in range(workload["repeats"]):
+def measure(workloads, args):
+    """Repetition k starts a fresh set of worker processes and runs, in it, every workload
+    with more than k repetitions: warm every configuration up, then interleaved rounds.
+    One row per configuration and workload, its ratios the median over every (repetition,
+    round) of the per-round ratios: a slow spell of the machine hits every configuration
+    of a round alike, and a process that happens to be placed badly (small models are
+    sensitive to where their tensors land) is one repetition among several."""
+    raw = {name: {} for name in workloads}
+    for k in range(max(w["repeats"] for w in workloads.values())):
         workers = [Worker(name, _worker_argv(args, name)) for name in args.levels]
         try:
-            _one_repetition(workload, workers, args, rows)
+            for name, spec in workloads.items():
+                if spec["repeats"] > k:
+                    _one_repetition(spec, workers, args, raw[name])
         finally:
             for w in workers:
                 w.close()
+    return {name: _rows(workloads[name], raw[name], args) for name in workloads}
+
+
+def _rows(workload, rows, args):
     out = [rows[name] for name in args.levels if name in rows]
     for row in out:
         row["round_ms"] = [t * 1e3 for t in row["rounds"]]
@@ -527,10 +533,11 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--image-size", type=int, default=None,
                    help="image side, or the sequence length of the transformer")
-    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds per workload (default on a CPU: 5 for the "
-                        "small CNN, 8 for the transformer)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleaved rounds per workload and repetition (default on a CPU: 3 "
+                        "for the small CNN, 8 for the transformer)")
     p.add_argument("--repeats", type=int, default=None,
-                   help="fresh sets of worker processes per workload (default on a CPU: 2 "
+                   help="fresh sets of worker processes per workload (default on a CPU: 5 "
                         "for the small CNN, 1 for the transformer)")
     p.add_argument("--steps-per-round", type=int, default=None,
                    help="timed steps of each configuration per round")
@@ -634,6 +641,7 @@ def main(argv=None):
           f"{device_name(device)}")
     t_start = time.perf_counter()
     results = []
+    measured = measure(args.workload_specs, args)
     for wname, spec in args.workload_specs.items():
         data = (f"{spec['image_size']}-token sequences" if spec["model"] == "transformer"
                 else f"{spec['image_size']}x{spec['image_size']} images")
@@ -641,7 +649,7 @@ def main(argv=None):
               f"{spec['batch_size']}, synthetic {data}; {spec['repeats']} x {spec['rounds']} "
               f"rounds of {spec['steps_per_round']} timed steps per configuration after "
               f"{spec['warmup']} warm-up")
-        rows = measure(spec, args)
+        rows = measured[wname]
         if not rows:
             print("no configuration ran", file=sys.stderr)
             return 1

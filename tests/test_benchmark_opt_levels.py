@@ -53,8 +53,8 @@ def test_cpu_defaults_run_three_workloads_without_fp16():
     assert (t["width"], t["heads"], t["depth"], t["image_size"], t["batch_size"]) == \
         (512, 8, 4, 128, 8)
     assert args.levels == opt_levels.CPU_LEVELS and args.threads == 1
-    assert [w["repeats"] for w in args.workload_specs.values()] == [2, 2, 1]
-    assert [w["rounds"] for w in args.workload_specs.values()] == [5, 5, 8]
+    assert [w["repeats"] for w in args.workload_specs.values()] == [5, 5, 1]
+    assert [w["rounds"] for w in args.workload_specs.values()] == [3, 3, 8]
     assert not any(opt_levels.CONFIGS[c][1] == torch.float16 for c in args.levels)
 
 
