@@ -152,3 +152,27 @@ def compiled_kernels():
         pytest.skip("Triton's CUDA toolchain is not usable here:\n" + proc.stderr[-500:])
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout)
+
+
+# Helpers of the CPU-path tests: a tiny model and a few steps on either path.
+def tiny_mlp(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(7, 9), torch.nn.Tanh(),
+                               torch.nn.Linear(9, 3)).to(dtype)
+
+
+def train_steps(model, opt, cpu, steps=3, seed=5):
+    """``steps`` optimizer steps on fixed random batches, on the production CPU path
+    (``cpu=True``) or the interpreted kernels."""
+    from tritamp.kernels._dispatch import force_cpu_path
+    gen = torch.Generator().manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    for _ in range(steps):
+        x = torch.randn(4, 7, generator=gen).to(dtype)
+        opt.zero_grad()
+        model(x).float().square().mean().backward()
+        if cpu:
+            with force_cpu_path():
+                opt.step()
+        else:
+            opt.step()

@@ -17,10 +17,9 @@ import math
 
 import pytest
 import torch
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import TOL, all_tensors, assert_bitwise_unchanged, snapshot
+from conftest import TOL, all_tensors, assert_bitwise_unchanged, snapshot, tiny_mlp, train_steps
 from tritamp.kernels._dispatch import force_cpu_path
 from tritamp.kernels.adagrad import adagrad_launch, adagrad_prepare, adagrad_step_ref
 from tritamp.kernels.adam import adam_launch, adam_prepare, adam_step_ref
@@ -414,25 +413,6 @@ OPTIMIZERS = {
 }
 
 
-def _model(dtype=torch.float32):
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 3)).to(dtype)
-
-
-def _train(model, opt, cpu, steps=3, seed=5):
-    gen = torch.Generator().manual_seed(seed)
-    dtype = next(model.parameters()).dtype
-    for _ in range(steps):
-        x = torch.randn(4, 7, generator=gen).to(dtype)
-        opt.zero_grad()
-        model(x).float().square().mean().backward()
-        if cpu:
-            with force_cpu_path():
-                opt.step()
-        else:
-            opt.step()
-
-
 def _plans_on_cpu_path(opt):
     return all(c.prepared is None or not c.prepared.triton for c in opt._plans.values())
 
@@ -443,10 +423,10 @@ def test_optimizer_cpu_path_matches_kernel_path(name, dtype):
     """The same optimizer, a few steps through the production CPU path and through the
     (interpreted) Triton kernels; bf16 parameters keep fp32 masters (SGD: fp32 state)."""
     kw = {} if dtype == torch.float32 or name.startswith("sgd") else dict(master_weights=True)
-    a, b = _model(dtype), _model(dtype)
+    a, b = tiny_mlp(dtype), tiny_mlp(dtype)
     opt_a, opt_b = OPTIMIZERS[name](a.parameters(), **kw), OPTIMIZERS[name](b.parameters(), **kw)
-    _train(a, opt_a, cpu=True)
-    _train(b, opt_b, cpu=False)
+    train_steps(a, opt_a, cpu=True)
+    train_steps(b, opt_b, cpu=False)
     assert _plans_on_cpu_path(opt_a) and not _plans_on_cpu_path(opt_b)
     assert_close_to_ref(list(a.parameters()), list(b.parameters()), "params")
     for pa, pb in zip(a.parameters(), b.parameters()):
@@ -478,10 +458,10 @@ TORCH_TWINS = {
 def test_optimizer_cpu_path_matches_torch_optim(name, cpu_path):
     """fp32, a few steps against torch.optim's class, at torch's own tolerances."""
     ours_make, torch_make = TORCH_TWINS[name]
-    a, b = _model(), _model()
+    a, b = tiny_mlp(), tiny_mlp()
     opt_a, opt_b = ours_make(a.parameters()), torch_make(b.parameters())
-    _train(a, opt_a, cpu=True, steps=4)
-    _train(b, opt_b, cpu=False, steps=4)
+    train_steps(a, opt_a, cpu=True, steps=4)
+    train_steps(b, opt_b, cpu=False, steps=4)
     assert _plans_on_cpu_path(opt_a)
     for pa, pb in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, **TOL[torch.float32])
@@ -492,7 +472,7 @@ def test_gradscaler_with_an_overflow_drives_the_cpu_path_like_torch(name, cpu_pa
     """torch.amp.GradScaler hands the step grad_scale and found_inf; step 2 overflows:
     the same trajectory as torch's optimizer, and the overflow step does not count."""
     ours_make, torch_make = TORCH_TWINS[name]
-    a, b = _model(), _model()
+    a, b = tiny_mlp(), tiny_mlp()
     opt_a, opt_b = ours_make(a.parameters()), torch_make(b.parameters())
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) for _ in range(2)]
     gen = torch.Generator().manual_seed(7)
@@ -518,7 +498,7 @@ def test_amp_o2_on_the_cpu_path_matches_the_kernel_path(name):
     from tritamp import amp
     results = []
     for cpu in (True, False):
-        model = _model()
+        model = tiny_mlp()
         opt = OPTIMIZERS[name](model.parameters())
         model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
         gen = torch.Generator().manual_seed(9)

@@ -25,10 +25,9 @@ import math
 
 import pytest
 import torch
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import all_tensors
+from conftest import all_tensors, tiny_mlp, train_steps
 from tritamp.kernels._dispatch import force_cpu_path
 from tritamp.kernels.axpby import (multi_tensor_axpby, multi_tensor_axpby_launch,
                                    multi_tensor_axpby_prepare, multi_tensor_axpby_ref,
@@ -593,25 +592,6 @@ OPTIMIZERS = {
 }
 
 
-def _model(dtype=torch.float32):
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 3)).to(dtype)
-
-
-def _train(model, opt, cpu, steps=3, seed=5):
-    gen = torch.Generator().manual_seed(seed)
-    dtype = next(model.parameters()).dtype
-    for _ in range(steps):
-        x = torch.randn(4, 7, generator=gen).to(dtype)
-        opt.zero_grad()
-        model(x).float().square().mean().backward()
-        if cpu:
-            with force_cpu_path():
-                opt.step()
-        else:
-            opt.step()
-
-
 def _plans_on_cpu_path(opt):
     plans = [c.prepared for c in opt._plans.values() if c.prepared is not None]
     return all(not p.triton for p in plans)
@@ -625,10 +605,10 @@ def _optimizer_cases():
 @pytest.mark.parametrize("name", _optimizer_cases())
 def test_optimizer_cpu_path_matches_kernel_path(name, dtype):
     kw = {} if dtype == torch.float32 else dict(master_weights=True)
-    a, b = _model(dtype), _model(dtype)
+    a, b = tiny_mlp(dtype), tiny_mlp(dtype)
     opt_a, opt_b = OPTIMIZERS[name](a.parameters(), **kw), OPTIMIZERS[name](b.parameters(), **kw)
-    _train(a, opt_a, cpu=True)
-    _train(b, opt_b, cpu=False)
+    train_steps(a, opt_a, cpu=True)
+    train_steps(b, opt_b, cpu=False)
     assert _plans_on_cpu_path(opt_a) and not _plans_on_cpu_path(opt_b)
     assert_close_to_ref(list(a.parameters()), list(b.parameters()), "params")
     for pa, pb in zip(a.parameters(), b.parameters()):
