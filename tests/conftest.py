@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -176,3 +177,68 @@ def train_steps(model, opt, cpu, steps=3, seed=5):
                 opt.step()
         else:
             opt.step()
+
+
+_BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
+         torch.int32: torch.int32}
+
+
+def assert_bits_equal(a, b, what=""):
+    """Bit for bit, NaN payloads included (``torch.equal`` calls NaN unequal to itself)."""
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    assert torch.equal(a.view(_BITS[a.dtype]), b.view(_BITS[b.dtype])), what
+
+
+def assert_bits_unchanged(before, tensors):
+    """:func:`assert_bitwise_unchanged` with NaN payloads compared too."""
+    assert len(before) == len(tensors)
+    for i, (b, t) in enumerate(zip(before, tensors)):
+        assert_bits_equal(b, t, f"tensor {i} changed")
+
+
+def assert_close_to_ref(ours, ref, what):
+    """A CPU path's lists against the oracle's: fp32 within rtol/atol 1e-6 (torch's fused
+    kernels round with multiply-adds where the oracle rounds twice), half values within
+    one ulp of their dtype (one rounding of such an fp32 value)."""
+    if ours is None or ref is None:
+        assert ours is ref, what
+        return
+    assert len(ours) == len(ref)
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a is None:
+            assert b is None
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{what}[{i}]"
+        if a.dtype == torch.float32:
+            tol = dict(rtol=1e-6, atol=1e-6)
+        else:
+            tol = dict(rtol=torch.finfo(a.dtype).eps, atol=1e-6)
+        torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{what}[{i}]: {m}")
+
+
+def scaled_grads(grads, scale):
+    """The gradients as a loss scaled by ``scale`` would give them."""
+    if scale is None:
+        return grads
+    return [(g.float() * scale).to(g.dtype) for g in grads]
+
+
+def clone_lists(lists):
+    """Clones of lists of tensors (None lists and None entries kept)."""
+    return [None if x is None else [None if t is None else t.clone() for t in x]
+            for x in lists]
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the aten ops a block runs (a foreach or fused op counts once) and the host
+    reads of a tensor's value among them (``.item()``, ``bool()``, ``float()``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self.host_reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        self.host_reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))

@@ -17,9 +17,11 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import TOL, all_tensors, assert_bitwise_unchanged, snapshot, tiny_mlp, train_steps
+from conftest import (TOL, CountOps, all_tensors, assert_bits_unchanged, assert_bitwise_unchanged,
+                      assert_close_to_ref, snapshot, tiny_mlp, train_steps)
+from conftest import clone_lists as clones
+from conftest import scaled_grads as scaled
 from tritamp.kernels._dispatch import force_cpu_path
 from tritamp.kernels.adagrad import adagrad_launch, adagrad_prepare, adagrad_step_ref
 from tritamp.kernels.adam import adam_launch, adam_prepare, adam_step_ref
@@ -43,34 +45,6 @@ AMP = {"plain": (None, None), "scale1024": (1024.0, 0.0), "scale3": (3.0, 0.0)}
 N_STEPS = 3
 
 
-def assert_close_to_ref(ours, ref, what):
-    if ours is None or ref is None:
-        assert ours is ref, what
-        return
-    assert len(ours) == len(ref)
-    for i, (a, b) in enumerate(zip(ours, ref)):
-        if a is None:
-            assert b is None
-            continue
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{what}[{i}]"
-        if a.dtype == torch.float32:
-            tol = dict(rtol=1e-6, atol=1e-6)
-        else:
-            tol = dict(rtol=torch.finfo(a.dtype).eps, atol=1e-6)
-        torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{what}[{i}]: {m}")
-
-
-_BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-
-
-def assert_bits_unchanged(before, tensors):
-    """Bit for bit, NaN payloads included (torch.equal calls NaN unequal to itself)."""
-    assert len(before) == len(tensors)
-    for i, (b, t) in enumerate(zip(before, tensors)):
-        assert b.dtype == t.dtype and b.shape == t.shape
-        assert torch.equal(b.view(_BITS[b.dtype]), t.view(_BITS[t.dtype])), f"tensor {i} changed"
-
-
 def make_lists(case, n_state, seed=0, shapes=None, steps=0.0):
     """params, grads per step (N_STEPS lists), ``n_state`` fp32 state lists, copies,
     steps; the copies hold the rounding of the masters (as amp's O2 model weights do)."""
@@ -87,35 +61,10 @@ def make_lists(case, n_state, seed=0, shapes=None, steps=0.0):
     return params, grads, state, copies, counts
 
 
-def scaled(grads, scale):
-    """The gradients as a loss scaled by ``scale`` would give them."""
-    if scale is None:
-        return grads
-    return [(g.float() * scale).to(g.dtype) for g in grads]
-
-
 def amp_args(amp):
     scale, found = AMP[amp]
     return (None if scale is None else torch.tensor(scale),
             None if found is None else torch.tensor([found]))
-
-
-def clones(lists):
-    return [None if x is None else [t.clone() for t in x] for x in lists]
-
-
-class CountOps(TorchDispatchMode):
-    """Counts the aten ops a block runs (a foreach or fused op counts once)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-        self.host_reads = 0  # a tensor's value read on the host (.item(), bool(), float())
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        self.host_reads += func is torch.ops.aten._local_scalar_dense.default
-        return func(*args, **(kwargs or {}))
 
 
 # --------------------------------------------------------------------------------------

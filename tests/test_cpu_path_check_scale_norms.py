@@ -24,6 +24,8 @@ import math
 
 import pytest
 import torch
+
+from conftest import snapshot as clones
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tritamp.kernels import (FLOOR_STREAK, FOUND_INF, FOUND_INF_NEXT, HYSTERESIS, SCALE, SKIPPED,
@@ -59,10 +61,6 @@ def assert_same_list(actual, expected, what):
     assert len(actual) == len(expected)
     for i, (a, e) in enumerate(zip(actual, expected)):
         assert_bitwise(a, e, f"{what}[{i}]")
-
-
-def clones(ts):
-    return [t.clone() for t in ts]
 
 
 def found(v=0.0):

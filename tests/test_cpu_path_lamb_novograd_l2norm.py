@@ -25,9 +25,11 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import all_tensors, tiny_mlp, train_steps
+from conftest import (CountOps, all_tensors, assert_bits_equal, assert_bits_unchanged,
+                      assert_close_to_ref, snapshot, tiny_mlp, train_steps)
+from conftest import clone_lists as clones
+from conftest import scaled_grads as scaled
 from tritamp.kernels._dispatch import force_cpu_path
 from tritamp.kernels.axpby import (multi_tensor_axpby, multi_tensor_axpby_launch,
                                    multi_tensor_axpby_prepare, multi_tensor_axpby_ref,
@@ -53,8 +55,6 @@ CASES = {
 # grad_scale: none; a power of two (unscaling is exact); 3 (1/3 rounds)
 SCALES = {"plain": None, "scale1024": 1024.0, "scale3": 3.0}
 N_STEPS = 3
-_BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
-         torch.int32: torch.int32}
 
 
 @pytest.fixture(autouse=True)
@@ -64,48 +64,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def assert_close_to_ref(ours, ref, what):
-    assert len(ours) == len(ref)
-    for i, (a, b) in enumerate(zip(ours, ref)):
-        if a is None:
-            assert b is None
-            continue
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{what}[{i}]"
-        if a.dtype == torch.float32:
-            tol = dict(rtol=1e-6, atol=1e-6)
-        else:
-            tol = dict(rtol=torch.finfo(a.dtype).eps, atol=1e-6)
-        torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{what}[{i}]: {m}")
-
-
-def assert_bits_equal(a, b, what=""):
-    assert a.dtype == b.dtype and a.shape == b.shape, what
-    assert torch.equal(a.view(_BITS[a.dtype]), b.view(_BITS[b.dtype])), what
-
-
-def assert_bits_unchanged(before, tensors):
-    """Bit for bit, NaN payloads included (torch.equal calls NaN unequal to itself)."""
-    assert len(before) == len(tensors)
-    for i, (b, t) in enumerate(zip(before, tensors)):
-        assert_bits_equal(b, t, f"tensor {i} changed")
-
-
-def snapshot(tensors):
-    return [t.clone() for t in tensors]
-
-
-class CountOps(TorchDispatchMode):
-    """Counts the aten ops a block runs (a foreach or fused op counts once)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 # --------------------------------------------------------------------------------------
@@ -331,17 +289,6 @@ def novograd_lists(case, seed=0, shapes=None, steps=0.0):
     gen = torch.Generator().manual_seed(seed + 100)
     vs = [torch.rand((), generator=gen) * 10 for _ in params]  # one fp32 value per tensor
     return params, grads, ms, vs, copies, counts
-
-
-def scaled(grads, scale):
-    if scale is None:
-        return grads
-    return [(g.float() * scale).to(g.dtype) for g in grads]
-
-
-def clones(lists):
-    return [None if x is None else [None if t is None else t.clone() for t in x]
-            for x in lists]
 
 
 LAMB_VARIANTS = {
