@@ -145,3 +145,19 @@ def test_step_counts_share_one_buffer_and_advance_in_one_op(cpu_path):
     other.load_state_dict(copy.deepcopy(opt.state_dict()))
     steps[0].add_(10.0)
     assert all(other.state[p]["step"].item() == 3.0 for p in other.state)
+
+
+def test_bad_input_on_the_cpu_path_is_refused_before_anything_changes(cpu_path):
+    """The engine's validation runs before the CPU path writes: a gradient of the wrong
+    shape is refused naming the list and the index, and no tensor changes."""
+    from tritamp.kernels.adam import adam_step
+    params = [torch.randn(4, 3), torch.randn(5)]
+    grads = [torch.randn(4, 3), torch.randn(6)]  # the second has the wrong shape
+    m, v = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    steps = [torch.zeros(()), torch.zeros(())]
+    every = params + grads + m + v + steps
+    before = [t.clone() for t in every]
+    with pytest.raises(ValueError, match=r"grads\[1\] has shape"):
+        adam_step(params, grads, m, v, steps, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                  weight_decay=0.0)
+    assert all(torch.equal(b, t) for b, t in zip(before, every))
