@@ -67,3 +67,27 @@ def test_non_editable_install_imports_the_kernels(wheel, tmp_path):
                          cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "tritamp.kernels.check_unscale"
+
+
+def test_uninstalled_checkout_says_to_install(tmp_path):
+    """``import tritamp`` from a checkout that was never installed: one line saying what
+    to do, not the circular-import error the missing ``tritamp.kernels`` used to give.
+    The copy has no ``kernels`` mapping, as a fresh clone has none; the editable finder
+    of this checkout's own install is taken off the path for the child process."""
+    import shutil
+    shutil.copytree(os.path.join(ROOT, "tritamp"), tmp_path / "tritamp")
+    code = ("import sys\n"
+            "sys.meta_path[:] = [f for f in sys.meta_path\n"
+            "                    if 'editable' not in type(f).__module__.lower()\n"
+            "                    and 'editable' not in getattr(f, '__name__', '').lower()]\n"
+            "sys.path_hooks[:] = [h for h in sys.path_hooks\n"
+            "                     if 'editable' not in getattr(h, '__module__', '').lower()]\n"
+            "sys.path.insert(0, %r)\n"
+            "import tritamp\n" % str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: tritamp is not installed"), out.stderr[-2000:]
+    assert "pip install -e ." in last and str(tmp_path) in last
+    assert "circular" not in out.stderr

@@ -5,6 +5,19 @@ Apex's ``amp`` API without a build step: ``from tritamp import amp`` where a scr
 ``tritamp.parallel`` and ``tritamp.fp16_utils`` stand for Apex's namesakes. Importing
 tritamp compiles nothing and makes no CUDA call.
 """
+import importlib.util as _importlib_util
+import os as _os
+
+# The Triton kernels live in the checkout's top-level kernels/ folder and are installed as
+# tritamp.kernels (pyproject's package-dir). From a checkout that was never installed that
+# name does not exist, and the first module that needs it would fail with a misleading
+# circular-import error: say what to do instead.
+if _importlib_util.find_spec(__name__ + ".kernels") is None:
+    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    raise ImportError(f"tritamp is not installed (tritamp.kernels is missing): run "
+                      f"`pip install -e .` in {_root}, then import tritamp again")
+del _importlib_util, _os
+
 from . import amp, fp16_utils, normalization, optimizers, parallel
 from .amp import (disable_casts, float_function, half_function, initialize, load_state_dict,
                   master_params, promote_function, register_float_function,
