@@ -16,16 +16,17 @@ as in optimizers.py: ``triton.testing.do_bench`` on the GPU, a short wall-clock 
 the reference path on a CPU (which says nothing about GPU speed).
 """
 import argparse
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import norms as nb  # noqa: E402  (the norm benchmark)
-import optimizers as ob  # noqa: E402  (the optimizer benchmark: layouts, timer, table)
+if __name__ == "__main__" and not __package__:
+    sys.exit("run it as a module from the repository root: python3 -m benchmarks.kernels")
 
 from tritamp.kernels import check_unscale, multi_tensor_l2norm  # noqa: E402
+
+from . import norms as nb  # noqa: E402  (the norm benchmark)
+from . import optimizers as ob  # noqa: E402  (the optimizer benchmark: layouts, timer, table)
 
 DEFAULT_SIZES = {"cuda": "25M,100M", "cpu": "100K"}
 
@@ -135,7 +136,7 @@ def main(argv=None):
                                                copy_gbps, meta))
     ob.add_ratios(rows)
     if not args.no_syncbn:
-        import syncbn as sbn  # benchmarks/syncbn.py (its rows carry their own ratios)
+        from . import syncbn as sbn  # its rows carry their own ratios
         rows += sbn.syncbn_rows(device, timed, copy_gbps, meta,
                                 shapes=None if device.type == "cuda" else sbn.cpu_shapes()[:2])
     return ob.finish_report(rows, meta, copy_gbps, args.out, "kernels", device, "kernel")

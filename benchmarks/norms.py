@@ -12,14 +12,15 @@ the parameter gradients. torch's baseline is its own fused op (``F.layer_norm`` 
 ``F.rms_norm``), under autograd for forward+backward.
 """
 import argparse
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import optimizers as ob  # noqa: E402  (timer, device facts, table)
+if __name__ == "__main__" and not __package__:
+    sys.exit("run it as a module from the repository root: python3 -m benchmarks.norms")
+
+from . import optimizers as ob  # noqa: E402  (timer, device facts, table)
 
 from tritamp.normalization import fused_layer_norm_affine, fused_rms_norm_affine  # noqa: E402
 

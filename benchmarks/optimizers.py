@@ -48,8 +48,10 @@ GRAD_DTYPE = torch.float16
 
 
 # -- environment: the same device and version facts as the opt-level benchmark ----------
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from opt_levels import device_name, versions  # noqa: E402,F401
+if __name__ == "__main__" and not __package__:
+    sys.exit("run it as a module from the repository root: python3 -m benchmarks.optimizers")
+
+from .opt_levels import device_name, versions  # noqa: E402,F401
 
 
 # -- sizes and layouts ----------------------------------------------------------------------

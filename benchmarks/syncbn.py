@@ -30,14 +30,15 @@ interpreter under ``TRITON_INTERPRET=1``) and the figures say nothing about GPU 
 ``syncbn_rows`` returns the rows in benchmarks/kernels.py's format for inclusion there.
 """
 import argparse
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import optimizers as ob  # noqa: E402  (timer, device facts, table)
+if __name__ == "__main__" and not __package__:
+    sys.exit("run it as a module from the repository root: python3 -m benchmarks.syncbn")
+
+from . import optimizers as ob  # noqa: E402  (timer, device facts, table)
 
 # (C, H, W) of ResNet-50's BatchNorm inputs at 224x224 (each distinct shape once)
 RESNET50_SHAPES = [(64, 112, 112), (64, 56, 56), (256, 56, 56), (128, 56, 56), (128, 28, 28),

@@ -23,9 +23,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from tritamp.kernels.scale_update import _scale_update_kernel  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
-                                "benchmarks"))
-import compile_report  # noqa: E402
+from benchmarks import compile_report  # noqa: E402  (the repository root is on PYTHONPATH)
 
 
 def compile_one(fn, signature, constexprs, num_warps):

@@ -144,8 +144,10 @@ def compiled_kernels():
     import subprocess
     import sys
     pytest.importorskip("triton.backends.nvidia")
-    env = dict(os.environ, TRITON_INTERPRET="0")
     here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    env = dict(os.environ, TRITON_INTERPRET="0",
+               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run([sys.executable, os.path.join(here, "aot_compile_kernels.py")],
                           capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0 and ("ptxas" in proc.stderr or "No module named 'triton.backends"

@@ -1,11 +1,7 @@
 """benchmarks/kernels.py gathers every kernel benchmark in one format; CPU smoke run."""
 import json
-import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import kernels as kb  # noqa: E402
+from benchmarks import kernels as kb  # noqa: E402
 
 
 def test_smoke_run_writes_one_table(tmp_path, capsys):

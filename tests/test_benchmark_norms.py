@@ -1,11 +1,7 @@
 """benchmarks/norms.py: CPU smoke run (one small shape) writes its table and JSON."""
 import json
-import os
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import norms as nb  # noqa: E402
+from benchmarks import norms as nb  # noqa: E402
 
 
 def test_norm_benchmark_smoke(tmp_path, capsys):

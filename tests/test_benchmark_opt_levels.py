@@ -1,14 +1,12 @@
 """The main job's benchmark runs in a smoke mode and writes a valid JSON and a PNG."""
 import json
 import os
-import sys
 
 import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import opt_levels  # noqa: E402
+from benchmarks import opt_levels  # noqa: E402
 
 
 def test_smoke_run_writes_table_json_and_png(tmp_path, capsys):

@@ -5,14 +5,12 @@ tiny transformer layout; the layouts themselves are checked without running anyt
 """
 import json
 import os
-import sys
 
 import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import optimizers as bench  # noqa: E402
+from benchmarks import optimizers as bench  # noqa: E402
 
 
 def test_cpu_smoke_run_writes_table_and_json(tmp_path, capsys):

@@ -361,12 +361,7 @@ def test_amp_o2_keeps_syncbatchnorm_in_fp32(half):
 def test_benchmark_smoke_run(tmp_path, capsys):
     """benchmarks/syncbn.py on the CPU: one line says so, rows in benchmarks/kernels.py's
     format, torch's CUDA-only sync path reported as skipped rather than crashing."""
-    import os
-    import sys
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         "benchmarks")
-    sys.path.insert(0, bench)
-    import syncbn as sb
+    from benchmarks import syncbn as sb
 
     rc = sb.main(["--device", "cpu", "--batch", "2", "--configs", "fp16-nhwc",
                   "--shapes", "4x3x3", "--cpu-reps", "1", "--out", str(tmp_path)])
