@@ -44,8 +44,8 @@ def _example(name):
     if name not in _modules:
         sys.path.insert(0, EXAMPLES)
         try:
-            if name == "imagenet_common":
-                module = importlib.import_module(name)       # the scripts' shared copy
+            if name.startswith("imagenet_"):
+                module = importlib.import_module(name)       # the scripts' shared modules
             else:
                 spec = importlib.util.spec_from_file_location(
                     f"imagenet_example_{name}", os.path.join(EXAMPLES, name + ".py"))
@@ -112,14 +112,14 @@ _RANK_STATES = """
 import sys
 import torch
 sys.path.insert(0, {examples!r})
-import imagenet_common as common
+from imagenet_model import unwrap
 import {script} as script
-_fit = common.fit
+_fit = script.fit
 def fit(args, model, *a, **kw):
     result = _fit(args, model, *a, **kw)
-    torch.save(common.unwrap(model).state_dict(), "rank%d.pt" % args.rank)
+    torch.save(unwrap(model).state_dict(), "rank%d.pt" % args.rank)
     return result
-common.fit = fit
+script.fit = fit
 script.main(sys.argv[1:])
 """
 
@@ -175,8 +175,8 @@ def check_checkpoint(folder, epoch, arch="resnet18", iters=ITERS, world_size=1):
     assert ck["epoch"] == epoch and ck["arch"] == arch
     assert len(ck["rng"]) == world_size
     # The last step's learning rate: 0.1 scaled by the global batch / 256, warmup by step.
-    common = _example("imagenet_common")
-    lr = common.learning_rate(0.1 * 4 * world_size / 256., epoch - 1, iters - 1, iters)
+    learning_rate = _example("imagenet_model").learning_rate
+    lr = learning_rate(0.1 * 4 * world_size / 256., epoch - 1, iters - 1, iters)
     opt = ck["optimizer"]
     opt = opt.get("optimizer_state_dict", opt)          # FP16_Optimizer wraps torch's
     assert [g["lr"] for g in opt["param_groups"]] == [lr]
@@ -436,7 +436,7 @@ def test_channels_last_is_an_on_off_flag():
 
 
 def test_learning_rate_schedule():
-    lr = _example("imagenet_common").learning_rate
+    lr = _example("imagenet_model").learning_rate
     base, n = 0.4, 10
     warmup = [lr(base, e, s, n) for e in range(5) for s in range(n)]
     assert warmup == [base * (k + 1) / (5. * n) for k in range(5 * n)]
@@ -447,8 +447,8 @@ def test_learning_rate_schedule():
 
 
 def test_checkpoint_writes_are_atomic(tmp_path):
-    common = _example("imagenet_common")
-    common.save_checkpoint({"epoch": 1}, is_best=True, directory=str(tmp_path))
+    checkpoints = _example("imagenet_checkpoint")
+    checkpoints.save_checkpoint({"epoch": 1}, is_best=True, directory=str(tmp_path))
     path = tmp_path / "checkpoint.pth.tar"
     before = path.read_bytes()
 
@@ -457,7 +457,7 @@ def test_checkpoint_writes_are_atomic(tmp_path):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        common._atomic_write(str(path), interrupted)
+        checkpoints._atomic_write(str(path), interrupted)
     assert path.read_bytes() == before
     assert sorted(os.listdir(tmp_path)) == ["checkpoint.pth.tar", "model_best.pth.tar"]
     assert load(tmp_path / "model_best.pth.tar") == {"epoch": 1}
@@ -468,7 +468,7 @@ def test_checkpoint_writes_are_atomic(tmp_path):
 
 def test_progress_bar_only_on_a_terminal(monkeypatch):
     pytest.importorskip("tqdm")
-    common = _example("imagenet_common")
+    metrics = _example("imagenet_metrics")
 
     class Terminal(io.StringIO):
         def isatty(self):
@@ -477,7 +477,7 @@ def test_progress_bar_only_on_a_terminal(monkeypatch):
     for tty in (True, False):
         out = Terminal() if tty else io.StringIO()
         monkeypatch.setattr(sys, "stdout", out)
-        bar = common.Progress(3, "Epoch 0", enabled=True)
+        bar = metrics.Progress(3, "Epoch 0", enabled=True)
         bar.write("a line")
         bar.update()
         bar.close()
@@ -485,7 +485,7 @@ def test_progress_bar_only_on_a_terminal(monkeypatch):
         assert "a line\n" in text
         assert ("Epoch 0:" in text) == tty
     monkeypatch.setattr(sys, "stdout", io.StringIO())
-    quiet = common.Progress(3, "Epoch 0", enabled=False)           # ranks other than 0
+    quiet = metrics.Progress(3, "Epoch 0", enabled=False)           # ranks other than 0
     quiet.write("a line")
     assert sys.stdout.getvalue() == ""
 

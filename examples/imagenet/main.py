@@ -11,40 +11,46 @@ masters back into the half model. ``main_amp.py`` does all of this for you.
 """
 import torch
 
-import imagenet_common as common  # the shared parts, next to this script
+# The shared parts, next to this script.
+from imagenet_checkpoint import resume
+from imagenet_cli import HALF_DTYPES, legacy_fp16_parser, setup
+from imagenet_data import make_loaders
+from imagenet_metrics import log
+from imagenet_model import MasterWeights, datasets_and_model, make_sgd, wrap_ddp
+from imagenet_train import fit
 
 from tritamp.fp16_utils import network_to_half
 
 
 def parse(argv=None):
-    p = common.legacy_fp16_parser("PyTorch ImageNet Training (manual fp16 master weights)")
+    p = legacy_fp16_parser("PyTorch ImageNet Training (manual fp16 master weights)")
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse(argv)
-    common.setup(args)
+    setup(args)
     if args.static_loss_scale != 1.0 and not args.fp16:
-        common.log(args, "Warning:  static_loss_scale != 1.0 is only necessary with --fp16. "
-                         "Resetting static_loss_scale to 1.0")
+        log(args, "Warning:  static_loss_scale != 1.0 is only necessary with --fp16. "
+                  "Resetting static_loss_scale to 1.0")
         args.static_loss_scale = 1.0
-    half = common.HALF_DTYPES[args.half_dtype]
+    half = HALF_DTYPES[args.half_dtype]
 
-    train_dataset, val_dataset, model = common.datasets_and_model(args)
+    train_dataset, val_dataset, model = datasets_and_model(args)
     if args.fp16:
         model = network_to_half(model, dtype=half)
     # DDP broadcasts rank 0's weights at construction; the masters are copied after it.
-    model = common.wrap_ddp(model, args)
+    model = wrap_ddp(model, args)
 
     # With --fp16: fp32 copies of the half parameters (prep_param_lists); the SGD steps them.
-    masters = common.MasterWeights(model, args)
+    masters = MasterWeights(model, args)
 
-    optimizer = common.make_sgd(masters.params, args)
+    optimizer = make_sgd(masters.params, args)
 
     # With --fp16 the checkpoint also holds the fp32 master weights.
-    checkpoint = common.resume(args, model, optimizer, restore=masters.restore)
+    checkpoint = resume(args, model, optimizer, restore=masters.restore)
 
-    train_loader, val_loader, train_sampler = common.make_loaders(train_dataset, val_dataset, args)
+    train_loader, val_loader, train_sampler = make_loaders(train_dataset, val_dataset, args)
 
     def train_step(loss):
         # scaled loss -> backward -> (--fp16: half grads to the fp32 masters, unscaled)
@@ -52,9 +58,9 @@ def main(argv=None):
         masters.step(loss, optimizer)
 
     # The half model's inputs are normalised in half precision, as in Apex's prefetcher.
-    return common.fit(args, model, optimizer, train_step, train_loader, val_loader,
-                      train_sampler, checkpoint_extras=masters.state,
-                      input_dtype=half if args.fp16 else torch.float32, checkpoint=checkpoint)
+    return fit(args, model, optimizer, train_step, train_loader, val_loader,
+               train_sampler, checkpoint_extras=masters.state,
+               input_dtype=half if args.fp16 else torch.float32, checkpoint=checkpoint)
 
 
 if __name__ == "__main__":

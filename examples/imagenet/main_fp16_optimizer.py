@@ -11,13 +11,19 @@ and, with ``--dynamic-loss-scale``, the scale is halved.
 """
 import torch
 
-import imagenet_common as common  # the shared parts, next to this script
+# The shared parts, next to this script.
+from imagenet_checkpoint import resume
+from imagenet_cli import HALF_DTYPES, legacy_fp16_parser, setup
+from imagenet_data import make_loaders
+from imagenet_metrics import log
+from imagenet_model import datasets_and_model, make_sgd, wrap_ddp
+from imagenet_train import fit
 
 from tritamp.fp16_utils import FP16_Optimizer, network_to_half
 
 
 def parse(argv=None):
-    p = common.legacy_fp16_parser("PyTorch ImageNet Training (FP16_Optimizer)")
+    p = legacy_fp16_parser("PyTorch ImageNet Training (FP16_Optimizer)")
     p.add_argument("--dynamic-loss-scale", action="store_true",
                    help="Use dynamic loss scaling.  If supplied, this argument supersedes "
                         "--static-loss-scale.")
@@ -26,17 +32,17 @@ def parse(argv=None):
 
 def main(argv=None):
     args = parse(argv)
-    common.setup(args)
+    setup(args)
     if (args.static_loss_scale != 1.0 or args.dynamic_loss_scale) and not args.fp16:
-        common.log(args, "Warning:  if --fp16 is not used, static_loss_scale will be ignored.")
-    half = common.HALF_DTYPES[args.half_dtype]
+        log(args, "Warning:  if --fp16 is not used, static_loss_scale will be ignored.")
+    half = HALF_DTYPES[args.half_dtype]
 
-    train_dataset, val_dataset, model = common.datasets_and_model(args)
+    train_dataset, val_dataset, model = datasets_and_model(args)
     if args.fp16:
         model = network_to_half(model, dtype=half)
-    model = common.wrap_ddp(model, args)
+    model = wrap_ddp(model, args)
 
-    optimizer = common.make_sgd(model.parameters(), args)
+    optimizer = make_sgd(model.parameters(), args)
     if args.fp16:
         optimizer = FP16_Optimizer(optimizer,
                                    static_loss_scale=args.static_loss_scale,
@@ -44,9 +50,9 @@ def main(argv=None):
                                    verbose=False)
 
     # An FP16_Optimizer's state dict holds the fp32 master weights and the scaler.
-    checkpoint = common.resume(args, model, optimizer)
+    checkpoint = resume(args, model, optimizer)
 
-    train_loader, val_loader, train_sampler = common.make_loaders(train_dataset, val_dataset, args)
+    train_loader, val_loader, train_sampler = make_loaders(train_dataset, val_dataset, args)
 
     def train_step(loss):
         optimizer.zero_grad()
@@ -56,9 +62,9 @@ def main(argv=None):
             loss.backward()
         optimizer.step()
 
-    return common.fit(args, model, optimizer, train_step, train_loader, val_loader,
-                      train_sampler, checkpoint_extras=dict,
-                      input_dtype=half if args.fp16 else torch.float32, checkpoint=checkpoint)
+    return fit(args, model, optimizer, train_step, train_loader, val_loader,
+               train_sampler, checkpoint_extras=dict,
+               input_dtype=half if args.fp16 else torch.float32, checkpoint=checkpoint)
 
 
 if __name__ == "__main__":
