@@ -14,16 +14,23 @@ Each parameter resolves to (target, gradient, copy):
 
 The step reads ``self.grad_scale`` and ``self.found_inf`` (set by ``torch.amp.GradScaler``
 or ``tritamp.amp``) on the device: unscaling is folded in, and on overflow nothing
-changes, step counts included, without a host sync.
+changes, step counts included, without a host sync. Driven by ``torch.amp.GradScaler``
+the step also leaves the unscaled gradients in ``.grad``, as torch's fused optimizers
+do (the kernels store the values they unscale anyway); under ``tritamp.amp`` the
+gradients stay as they are (docs/grads-after-step.md).
 """
 import collections
 import functools
+import math
+import numbers
 import operator
 from itertools import chain
 
 import torch
+from torch.optim.optimizer import required
 
 from tritamp.amp._model import MODEL_ATTR
+from tritamp.kernels._cpu_optim import GradWrites
 from tritamp.kernels._multi_tensor import (SweepCache, borrowed, layout_key, restride_like,
                                            zero_grads_)
 
@@ -31,6 +38,44 @@ _data_ptr = torch.Tensor.data_ptr
 _grad_of = operator.attrgetter("grad")
 _is_not_none = functools.partial(operator.is_not, None)
 _is_none = functools.partial(operator.is_, None)
+
+
+def _dtype_name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def _host_value(value):
+    return float(value) if isinstance(value, torch.Tensor) else value
+
+
+def _host_hyperparameters(values):
+    """``values`` (defaults or a parameter group, ``params`` left out) with every
+    hyperparameter given as a one-element tensor read as a float, betas one by one; the
+    learning rate stays as given (a tensor lr is read on the device)."""
+    out = {}
+    for key, value in values.items():
+        if key in ("params", "lr"):
+            if key == "lr":
+                out[key] = value
+            continue
+        if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+            value = type(value)(map(_host_value, value))
+        out[key] = _host_value(value)
+    return out
+
+
+def _scalar_state(value, p):
+    """A saved one-element value (a step count of any kind: int, float, tensor of any
+    dtype and device) as a fresh 0-d fp32 tensor on ``p``'s device."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=p.device, dtype=torch.float32, copy=True).reshape(())
+    return torch.tensor(float(value), dtype=torch.float32, device=p.device)
+
+
+def _describe(value):
+    if isinstance(value, torch.Tensor):
+        return f"a {_dtype_name(value.dtype)} tensor of shape {tuple(value.shape)}"
+    return f"{type(value).__name__} {value!r}"
 
 
 class _Epoch:
@@ -163,10 +208,15 @@ class FusedOptimizer(torch.optim.Optimizer):
     _STATE_LIKE = ()
     _STATE_SCALARS = ()
 
+    # what the fused sweeps update (state is fp32 whatever the parameter dtype)
+    _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+    # what to use instead for parameters of other dtypes (named in the error)
+    _TORCH_ALTERNATIVE = None
+
     def __init__(self, params, defaults, *, set_grad_none=True, capturable=False,
                  master_weights=False):
         self.capturable = capturable
-        super().__init__(params, defaults)
+        super().__init__(params, _host_hyperparameters(defaults))
         self.set_grad_none = set_grad_none
         self.master_weights = master_weights
         self._generation = 0
@@ -192,27 +242,103 @@ class FusedOptimizer(torch.optim.Optimizer):
             group["lr"] = torch.as_tensor(group["lr"], dtype=torch.float32).to(device)
 
     def add_param_group(self, param_group):
+        # Everything is checked before the group is added: a refused group changes nothing.
+        if isinstance(param_group, dict):
+            where = f" (parameter group {len(self.param_groups)})"
+            params = param_group.get("params")
+            if isinstance(params, torch.Tensor):
+                params = [params]
+            elif params is not None and not isinstance(params, set):
+                params = param_group["params"] = list(params)
+            if params is not None and not isinstance(params, set):
+                self._check_param_dtypes(params, len(self.param_groups))
+            for key, default in self.defaults.items():
+                if default is required and key not in param_group:
+                    # torch's message, and the fix
+                    raise ValueError(
+                        "parameter group didn't specify a value of required optimization "
+                        f"parameter {key}{where}: give {type(self).__name__}(params, "
+                        f"{key}=...) or a {key!r} in every parameter group"
+                        + (" (the learning rate)" if key == "lr" else ""))
+            self._check_hyperparameters(param_group, where)
+            self._check_group_options(param_group, where)
         super().add_param_group(param_group)
-        self._capturable_lr(self.param_groups[-1])
+        group = self.param_groups[-1]
+        for key, value in _host_hyperparameters(group).items():
+            group[key] = value
+        self._capturable_lr(group)
         self._bump()
 
     # -- hyperparameter checks ------------------------------------------------------------
+    # torch.optim's messages; a hyperparameter given as a one-element tensor is read on
+    # the host once, here (the learning rate stays a tensor: the kernels read it on the
+    # device; the others become floats, the kernels take them as launch arguments).
     @staticmethod
-    def _check_lr(lr):
-        if not isinstance(lr, torch.Tensor) and not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
+    def _one_element(name, value, where=""):
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(f"Tensor {name} must be 1-element, got shape "
+                                 f"{tuple(value.shape)}{where}")
+            if value.dtype == torch.bool or value.is_complex():
+                raise TypeError(f"{name} must be a real number, got a {value.dtype} tensor{where}")
+        elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a float or a one-element tensor, got "
+                            f"{type(value).__name__} {value!r}{where}")
 
     @staticmethod
-    def _check_betas(betas):
-        if not 0.0 <= betas[0] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-        if not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    def _check_lr(lr, where=""):
+        FusedOptimizer._one_element("lr", lr, where)
+        if not 0.0 <= lr:  # NaN fails too
+            raise ValueError(f"Invalid learning rate: {lr}{where}")
 
     @staticmethod
-    def _check_nonneg(name, value):
+    def _check_betas(betas, where=""):
+        if isinstance(betas, torch.Tensor) or not hasattr(betas, "__len__") or len(betas) != 2:
+            raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}{where}")
+        for i in (0, 1):
+            FusedOptimizer._one_element(f"betas[{i}]", betas[i], where)
+            if not 0.0 <= betas[i] < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {betas[i]}{where}")
+
+    @staticmethod
+    def _check_nonneg(name, value, where=""):
+        FusedOptimizer._one_element(name, value, where)
         if not 0.0 <= value:
-            raise ValueError(f"Invalid {name} value: {value}")
+            raise ValueError(f"Invalid {name} value: {value}{where}")
+
+    def _check_hyperparameters(self, group, where=""):
+        """The constructor's checks of every hyperparameter ``group`` sets (a group given
+        to the constructor or to ``add_param_group``, or loaded from a state dict)."""
+        if "lr" in group and group["lr"] is not required:
+            self._check_lr(group["lr"], where)
+        if "betas" in group:
+            self._check_betas(group["betas"], where)
+        for key, name in (("eps", "epsilon"), ("weight_decay", "weight_decay"),
+                          ("momentum", "momentum")):
+            if key in group:
+                self._check_nonneg(name, group[key], where)
+
+    def _check_group_options(self, group, where=""):
+        """Group options this optimizer cannot honour (torch.optim's ``maximize``, ...):
+        refused rather than ignored."""
+        if group.get("maximize", False):
+            raise ValueError(f"{type(self).__name__} does not support maximize=True{where}: "
+                             "negate the loss instead")
+
+    def _check_param_dtypes(self, params, group_index):
+        for i, p in enumerate(params):
+            if isinstance(p, torch.Tensor) and p.requires_grad \
+                    and p.dtype not in self._PARAM_DTYPES:
+                name = type(self).__name__
+                instead = (f"use {self._TORCH_ALTERNATIVE} for {_dtype_name(p.dtype)} "
+                           "parameters, or cast the model to float32 (model.float())"
+                           if self._TORCH_ALTERNATIVE else
+                           "cast the model to float32 (model.float())")
+                raise TypeError(
+                    f"{name}: parameter {i} of parameter group {group_index} is "
+                    f"{_dtype_name(p.dtype)} with shape {tuple(p.shape)}; {name} updates "
+                    "float32, float16 and bfloat16 parameters (its state in float32): "
+                    f"{instead}.")
 
     # -- zero_grad / state --------------------------------------------------------------------
     def zero_grad(self, set_to_none=None):
@@ -236,48 +362,206 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._track_state()
         self._bump()
 
+    # -- load_state_dict ------------------------------------------------------------------
+    # Keys of a saved parameter group that hold per-parameter state here (Apex's FusedAdam,
+    # FusedLAMB and FusedNovoGrad count steps per group), or that only a state dict holds:
+    # taken into the parameters' state, then dropped from the loaded groups.
+    _SAVED_ONLY_GROUP_KEYS = ("step",)
+
+    def _saved_keys(self):
+        """What a saved parameter state of this optimizer holds: the keys shaped like the
+        parameter, the one-element keys, and those of them a saved state may lack (they
+        start as on a first step). The others come all together or not at all."""
+        return tuple(self._STATE_LIKE), tuple(self._STATE_SCALARS), ()
+
     def load_state_dict(self, state_dict):
-        self._check_loaded_shapes(state_dict)
-        super().load_state_dict(state_dict)
+        """torch's ``load_state_dict``, and:
+
+        - everything is checked before anything is loaded, so a refused state dict changes
+          nothing: a state missing one of this optimizer's keys, a state tensor shaped unlike
+          its parameter, a step count that is negative or not finite, hyperparameters that
+          fail the constructor's checks, torch options this optimizer cannot honour;
+        - step counts in every format become 0-d fp32 tensors on the parameter's device (the
+          step never reads them on the host): torch's (an int or a float in older
+          checkpoints, a tensor since) and Apex's (one count per parameter group);
+        - state stays fp32 (torch would cast it to a half parameter's dtype), copied onto the
+          parameter's device and into its memory layout (a checkpoint saved from a
+          contiguous model may be loaded into a channels-last one: the sweep walks every
+          tensor of a row in one storage order).
+        """
+        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
+        pre_hooks = getattr(self, "_optimizer_load_state_dict_pre_hooks", None)
+        post_hooks = getattr(self, "_optimizer_load_state_dict_post_hooks", None)
+        for hook in list((pre_hooks or {}).values()):
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        loaded = self._check_state_dict(state_dict)
+        # The hooks ran once, around the checked dict: torch's load must not run them again.
+        self._optimizer_load_state_dict_pre_hooks = collections.OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = collections.OrderedDict()
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            if pre_hooks is not None:
+                self._optimizer_load_state_dict_pre_hooks = pre_hooks
+            if post_hooks is not None:
+                self._optimizer_load_state_dict_post_hooks = post_hooks
         self._track_state()
-        # torch casts loaded state to each parameter's dtype, which would round the fp32
-        # moments and master weight of a half parameter; the values are taken from the
-        # saved dict instead (copied), fp32, on the parameter's device and in its memory
-        # layout (a checkpoint saved from a contiguous model may be loaded into a
-        # channels-last one: the sweep walks every tensor of a row in one storage order),
-        # step counts included, so the step never reads them on the host.
+        scalars = self._saved_keys()[1]
+        for p, values, dropped in loaded:
+            st = self.state[p]
+            for name in dropped:
+                dict.pop(st, name, None)
+            # torch cast the state to the parameter's dtype: the saved values are taken
+            # instead (copied), fp32.
+            for name, value in values.items():
+                dict.__setitem__(st, name, _scalar_state(value, p) if name in scalars
+                                 else self._restride_state(value, p))
         for group in self.param_groups:
+            for key in self._SAVED_ONLY_GROUP_KEYS:
+                group.pop(key, None)
             # a torch optimizer's groups lack some of our hyperparameters (bias_correction)
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
             self._capturable_lr(group)
-        saved = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        params = chain.from_iterable(g["params"] for g in self.param_groups)
-        for key, p in zip(saved, params):
-            for name, value in state_dict["state"].get(key, {}).items():
-                if isinstance(value, torch.Tensor) and value.is_floating_point():
-                    self.state[p][name] = self._restride_state(value, p)
         self._bump()
+        for hook in list((post_hooks or {}).values()):
+            hook(self)
 
-    def _check_loaded_shapes(self, state_dict):
-        """Refuse, before anything is loaded, state tensors shaped unlike their parameter
-        (a checkpoint of another model): the sweep would read or write out of place."""
-        saved = chain.from_iterable(g["params"] for g in state_dict.get("param_groups", []))
-        params = chain.from_iterable(g["params"] for g in self.param_groups)
-        for index, (key, p) in enumerate(zip(saved, params)):
-            for name, value in state_dict.get("state", {}).get(key, {}).items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0 \
-                        and value.shape != p.shape:
-                    raise ValueError(
-                        f"{type(self).__name__}.load_state_dict: state {name!r} of parameter "
-                        f"{index} has shape {tuple(value.shape)} but the parameter has shape "
-                        f"{tuple(p.shape)}; the checkpoint belongs to another model or another "
-                        "parameter order. Nothing was loaded.")
+    def _check_state_dict(self, state_dict):
+        """Check a state dict against this optimizer, before anything is loaded. Returns,
+        per parameter with a saved state, ``(param, {key: saved value}, keys to drop)``."""
+        name = type(self).__name__
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"{name}.load_state_dict expects a dict (an optimizer's "
+                            f"state_dict()), got {type(state_dict).__name__}")
+        for key in ("state", "param_groups"):
+            if key not in state_dict:
+                raise ValueError(
+                    f"{name}.load_state_dict: the state dict has no {key!r} entry (it has "
+                    f"{sorted(map(str, state_dict))}); pass what an optimizer's state_dict() "
+                    "returned. Nothing was loaded.")
+        groups, saved_groups = self.param_groups, state_dict["param_groups"]
+        if len(groups) != len(saved_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups "
+                             f"({len(saved_groups)} saved, {len(groups)} in this {name}). "
+                             "Nothing was loaded.")
+        for gi, (group, saved) in enumerate(zip(groups, saved_groups)):
+            if len(group["params"]) != len(saved["params"]):
+                raise ValueError(
+                    "loaded state dict contains a parameter group that doesn't match the size "
+                    f"of optimizer's group (group {gi}: {len(saved['params'])} parameters "
+                    f"saved, {len(group['params'])} here). Nothing was loaded.")
+        like, scalars, optional = self._saved_keys()
+        keys = like + scalars
+        saved_state = state_dict["state"]
+        loaded = []
+        first = 0
+        for gi, (group, saved) in enumerate(zip(groups, saved_groups)):
+            where = f" (parameter group {gi} of the state dict)"
+            self._check_hyperparameters(saved, where)
+            self._check_group_options(saved, where)
+            self._check_saved_group(saved, gi)
+            fill = self._saved_group_state(gi, first, group, saved, saved_state)
+            for pos, (key, p) in enumerate(zip(saved["params"], group["params"])):
+                index = first + pos
+                st = saved_state.get(key)
+                if st is None:
+                    continue
+                if not isinstance(st, dict):
+                    raise TypeError(f"{name}.load_state_dict: the state of parameter {index} "
+                                    f"is a {type(st).__name__}, expected a dict. Nothing was "
+                                    "loaded.")
+                st = dict(st)
+                # torch before 2.0 saved momentum_buffer=None for SGD without momentum
+                dropped = [k for k in like if k in st and st[k] is None]
+                for k in dropped:
+                    del st[k]
+                own = set(st)
+                present = [k for k in keys if k in st]
+                if present:
+                    for k, v in fill.get(pos, {}).items():
+                        st.setdefault(k, v)
+                    missing = [k for k in keys if k not in st and k not in optional]
+                    if missing:
+                        raise ValueError(
+                            f"{name}.load_state_dict: the state of parameter {index} has "
+                            f"{', '.join(map(repr, present))} but no {missing[0]!r} (a {name} "
+                            f"state holds {', '.join(map(repr, keys))}); the checkpoint is "
+                            "incomplete or belongs to another optimizer. Nothing was loaded.")
+                values = {}
+                for k, v in st.items():
+                    if k in scalars:
+                        if k in own:
+                            self._check_saved_scalar(
+                                v, k, f"state {k!r} of parameter {index}")
+                        values[k] = v
+                    elif k in like or k == "master_param":
+                        if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+                            raise TypeError(
+                                f"{name}.load_state_dict: state {k!r} of parameter {index} is "
+                                f"{_describe(v)}, expected a floating-point tensor of shape "
+                                f"{tuple(p.shape)}. Nothing was loaded.")
+                        self._check_saved_shape(v, k, index, p)
+                        values[k] = v
+                    elif isinstance(v, torch.Tensor) and v.is_floating_point():
+                        if v.dim() > 0:
+                            self._check_saved_shape(v, k, index, p)
+                        values[k] = v
+                loaded.append((p, values, dropped))
+            first += len(group["params"])
+        return loaded
+
+    def _check_saved_shape(self, value, key, index, p):
+        if value.shape != p.shape:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: state {key!r} of parameter {index} "
+                f"has shape {tuple(value.shape)} but the parameter has shape "
+                f"{tuple(p.shape)}; the checkpoint belongs to another model or another "
+                "parameter order. Nothing was loaded.")
+
+    def _check_saved_scalar(self, value, key, what):
+        """A saved one-element value (a step count: finite and not negative)."""
+        name = type(self).__name__
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(f"{name}.load_state_dict: {what} has shape "
+                                 f"{tuple(value.shape)}, expected one element. Nothing was "
+                                 "loaded.")
+            if value.dtype == torch.bool or value.is_complex():
+                raise TypeError(f"{name}.load_state_dict: {what} is a {value.dtype} tensor, "
+                                "expected a real number. Nothing was loaded.")
+            if key != "step":
+                return
+            host = value.item()  # read once, at load
+        elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+            host = value
+        else:
+            raise TypeError(f"{name}.load_state_dict: {what} is {_describe(value)}, expected "
+                            "a number or a one-element tensor. Nothing was loaded.")
+        if key == "step" and not (math.isfinite(host) and host >= 0):
+            raise ValueError(f"{name}.load_state_dict: {what} is {host}; a step count is a "
+                             "finite number >= 0. Nothing was loaded.")
+
+    def _check_saved_group(self, saved, gi):
+        """Checks of a saved group beyond the constructor's (see FusedAdam)."""
+
+    def _saved_group_state(self, gi, first, group, saved, saved_state):
+        """State a saved group keeps for its parameters, by position in the group:
+        ``{position: {key: value}}``, used where a parameter's own state lacks the key.
+        Apex's FusedAdam, FusedLAMB and FusedNovoGrad keep ``group["step"]``, the steps the
+        group has taken."""
+        step = saved.get("step")
+        if step is None or "step" not in self._saved_keys()[1]:
+            return {}
+        self._check_saved_scalar(step, "step", f"'step' of parameter group {gi}")
+        return {pos: {"step": step} for pos in range(len(saved["params"]))}
 
     @staticmethod
     def _restride_state(value, p):
         """fp32 copy of a state tensor on ``p``'s device, laid out as ``p`` when it has
-        ``p``'s shape (a 0-d count or NovoGrad's per-tensor moment stays as it is)."""
+        ``p``'s shape."""
         if value.shape == p.shape and value.dim() > 0:
             value = value.to(device=p.device)
             return restride_like(value, p, dtype=torch.float32)
@@ -302,7 +586,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 targets.append(p)
                 copies.append(model)
                 models.append(model)
-            elif self.master_weights and p.dtype != torch.float32:
+            elif self._keeps_master(p):
                 st = self.state[p]
                 if "master_param" not in st:
                     dict.__setitem__(st, "master_param",
@@ -317,6 +601,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         links = _GroupLinks(params, targets, copies, models)
         self._links_cache[gi] = (params, len(params), gen, links)
         return links
+
+    def _keeps_master(self, p):
+        """Whether the optimizer keeps an fp32 master of ``p`` in ``state["master_param"]``
+        (``master_weights=True``: every half parameter)."""
+        return self.master_weights and p.dtype != torch.float32
 
     def _group_grads(self, links, grad_scale):
         if links.model_rows and grad_scale is not None:
@@ -416,16 +705,32 @@ class FusedOptimizer(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         plans = [self._group_plan(gi, group, grad_scale)
                  for gi, group in enumerate(self.param_groups)]
+        launched = plans
+        if self._writes_unscaled_grads(grad_scale):
+            # Every request is made (and may refuse) before any group is stepped.
+            launched = [None if p is None else GradWrites(p) for p in plans]
         extra = self._before_groups(plans, grad_scale)
         for gi, (group, prepared) in enumerate(zip(self.param_groups, plans)):
             if prepared is not None:
-                self._launch(group, prepared, grad_scale, found_inf, **extra)
+                self._launch(group, launched[gi], grad_scale, found_inf, **extra)
                 if prepared.rebindable:
                     # A kept CPU sweep holds this step's gradients only while it runs.
                     prepared.release("grads")
                     cache = self._plans[gi]
                     cache.key = (None, cache.key[1])
         return loss
+
+    def _writes_unscaled_grads(self, grad_scale):
+        """Whether this step leaves the unscaled gradients in ``.grad``: yes when
+        ``torch.amp.GradScaler`` hands it ``grad_scale``, as torch's fused optimizers do
+        (the kernels store the unscaled values they compute anyway); no under tritamp's
+        amp, whose step hands the optimizer the ``grad_scale`` it keeps in the
+        optimizer's ``_amp_stash`` (its gradients stay as they are, see
+        docs/grads-after-step.md); no without a scale (nothing to unscale)."""
+        if grad_scale is None:
+            return False
+        stash = getattr(self, "_amp_stash", None)
+        return stash is None or getattr(stash, "grad_scale", None) is not grad_scale
 
     def _plan_depends_on(self, group):
         """Hyperparameters that change what a group's plan holds (SGD: momentum or not)."""

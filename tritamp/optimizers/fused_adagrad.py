@@ -15,9 +15,9 @@ class FusedAdagrad(FusedOptimizer):
     fp32, on the parameter's device), so state dicts load either way; ``step`` counts the
     steps taken, a step skipped for overflow excluded. ``lr_decay`` is not supported (Apex
     has none): a state dict from ``torch.optim.Adagrad`` with ``lr_decay != 0`` or
-    ``maximize=True`` is refused at the next step. ``master_weights=True`` keeps an fp32
-    copy of half parameters in ``state["master_param"]`` and writes the half parameter in
-    the same pass. ``grad_scale`` / ``found_inf`` (``torch.amp.GradScaler``,
+    ``maximize=True`` is refused when loaded (and a group changed to either by hand, at
+    the next step). ``master_weights=True`` keeps an fp32 copy of half parameters in
+    ``state["master_param"]`` and writes the half parameter in the same pass. ``grad_scale`` / ``found_inf`` (``torch.amp.GradScaler``,
     ``tritamp.amp``) are read on the device: unscaling is folded in and an overflow step
     changes nothing.
     """
@@ -37,14 +37,23 @@ class FusedAdagrad(FusedOptimizer):
 
     _STATE_LIKE = ("sum",)
     _STATE_SCALARS = ("step",)  # created also for Apex state dicts, which kept no count
+    _TORCH_ALTERNATIVE = "torch.optim.Adagrad (foreach=True)"
+
+    def _saved_keys(self):
+        return self._STATE_LIKE, self._STATE_SCALARS, ("step",)  # Apex's hold "sum" alone
 
     @staticmethod
-    def _check_group(group):
+    def _check_group(group, where=""):
         if group.get("lr_decay", 0.0) != 0:
-            raise ValueError(f"FusedAdagrad does not support lr_decay (got {group['lr_decay']}; "
-                             "Apex's FusedAdagrad has none): use a learning-rate scheduler")
+            raise ValueError(f"FusedAdagrad does not support lr_decay (got {group['lr_decay']}"
+                             f"{where}; Apex's FusedAdagrad has none): use a learning-rate "
+                             "scheduler")
         if group.get("maximize", False):
-            raise ValueError("FusedAdagrad does not support maximize=True: negate the loss")
+            raise ValueError(f"FusedAdagrad does not support maximize=True{where}: negate the "
+                             "loss")
+
+    def _check_group_options(self, group, where=""):
+        self._check_group(group, where)
 
     def _prepare(self, group, targets, grads, copies, states):
         self._check_group(group)  # before the first step's state is kept

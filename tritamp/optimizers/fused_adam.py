@@ -31,6 +31,35 @@ class FusedAdam(FusedOptimizer):
 
     _STATE_LIKE = ("exp_avg", "exp_avg_sq")
     _STATE_SCALARS = ("step",)
+    _TORCH_ALTERNATIVE = "torch.optim.AdamW or torch.optim.Adam (fused=True or foreach=True)"
+    # torch.optim.Adam's flag for adam_w_mode, written into state_dict()'s groups
+    _SAVED_ONLY_GROUP_KEYS = FusedOptimizer._SAVED_ONLY_GROUP_KEYS + ("decoupled_weight_decay",)
+
+    def state_dict(self):
+        """torch's layout; each group also says ``decoupled_weight_decay`` (torch.optim.Adam's
+        name for ``adam_w_mode``), so torch.optim.Adam and AdamW continue as this one."""
+        sd = super().state_dict()
+        for group in sd["param_groups"]:
+            group["decoupled_weight_decay"] = bool(self.adam_w_mode)
+        return sd
+
+    def _check_group_options(self, group, where=""):
+        super()._check_group_options(group, where)
+        if group.get("amsgrad", False):
+            raise ValueError(f"FusedAdam does not support the AMSGrad variant (amsgrad=True"
+                             f"{where}): use torch.optim.Adam(amsgrad=True)")
+
+    def _check_saved_group(self, saved, gi):
+        decoupled = saved.get("decoupled_weight_decay")
+        if decoupled is not None and bool(decoupled) != bool(self.adam_w_mode) \
+                and saved.get("weight_decay", 0.0) != 0:
+            source = "torch.optim.AdamW" if decoupled else "torch.optim.Adam"
+            raise ValueError(
+                f"FusedAdam.load_state_dict: parameter group {gi} of the state dict has "
+                f"decoupled_weight_decay={bool(decoupled)} and weight_decay="
+                f"{saved['weight_decay']} ({source}'s weight decay), but this FusedAdam has "
+                f"adam_w_mode={bool(self.adam_w_mode)}: construct FusedAdam(..., "
+                f"adam_w_mode={bool(decoupled)}). Nothing was loaded.")
 
     def _prepare(self, group, targets, grads, copies, states):
         return adam_prepare(targets, grads, [s["exp_avg"] for s in states],

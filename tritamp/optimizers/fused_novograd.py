@@ -1,4 +1,6 @@
 """FusedNovoGrad: Apex's signature and defaults, three Triton launches per dtype group."""
+import torch
+
 from tritamp.kernels.novograd import novograd_launch, novograd_prepare
 
 from ._base import FusedOptimizer
@@ -16,8 +18,9 @@ class FusedNovoGrad(FusedOptimizer):
     in the momentum.
 
     State per parameter: ``step`` and ``exp_avg_sq`` (fp32 0-d tensors) and ``exp_avg``
-    (fp32). Apex keeps ``exp_avg_sq`` as one tensor per group and dtype; here it belongs
-    to each parameter, so ``state_dict`` survives regrouping. ``grad_scale`` /
+    (fp32). Apex keeps ``step`` and ``exp_avg_sq`` per group (one tensor per dtype); here
+    they belong to each parameter, so ``state_dict`` survives regrouping. Apex's state
+    dicts load (their per-group values go to each parameter). ``grad_scale`` /
     ``found_inf`` are honoured on the device (on overflow nothing changes, step counts
     included); ``master_weights`` (beyond Apex, as in FusedAdam) keeps fp32 masters of
     half parameters.
@@ -44,6 +47,51 @@ class FusedNovoGrad(FusedOptimizer):
 
     _STATE_LIKE = ("exp_avg",)
     _STATE_SCALARS = ("step", "exp_avg_sq")  # NovoGrad's second moment is one per tensor
+    # Apex's FusedNovoGrad keeps the step count and the second moments per group
+    _SAVED_ONLY_GROUP_KEYS = FusedOptimizer._SAVED_ONLY_GROUP_KEYS + ("exp_avg_sq",)
+
+    def _check_group_options(self, group, where=""):
+        super()._check_group_options(group, where)
+        if group.get("amsgrad", False):
+            raise ValueError(f"FusedNovoGrad does not support the AMSGrad variant (amsgrad=True"
+                             f"{where})")
+        if "norm_type" in group and group["norm_type"] not in (0, 2):
+            raise ValueError(f"Invalid norm_type: {group['norm_type']}{where}; FusedNovoGrad "
+                             "supports 2 (L2 norm) and 0 (infinity norm)")
+
+    def _saved_group_state(self, gi, first, group, saved, saved_state):
+        """Apex's layout: ``group["exp_avg_sq"] = [fp16 norms, fp32 norms]``, one per
+        parameter of that dtype with a state, in the group's order."""
+        fill = super()._saved_group_state(gi, first, group, saved, saved_state)
+        norms = saved.get("exp_avg_sq")
+        if norms is None:
+            return fill
+        where = f"FusedNovoGrad.load_state_dict: parameter group {gi} of the state dict"
+        if isinstance(norms, torch.Tensor) or not isinstance(norms, (list, tuple)) \
+                or len(norms) != 2 or not all(n is None or isinstance(n, torch.Tensor)
+                                              for n in norms):
+            raise ValueError(f"{where} has exp_avg_sq={norms!r}; Apex's FusedNovoGrad keeps a "
+                             "pair [float16 norms, float32 norms]. Nothing was loaded.")
+        rows = ([], [])
+        for pos, key in enumerate(saved["params"]):
+            exp_avg = (saved_state.get(key) or {}).get("exp_avg")
+            if not isinstance(exp_avg, torch.Tensor):
+                continue
+            if exp_avg.dtype not in (torch.float16, torch.float32):
+                raise ValueError(f"{where}: parameter {first + pos} has a {exp_avg.dtype} "
+                                 "exp_avg; Apex's FusedNovoGrad kept float16 and float32 "
+                                 "parameters only. Nothing was loaded.")
+            rows[exp_avg.dtype == torch.float32].append(pos)
+        for k, dtype in enumerate(("float16", "float32")):
+            count = 0 if norms[k] is None else norms[k].numel()
+            if count != len(rows[k]):
+                raise ValueError(
+                    f"{where} keeps {count} second-moment norms for {dtype} parameters "
+                    f"(exp_avg_sq[{k}]) but has {len(rows[k])} {dtype} parameters with a "
+                    "state: the checkpoint belongs to another model. Nothing was loaded.")
+            for j, pos in enumerate(rows[k]):
+                fill.setdefault(pos, {})["exp_avg_sq"] = norms[k].reshape(-1)[j]
+        return fill
 
     def _prepare(self, group, targets, grads, copies, states):
         return novograd_prepare(targets, grads, [s["exp_avg"] for s in states],

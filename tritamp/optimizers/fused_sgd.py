@@ -19,13 +19,14 @@ class FusedSGD(FusedOptimizer):
     def __init__(self, params, lr=required, momentum=0, dampening=0, weight_decay=0,
                  nesterov=False, wd_after_momentum=False, materialize_master_grads=True,
                  set_grad_none=False):
-        if lr is required:
-            raise ValueError("FusedSGD needs a learning rate: FusedSGD(params, lr=...)")
-        self._check_lr(lr)
-        if momentum < 0.0:
-            raise ValueError(f"Invalid momentum value: {momentum}")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        # lr may be given per parameter group only (torch and Apex accept that); a group
+        # with no lr at all gets torch's "didn't specify a value of required optimization
+        # parameter lr" from add_param_group.
+        if lr is not required:
+            self._check_lr(lr)
+        self._check_nonneg("momentum", momentum)
+        self._check_nonneg("weight_decay", weight_decay)
+        self._one_element("dampening", dampening)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
@@ -33,6 +34,12 @@ class FusedSGD(FusedOptimizer):
         super().__init__(params, defaults, set_grad_none=set_grad_none)
         self.wd_after_momentum = wd_after_momentum
         self.materialize_master_grads = materialize_master_grads
+
+    _TORCH_ALTERNATIVE = "torch.optim.SGD (fused=True or foreach=True)"
+
+    def _saved_keys(self):
+        # torch.optim.SGD's and Apex's states hold the buffer alone: it has been used
+        return ("momentum_buffer",), ("step",), ("step",)
 
     def __setstate__(self, state):
         super().__setstate__(state)
