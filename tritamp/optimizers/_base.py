@@ -14,10 +14,7 @@ Each parameter resolves to (target, gradient, copy):
 
 The step reads ``self.grad_scale`` and ``self.found_inf`` (set by ``torch.amp.GradScaler``
 or ``tritamp.amp``) on the device: unscaling is folded in, and on overflow nothing
-changes, step counts included, without a host sync. Driven by ``torch.amp.GradScaler``
-the step also leaves the unscaled gradients in ``.grad``, as torch's fused optimizers
-do (the kernels store the values they unscale anyway); under ``tritamp.amp`` the
-gradients stay as they are (docs/grads-after-step.md).
+changes, step counts included, without a host sync.
 """
 import collections
 import functools
@@ -30,7 +27,6 @@ import torch
 from torch.optim.optimizer import required
 
 from tritamp.amp._model import MODEL_ATTR
-from tritamp.kernels._cpu_optim import GradWrites
 from tritamp.kernels._multi_tensor import (SweepCache, borrowed, layout_key, restride_like,
                                            zero_grads_)
 
@@ -586,7 +582,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 targets.append(p)
                 copies.append(model)
                 models.append(model)
-            elif self._keeps_master(p):
+            elif self.master_weights and p.dtype != torch.float32:
                 st = self.state[p]
                 if "master_param" not in st:
                     dict.__setitem__(st, "master_param",
@@ -601,11 +597,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         links = _GroupLinks(params, targets, copies, models)
         self._links_cache[gi] = (params, len(params), gen, links)
         return links
-
-    def _keeps_master(self, p):
-        """Whether the optimizer keeps an fp32 master of ``p`` in ``state["master_param"]``
-        (``master_weights=True``: every half parameter)."""
-        return self.master_weights and p.dtype != torch.float32
 
     def _group_grads(self, links, grad_scale):
         if links.model_rows and grad_scale is not None:
@@ -705,32 +696,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         plans = [self._group_plan(gi, group, grad_scale)
                  for gi, group in enumerate(self.param_groups)]
-        launched = plans
-        if self._writes_unscaled_grads(grad_scale):
-            # Every request is made (and may refuse) before any group is stepped.
-            launched = [None if p is None else GradWrites(p) for p in plans]
         extra = self._before_groups(plans, grad_scale)
         for gi, (group, prepared) in enumerate(zip(self.param_groups, plans)):
             if prepared is not None:
-                self._launch(group, launched[gi], grad_scale, found_inf, **extra)
+                self._launch(group, prepared, grad_scale, found_inf, **extra)
                 if prepared.rebindable:
                     # A kept CPU sweep holds this step's gradients only while it runs.
                     prepared.release("grads")
                     cache = self._plans[gi]
                     cache.key = (None, cache.key[1])
         return loss
-
-    def _writes_unscaled_grads(self, grad_scale):
-        """Whether this step leaves the unscaled gradients in ``.grad``: yes when
-        ``torch.amp.GradScaler`` hands it ``grad_scale``, as torch's fused optimizers do
-        (the kernels store the unscaled values they compute anyway); no under tritamp's
-        amp, whose step hands the optimizer the ``grad_scale`` it keeps in the
-        optimizer's ``_amp_stash`` (its gradients stay as they are, see
-        docs/grads-after-step.md); no without a scale (nothing to unscale)."""
-        if grad_scale is None:
-            return False
-        stash = getattr(self, "_amp_stash", None)
-        return stash is None or getattr(stash, "grad_scale", None) is not grad_scale
 
     def _plan_depends_on(self, group):
         """Hyperparameters that change what a group's plan holds (SGD: momentum or not)."""
