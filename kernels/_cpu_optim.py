@@ -1,26 +1,85 @@
-"""What the optimizers' production CPU paths share (adam, sgd, adagrad).
+"""What the optimizers' launchers share: the request to write the unscaled gradients
+back (both paths), and the production CPU paths' helpers (adam, sgd, adagrad).
+
+torch.amp.GradScaler drives an optimizer that declares ``_step_supports_amp_scaling``
+by handing it ``grad_scale`` and ``found_inf``; torch's own fused optimizers then leave
+``.grad`` holding the unscaled gradient after the step (untouched on a skipped step).
+tritamp's optimizers do the same when asked (:class:`GradWrites`): the kernels store the
+unscaled gradient they already computed (one write per element, the one torch's fused
+kernels pay too), the CPU paths let torch's fused kernels write it. tritamp's amp asks
+for nothing: its gradients stay as they are.
 
 torch's fused CPU optimizer kernels (``torch._fused_adamw_``, ``_fused_sgd_``,
 ``_fused_adagrad_``) take one dtype per tensor for parameter, gradient and state, skip
 the whole call when ``found_inf == 1.0`` (read on the host), and write the unscaled
 gradient back into the gradient when given ``grad_scale``. tritamp keeps fp32 state for
-half parameters, skips on any non-zero ``found_inf`` and never writes a user's gradient,
-so each op feeds them:
+half parameters and skips on any non-zero ``found_inf``, so each op feeds them:
 
 - fp32 working lists: the parameters themselves when fp32, else persistent fp32 scratch
   (:meth:`Prepared.buffers`) filled with ``torch._foreach_copy_`` and copied back after
   (on a skipped step the half -> fp32 -> half round trip is exact); the gradients
-  themselves when fp32 and unscaled, else fp32 scratch they are copied into, with
-  ``grad_scale`` left for the fused op to apply there (it divides by the scale where the
-  kernels multiply by ``1/scale`` rounded to fp32: the same for a power-of-two scale,
-  an ulp apart at most otherwise; ``torch.ops.aten._foreach_mul.Tensor_out`` would
-  unscale in one pass but allocates and copies, several times slower on the CPU);
+  themselves when fp32 and either unscaled or to be written back unscaled, else fp32
+  scratch they are copied into, with ``grad_scale`` left for the fused op to apply there
+  (it divides by the scale where the kernels multiply by ``1/scale`` rounded to fp32:
+  the same for a power-of-two scale, an ulp apart at most otherwise;
+  ``torch.ops.aten._foreach_mul.Tensor_out`` would unscale in one pass but allocates and
+  copies, several times slower on the CPU); half gradients to be written back are
+  copied back from their scratch after the op (exact on a skipped step, as above);
 - ``skip``: 1.0 when ``found_inf`` is non-zero, else 0.0, the flag the fused ops test;
   ``keep`` (its complement) advances the step counts by 1 or 0.
 
 Nothing here reads a tensor's value on the host.
 """
 import torch
+
+from ._multi_tensor import Prepared, _dense
+
+
+class GradWrites:
+    """An optimizer's prepared sweep (a :class:`~._multi_tensor.Prepared`, or an op's
+    wrapper of one) handed to its launcher with the request to store each unscaled
+    gradient back into its gradient: what ``torch.amp.GradScaler`` expects of an
+    optimizer it hands ``grad_scale``. Check the sweep first
+    (:func:`check_grads_writable`)."""
+    __slots__ = ("prepared",)
+
+    def __init__(self, prepared):
+        self.prepared = prepared
+
+
+def check_grads_writable(prepared):
+    """Refuse (``ValueError``) gradients that a sweep reads through a dense copy and that
+    cannot take the unscaled values back: expanded or overlapping ones, where several
+    elements share one address. Raise it before anything is written."""
+    inner = prepared
+    while not isinstance(inner, Prepared):
+        inner = inner.prepared
+    for original, dense in inner.staged:
+        if not _dense(original):
+            rows = inner._lists.get("grads") or ()
+            where = next((f"grads[{i}]" for i, t in enumerate(rows) if t is dense),
+                         "a gradient")
+            raise ValueError(
+                f"{inner.sweep.name}: {where} of shape {tuple(original.shape)} has strides "
+                f"{original.stride()}: several elements share one address, so the unscaled "
+                "gradient cannot be written back into it (torch.amp.GradScaler's contract). "
+                "Give the parameter a dense gradient, for example "
+                "p.grad = p.grad.contiguous()")
+
+
+def take_grad_writes(prepared, write_grads=False):
+    """``(prepared, write_grads)`` with a :class:`GradWrites` request unwrapped: what
+    every optimizer launcher does first."""
+    if type(prepared) is GradWrites:
+        return prepared.prepared, True
+    return prepared, bool(write_grads)
+
+
+def write_staged_grads(prepared):
+    """Gradients swept through dense copies (laid out unlike their parameters) receive
+    what the sweep wrote into the copies: call after the launch that writes them."""
+    for original, dense in prepared.staged:
+        original.copy_(dense)
 
 
 def amp_flags(found_inf):
@@ -56,26 +115,30 @@ def decay_factor(lr, weight_decay, skip):
     return torch.where(skip.bool(), 1.0, factor)
 
 
-def fp32_work(prepared, group, params, grads, grad_scale):
+def fp32_work(prepared, group, params, grads, grad_scale, write_grads=False):
     """``(work_params, work_grads, scale)``: fp32 lists a torch fused CPU op may update
-    and read, and the ``grad_scale`` to hand it (only ever with a scratch gradient list).
-    Half parameters are copied into their scratch here: :func:`write_back` after."""
+    and read, and the ``grad_scale`` to hand it (with a scratch gradient list, or with
+    the gradients themselves when they are to be written back unscaled). Half
+    parameters are copied into their scratch here: :func:`write_back` after."""
     work_p = params
     if params[0].dtype != torch.float32:
         work_p = prepared.buffers(group, "params", params)
         torch._foreach_copy_(work_p, params)
-    if grads[0].dtype == torch.float32 and grad_scale is None:
-        return work_p, grads, None
+    if grads[0].dtype == torch.float32 and (grad_scale is None or write_grads):
+        return work_p, grads, grad_scale
     work_g = prepared.buffers(group, "grads", grads)
     torch._foreach_copy_(work_g, grads)
     return work_p, work_g, grad_scale
 
 
-def write_back(params, work_p, copies):
+def write_back(params, work_p, copies, grads=None, work_g=None):
     """Half parameters from their fp32 scratch; ``copies`` (the half model weights of
-    fp32 masters) from the updated values."""
+    fp32 masters) from the updated values; ``grads`` (when written back unscaled) from
+    their fp32 scratch ``work_g``, which the fused op unscaled in place."""
     if work_p is not params:
         torch._foreach_copy_(params, work_p)
     if copies is not None:
         torch._foreach_copy_(copies, work_p)
+    if grads is not None and work_g is not grads:
+        torch._foreach_copy_(grads, work_g)
 

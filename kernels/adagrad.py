@@ -12,7 +12,9 @@ Apex's ``multi_tensor_adagrad`` arithmetic (the L2 mode is also torch.optim.Adag
 with ``lr_decay=0``), in fp32 whatever the parameter dtype; the sum of squares ``h`` is
 fp32. ``copies`` (optional) receive the updated parameter in their own dtype: the half
 model copy of an fp32 master weight, written in the same pass. When ``found_inf`` holds a
-non-zero value nothing is read or written and the step counts stay.
+non-zero value nothing is read or written and the step counts stay. With ``write_grads``
+(``torch.amp.GradScaler``'s contract, see _cpu_optim.GradWrites) the kernel also stores
+g, the unscaled gradient before any weight decay, into the gradient, in its dtype.
 
 Square root and division are IEEE round-to-nearest (``tl.sqrt_rn`` / ``tl.div_rn``): on
 the GPU plain ``tl.sqrt`` and ``/`` compile to approximate instructions, and the sum of
@@ -26,11 +28,12 @@ import triton
 import triton.language as tl
 
 from ._dispatch import use_triton  # noqa: F401  (tests read the module's dispatch)
-from ._cpu_optim import advance_counts, amp_flags, decay_factor, fp32_work, write_back
+from ._cpu_optim import (advance_counts, amp_flags, decay_factor, fp32_work, take_grad_writes,
+                         write_back, write_staged_grads)
 from ._multi_tensor import Column, Sweep, scalar_arg
 from ._ref_utils import advance_steps, f32 as _f32, sqrt_rn as _sqrt_rn
 from ._tl_utils import (column, column_f32, finish_tensor_step, load_f32, load_grad, load_lr,
-                        store_param, sweep_block, tensor_step, unscale_factor)
+                        store_cast, store_param, sweep_block, tensor_step, unscale_factor)
 
 ADAGRAD = Sweep("adagrad_step", [
     Column("params", "param"), Column("grads", "grad"), Column("sums", "state"),
@@ -56,6 +59,7 @@ def _adagrad_step_kernel(
     HAS_SCALE: tl.constexpr,
     HAS_FOUND_INF: tl.constexpr,
     ADAGRAD_W: tl.constexpr,       # decoupled weight decay (Apex's adagrad_w_mode)
+    WRITE_GRAD: tl.constexpr,      # store the unscaled gradient back (torch's GradScaler)
     HAS_COPIES: tl.constexpr,
     HAS_STEPS: tl.constexpr,       # per-tensor step counts, advanced here
     VEC: tl.constexpr,             # > 1: every address 16-byte aligned, numel % VEC == 0
@@ -71,8 +75,10 @@ def _adagrad_step_kernel(
 
     p_ptrs = column(row, _P, offs, p_proto, VEC)
     h_ptrs = column_f32(row, _H, offs, VEC)
-    g = load_grad(column(row, _G, offs, g_proto, VEC), mask, inv, HAS_SCALE,
-                  EMULATE_BF16_ROUNDING)
+    g_ptrs = column(row, _G, offs, g_proto, VEC)
+    g = load_grad(g_ptrs, mask, inv, HAS_SCALE, EMULATE_BF16_ROUNDING)
+    if WRITE_GRAD:
+        store_cast(g_ptrs, g, mask, EMULATE_BF16_ROUNDING)
     p = load_f32(p_ptrs, mask, EMULATE_BF16_ROUNDING)
     h = tl.load(h_ptrs, mask=mask, other=0.0)
     if ADAGRAD_W:
@@ -99,14 +105,19 @@ def adagrad_prepare(params, grads, sums, copies=None, steps=None):
 
 
 def adagrad_launch(prepared, *, lr, eps, weight_decay=0.0, adagrad_w_mode=False,
-                   grad_scale=None, found_inf=None):
-    """One Adagrad step over a prepared sweep: one launch per dtype group."""
+                   grad_scale=None, found_inf=None, write_grads=False):
+    """One Adagrad step over a prepared sweep: one launch per dtype group.
+    ``write_grads`` (or a :class:`~._cpu_optim.GradWrites` for ``prepared``) stores each
+    unscaled gradient back into its gradient, unless the step is skipped; without a
+    ``grad_scale`` there is nothing to write."""
+    prepared, write_grads = take_grad_writes(prepared, write_grads)
     if prepared.n == 0:
         return
+    write_grads = write_grads and grad_scale is not None
     if not prepared.triton:
         adagrad_step_cpu(prepared, lr=lr, eps=eps, weight_decay=weight_decay,
                          adagrad_w_mode=adagrad_w_mode, grad_scale=grad_scale,
-                         found_inf=found_inf)
+                         found_inf=found_inf, write_grads=write_grads)
         return
     device = prepared.device
     lr = scalar_arg(lr, "lr", device)
@@ -116,7 +127,10 @@ def adagrad_launch(prepared, *, lr, eps, weight_decay=0.0, adagrad_w_mode=False,
         grad_scale if grad_scale is not None else anchor,
         found_inf if found_inf is not None else anchor), dict(
         LR_IS_TENSOR=isinstance(lr, torch.Tensor), HAS_SCALE=grad_scale is not None,
-        HAS_FOUND_INF=found_inf is not None, ADAGRAD_W=bool(adagrad_w_mode)))
+        HAS_FOUND_INF=found_inf is not None, ADAGRAD_W=bool(adagrad_w_mode),
+        WRITE_GRAD=write_grads))
+    if write_grads:
+        write_staged_grads(prepared)
     prepared.advance_empty_steps(found_inf)
 
 
@@ -126,12 +140,14 @@ _NO_LR_DECAY_STEP = torch.tensor(0.0)
 
 
 def adagrad_step_cpu(prepared, *, lr, eps, weight_decay=0.0, adagrad_w_mode=False,
-                     grad_scale=None, found_inf=None):
+                     grad_scale=None, found_inf=None, write_grads=False):
     """The production CPU path of :func:`adagrad_launch`: per dtype group torch's fused
     CPU Adagrad kernel (``lr_decay=0``) on fp32 lists (half parameters and gradients
     through fp32 scratch, see _cpu_optim), ``found_inf`` handed to it (it then writes
     nothing), the step counts advanced by 1 (0 on a skipped step), the copies written
-    from the updated values.
+    from the updated values. With ``write_grads`` the kernel's own write of the unscaled
+    gradient lands in the gradients (fp32 ones handed to it directly, half ones copied
+    back from scratch).
 
     ``adagrad_w_mode`` (decoupled decay, ``p -= lr * (g / (sqrt(h) + eps) + wd * p)``) is
     taken as ``p *= 1 - lr * wd`` (a factor of exactly 1 on a skipped step) before the
@@ -149,8 +165,9 @@ def adagrad_step_cpu(prepared, *, lr, eps, weight_decay=0.0, adagrad_w_mode=Fals
 
     def group_step(group):
         lists = group.lists
-        params, steps = lists["params"], lists["steps"]
-        work_p, work_g, scale = fp32_work(prepared, group, params, lists["grads"], grad_scale)
+        params, steps, grads = lists["params"], lists["steps"], lists["grads"]
+        work_p, work_g, scale = fp32_work(prepared, group, params, grads, grad_scale,
+                                          write_grads)
         if decay is not None:
             torch._foreach_mul_(work_p, decay)
         torch._fused_adagrad_(work_p, work_g, lists["sums"], [_NO_LR_DECAY_STEP] * len(params),
@@ -158,9 +175,11 @@ def adagrad_step_cpu(prepared, *, lr, eps, weight_decay=0.0, adagrad_w_mode=Fals
                               maximize=False, grad_scale=scale, found_inf=skip)
         if steps is not None:
             advance_counts(group.counted("steps"), keep)
-        write_back(params, work_p, lists["copies"])
+        write_back(params, work_p, lists["copies"], grads if write_grads else None, work_g)
 
     prepared.run_cpu(group_step)
+    if write_grads:
+        write_staged_grads(prepared)
 
 
 @torch.no_grad()

@@ -13,6 +13,9 @@ round-to-nearest square root and division (``tl.sqrt_rn`` / ``tl.div_rn``; plain
 (optional) receive the updated parameter in their own dtype: the half model copy of an
 fp32 master weight, written in the same pass. When ``found_inf`` holds a non-zero value
 nothing is read or written and the step counts stay: the skipped step leaves no trace.
+With ``write_grads`` (``torch.amp.GradScaler``'s contract, see _cpu_optim.GradWrites)
+the kernel also stores g, the unscaled gradient before any weight decay, into the
+gradient, in the gradient's dtype.
 
 On the CPU without Triton's interpreter, :func:`adam_step_cpu` runs the step on torch's
 fused CPU kernel (``torch._fused_adamw_`` / ``torch._fused_adam_``), see _cpu_optim.
@@ -21,11 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._cpu_optim import advance_counts, amp_flags, fp32_work, write_back
+from ._cpu_optim import (advance_counts, amp_flags, fp32_work, take_grad_writes, write_back,
+                         write_staged_grads)
 from ._multi_tensor import Column, Sweep, device_constants, scalar_arg
 from ._ref_utils import advance_steps, f32 as _f32, sqrt_rn as _sqrt_rn
 from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step, load_f32,
-                        load_grad, load_lr, store_param, sweep_block, tensor_step, unscale_factor)
+                        load_grad, load_lr, store_cast, store_param, sweep_block, tensor_step,
+                        unscale_factor)
 
 ADAM = Sweep("adam_step", [
     Column("params", "param"), Column("grads", "grad"), Column("exp_avgs", "state"),
@@ -55,6 +60,7 @@ def _adam_step_kernel(
     HAS_FOUND_INF: tl.constexpr,
     ADAM_W: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,      # store the unscaled gradient back (torch's GradScaler)
     HAS_COPIES: tl.constexpr,
     VEC: tl.constexpr,             # > 1: every address 16-byte aligned, numel % VEC == 0
     EMULATE_BF16_ROUNDING: tl.constexpr,
@@ -82,8 +88,10 @@ def _adam_step_kernel(
     p_ptrs = column(row, _P, offs, p_proto, VEC)
     m_ptrs = column_f32(row, _M, offs, VEC)
     v_ptrs = column_f32(row, _V, offs, VEC)
-    g = load_grad(column(row, _G, offs, g_proto, VEC), mask, inv, HAS_SCALE,
-                  EMULATE_BF16_ROUNDING)
+    g_ptrs = column(row, _G, offs, g_proto, VEC)
+    g = load_grad(g_ptrs, mask, inv, HAS_SCALE, EMULATE_BF16_ROUNDING)
+    if WRITE_GRAD:
+        store_cast(g_ptrs, g, mask, EMULATE_BF16_ROUNDING)
     p = load_f32(p_ptrs, mask, EMULATE_BF16_ROUNDING)
     m = tl.load(m_ptrs, mask=mask, other=0.0)
     v = tl.load(v_ptrs, mask=mask, other=0.0)
@@ -114,15 +122,20 @@ def adam_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None):
 
 
 def adam_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=True,
-                bias_correction=True, grad_scale=None, found_inf=None):
-    """One Adam/AdamW step over a prepared sweep: one launch per dtype group."""
+                bias_correction=True, grad_scale=None, found_inf=None, write_grads=False):
+    """One Adam/AdamW step over a prepared sweep: one launch per dtype group.
+    ``write_grads`` (or a :class:`~._cpu_optim.GradWrites` for ``prepared``) stores each
+    unscaled gradient back into its gradient, unless the step is skipped; without a
+    ``grad_scale`` there is nothing to write."""
+    prepared, write_grads = take_grad_writes(prepared, write_grads)
     if prepared.n == 0:
         return
+    write_grads = write_grads and grad_scale is not None
     if not prepared.triton:
         adam_step_cpu(prepared, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                       weight_decay=weight_decay, adam_w_mode=adam_w_mode,
                       bias_correction=bias_correction, grad_scale=grad_scale,
-                      found_inf=found_inf)
+                      found_inf=found_inf, write_grads=write_grads)
         return
     device = prepared.device
     prepared.advance_empty_steps(found_inf)
@@ -136,23 +149,26 @@ def adam_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=Tr
         found_inf if found_inf is not None else anchor), dict(
         LR_IS_TENSOR=lr_is_tensor, HAS_SCALE=grad_scale is not None,
         HAS_FOUND_INF=found_inf is not None, ADAM_W=bool(adam_w_mode),
-        BIAS_CORRECTION=bool(bias_correction)))
+        BIAS_CORRECTION=bool(bias_correction), WRITE_GRAD=write_grads))
+    if write_grads:
+        write_staged_grads(prepared)
 
 
 @torch.no_grad()
 def adam_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, lr, beta1, beta2,
               eps, weight_decay, adam_w_mode=True, bias_correction=True, grad_scale=None,
-              found_inf=None):
+              found_inf=None, write_grads=False):
     """One Adam/AdamW step for lists of same-shaped tensors (see the module docstring).
 
     ``steps`` are fp32 one-element tensors, advanced by one unless ``found_inf`` is
     non-zero; ``lr`` a float or an fp32 one-element tensor (capturable); ``copies`` may
-    hold None for parameters without a copy. Bad lists raise before anything is written.
-    No host sync."""
+    hold None for parameters without a copy. ``write_grads`` stores the unscaled
+    gradients back into ``grads``. Bad lists raise before anything is written. No host
+    sync."""
     adam_launch(adam_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies), lr=lr,
                 beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                 adam_w_mode=adam_w_mode, bias_correction=bias_correction,
-                grad_scale=grad_scale, found_inf=found_inf)
+                grad_scale=grad_scale, found_inf=found_inf, write_grads=write_grads)
 
 
 # A step count of +inf: torch's fused kernel then computes 1 - beta**inf = 1 for both bias
@@ -162,12 +178,14 @@ _NO_BIAS_CORRECTION = torch.tensor(float("inf"))
 
 
 def adam_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=True,
-                  bias_correction=True, grad_scale=None, found_inf=None):
+                  bias_correction=True, grad_scale=None, found_inf=None, write_grads=False):
     """The production CPU path of :func:`adam_launch`: per dtype group one call of torch's
     fused CPU Adam/AdamW kernel on fp32 lists (half parameters and gradients through fp32
     scratch, see _cpu_optim), the step counts advanced first (torch's kernel reads the
     count of the step being taken), ``found_inf`` handed to the kernel (it then writes
-    nothing) and the copies written from the updated fp32 values.
+    nothing) and the copies written from the updated fp32 values. With ``write_grads``
+    the kernel's own write of the unscaled gradient lands in the gradients (fp32 ones
+    are handed to it directly, half ones copied back from their scratch).
 
     torch's kernel rounds differently from :func:`adam_step_ref` in two places (the
     first moment as one fused multiply-add, ``(lr / bc1 * m) / denom`` for
@@ -178,7 +196,10 @@ def adam_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=
         # setting, which FusedAdam refuses anyway.
         adam_step_ref(**prepared.lists, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                       weight_decay=weight_decay, adam_w_mode=adam_w_mode,
-                      bias_correction=False, grad_scale=grad_scale, found_inf=found_inf)
+                      bias_correction=False, grad_scale=grad_scale, found_inf=found_inf,
+                      write_grads=write_grads)
+        if write_grads:
+            write_staged_grads(prepared)
         return
     lr = scalar_arg(lr, "lr", prepared.device)
     skip, keep = amp_flags(found_inf)
@@ -187,16 +208,19 @@ def adam_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=
 
     def group_step(group):
         lists = group.lists
-        params, steps = lists["params"], lists["steps"]
-        work_p, work_g, scale = fp32_work(prepared, group, params, lists["grads"], grad_scale)
+        params, steps, grads = lists["params"], lists["steps"], lists["grads"]
+        work_p, work_g, scale = fp32_work(prepared, group, params, grads, grad_scale,
+                                          write_grads)
         advance_counts(group.counted("steps"), keep)
         fused(work_p, work_g, lists["exp_avgs"], lists["exp_avg_sqs"], [],
               steps if bias_correction else [_NO_BIAS_CORRECTION] * len(steps),
               lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
               amsgrad=False, maximize=False, grad_scale=scale, found_inf=skip)
-        write_back(params, work_p, lists["copies"])
+        write_back(params, work_p, lists["copies"], grads if write_grads else None, work_g)
 
     prepared.run_cpu(group_step)
+    if write_grads:
+        write_staged_grads(prepared)
 
 
 def _betas(device, beta1, beta2):
@@ -207,7 +231,7 @@ def _betas(device, beta1, beta2):
 @torch.no_grad()
 def adam_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, lr, beta1, beta2,
                   eps, weight_decay, adam_w_mode=True, bias_correction=True, grad_scale=None,
-                  found_inf=None):
+                  found_inf=None, write_grads=False):
     """Torch reference of :func:`adam_step` (same order of operations, fp32)."""
     params = list(params)
     if not params:
@@ -220,6 +244,8 @@ def adam_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, l
         g = grads[i].float()
         if inv is not None:
             g = g * inv
+            if write_grads:
+                grads[i].copy_(g if keep is None else torch.where(keep, g, grads[i].float()))
         pf = p.float()
         lr_v = lr.float() if isinstance(lr, torch.Tensor) else lr
         if adam_w_mode:

@@ -23,8 +23,8 @@ number of tensors:
 
 1. ``_lamb_moments_kernel`` (per group): m and v updated in place; where the trust ratio
    applies, per-block partial sums of p*p and u*u written to a small fp32 buffer. The
-   update u is not stored anywhere (Apex writes it over the gradient; tritamp never
-   writes gradients).
+   update u is not stored anywhere (Apex writes it over the gradient; tritamp writes a
+   gradient only when asked to unscale it in place).
 2. ``_l2norm_segment_kernel`` (l2norm.py, one launch for every group): per-tensor ||p||
    and ||u||. Left out where no group uses the trust ratio.
 3. ``_lamb_apply_kernel`` (per group): recomputes u from the new m, v and the unchanged
@@ -37,7 +37,11 @@ number of tensors:
 The global gradient norm is the caller's (``multi_tensor_l2norm`` over every gradient
 of every group, ``scale=grad_scale``): a 0-d fp32 device tensor read on the device.
 When ``found_inf`` holds a non-zero value nothing is read or written and the step
-counts stay: the skipped step leaves no trace. :func:`lamb_prepare` validates and plans
+counts stay: the skipped step leaves no trace. With ``write_grads``
+(``torch.amp.GradScaler``'s contract, see _cpu_optim.GradWrites) stage 1 also stores g,
+the unscaled gradient before clipping and weight decay, into the gradient (stage 1 is
+the only stage that reads it; the caller's global norm was taken before).
+:func:`lamb_prepare` validates and plans
 once (tables, segment table, buffers); :func:`lamb_launch` then uploads nothing.
 
 On the CPU without the interpreter :func:`lamb_step_cpu` runs the same stages as
@@ -52,9 +56,9 @@ import triton.language as tl
 from ._multi_tensor import Column, StagedPrepared, Sweep, device_constants, scalar_arg
 from ._ref_utils import advance_steps, f32 as _f32
 from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step, load_f32,
-                        load_grad, load_lr, scalar_ptr, store_param, sweep_block, tensor_step,
-                        unscale_factor)
-from ._cpu_optim import advance_counts, amp_flags
+                        load_grad, load_lr, scalar_ptr, store_cast, store_param, sweep_block,
+                        tensor_step, unscale_factor)
+from ._cpu_optim import advance_counts, amp_flags, take_grad_writes, write_staged_grads
 from .l2norm import (SegmentLayout, bias_correction_terms, reduce_segments, scalar_views,
                      segment_pairs)
 
@@ -115,6 +119,7 @@ def _lamb_moments_kernel(
     HAS_DECAY: tl.constexpr,       # weight_decay != 0
     USE_RATIO: tl.constexpr,       # the trust ratio applies (weight decay, or NVLAMB)
     BIAS_CORRECTION: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,      # store the unscaled gradient back (torch's GradScaler)
     HAS_COPIES: tl.constexpr,
     VEC: tl.constexpr,             # > 1: every address 16-byte aligned, numel % VEC == 0
     EMULATE_BF16_ROUNDING: tl.constexpr,
@@ -133,8 +138,10 @@ def _lamb_moments_kernel(
 
     m_ptrs = column_f32(row, _M, offs, VEC)
     v_ptrs = column_f32(row, _V, offs, VEC)
-    g = load_grad(column(row, _G, offs, g_proto, VEC), mask, inv, HAS_SCALE,
-                  EMULATE_BF16_ROUNDING)
+    g_ptrs = column(row, _G, offs, g_proto, VEC)
+    g = load_grad(g_ptrs, mask, inv, HAS_SCALE, EMULATE_BF16_ROUNDING)
+    if WRITE_GRAD:
+        store_cast(g_ptrs, g, mask, EMULATE_BF16_ROUNDING)
     if HAS_CLIP:
         g = tl.div_rn(g, clip)
     if HAS_DECAY or USE_RATIO:
@@ -240,17 +247,24 @@ def lamb_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None):
 
 def lamb_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=True,
                 grad_averaging=True, bias_correction=True, use_nvlamb=False,
-                global_grad_norm=None, max_grad_norm=1.0, grad_scale=None, found_inf=None):
+                global_grad_norm=None, max_grad_norm=1.0, grad_scale=None, found_inf=None,
+                write_grads=False):
     """One LAMB step over a prepared sweep: per dtype group the moments and apply
-    launches, and one segment launch between them where the trust ratio applies."""
+    launches, and one segment launch between them where the trust ratio applies.
+    ``write_grads`` (or a :class:`~._cpu_optim.GradWrites` for ``prepared``) stores each
+    unscaled gradient back into its gradient, unless the step is skipped; without a
+    ``grad_scale`` there is nothing to write."""
+    prepared, write_grads = take_grad_writes(prepared, write_grads)
     if prepared.n == 0:
         return
+    write_grads = write_grads and grad_scale is not None
     if not prepared.triton:
         lamb_step_cpu(prepared, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                       weight_decay=weight_decay, adam_w_mode=adam_w_mode,
                       grad_averaging=grad_averaging, bias_correction=bias_correction,
                       use_nvlamb=use_nvlamb, global_grad_norm=global_grad_norm,
-                      max_grad_norm=max_grad_norm, grad_scale=grad_scale, found_inf=found_inf)
+                      max_grad_norm=max_grad_norm, grad_scale=grad_scale, found_inf=found_inf,
+                      write_grads=write_grads)
         return
     prepared.prepared.advance_empty_steps(found_inf)
     if not prepared.moments_args:
@@ -272,7 +286,10 @@ def lamb_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=Tr
         float(max_grad_norm or 0.0), grad_scale if grad_scale is not None else anchor, skip),
         # HAS_COPIES=False: this stage writes no copy.
         dict(flags, HAS_CLIP=global_grad_norm is not None, HAS_SCALE=grad_scale is not None,
-             HAS_COPIES=False), group_args=prepared.moments_args)
+             HAS_COPIES=False, WRITE_GRAD=write_grads), group_args=prepared.moments_args)
+    if write_grads:
+        # Before stage 3's launch refreshes the dense copies from the gradients.
+        write_staged_grads(prepared.prepared)
     if use_ratio:
         reduce_segments(prepared.partials, prepared.segments, prepared.norms.shape[1],
                         sqrt=True, out=prepared.norms)
@@ -285,20 +302,21 @@ def lamb_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=Tr
 def lamb_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, lr, beta1, beta2,
               eps, weight_decay, adam_w_mode=True, grad_averaging=True, bias_correction=True,
               use_nvlamb=False, global_grad_norm=None, max_grad_norm=1.0, grad_scale=None,
-              found_inf=None):
+              found_inf=None, write_grads=False):
     """One LAMB step for lists of same-shaped tensors (see the module docstring).
 
     ``global_grad_norm`` (0-d fp32 device tensor, or None for no clipping) is the norm
     of the unscaled gradients; ``steps`` are fp32 one-element tensors, advanced by one
     unless ``found_inf`` is non-zero; ``lr`` a float or an fp32 one-element tensor;
-    ``copies`` may hold None for parameters without a copy. Bad lists raise before
-    anything is written. No host sync."""
+    ``copies`` may hold None for parameters without a copy; ``write_grads`` stores the
+    unscaled gradients back into ``grads``. Bad lists raise before anything is written.
+    No host sync."""
     lamb_launch(lamb_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies), lr=lr,
                 beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                 adam_w_mode=adam_w_mode, grad_averaging=grad_averaging,
                 bias_correction=bias_correction, use_nvlamb=use_nvlamb,
                 global_grad_norm=global_grad_norm, max_grad_norm=max_grad_norm,
-                grad_scale=grad_scale, found_inf=found_inf)
+                grad_scale=grad_scale, found_inf=found_inf, write_grads=write_grads)
 
 
 # --- the production CPU path -------------------------------------------------------------
@@ -431,6 +449,23 @@ def fp32_grads(engine, group, grads, factor, skip, spare):
     return work
 
 
+def unscaled_grads(engine, group, grads, inv, keep):
+    """``write_grads``: every gradient unscaled in place (``g * inv``, rounded once to its
+    dtype; ``g * 1`` on a skipped step, which leaves every value as it was), and the
+    unscaled values as fp32 for the step: the gradients themselves when fp32, else a
+    scratch holding the products before rounding (what the kernels compute with). The
+    step then takes them as unscaled (no ``inv``)."""
+    factor = gated(inv, keep, 1.0)
+    if grads[0].dtype == torch.float32:
+        torch._foreach_mul_(grads, factor)
+        return grads
+    work = engine.buffers(group, "unscaled", grads)
+    torch._foreach_copy_(work, grads)
+    torch._foreach_mul_(work, factor)
+    torch._foreach_copy_(grads, work)
+    return work
+
+
 def first_moment(m, grad, beta1, grad_averaging, keep):
     """m = beta1 * m + (1 - beta1) * g (+ g without averaging): the reference's product,
     then an add (which torch's vectorised add may fuse into one rounding). ``lerp`` would
@@ -447,7 +482,8 @@ def bias_correction_f32(steps, beta):
 @torch.no_grad()
 def lamb_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=True,
                   grad_averaging=True, bias_correction=True, use_nvlamb=False,
-                  global_grad_norm=None, max_grad_norm=1.0, grad_scale=None, found_inf=None):
+                  global_grad_norm=None, max_grad_norm=1.0, grad_scale=None, found_inf=None,
+                  write_grads=False):
     """The production CPU path of :func:`lamb_launch`: :func:`lamb_step_ref`'s stages on
     torch's multi-tensor CPU ops, per dtype group, with no Python work per tensor and no
     host read.
@@ -466,7 +502,8 @@ def lamb_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=
     of 0-d views. Adam's kernel computes ``lerp``-style moments and
     ``sqrt(v) / sqrt(bc2)``, so values differ from the reference's in the last bits
     (and more, relative to a first moment that nearly cancels). A skipped step changes
-    nothing (see the comment above)."""
+    nothing (see the comment above). ``write_grads``: the gradients are unscaled in
+    place first (:func:`unscaled_grads`) and the step reads them unscaled."""
     device = prepared.device
     engine = prepared.prepared
     skip, keep = amp_flags(found_inf)
@@ -481,18 +518,21 @@ def lamb_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=
         mx = fp32_scalar(float(max_grad_norm), device)
         clip = torch.where(gn > mx, gn / mx, 1.0)
     plans = cpu_lists(prepared, _LambCpuLists)
+    write_grads = write_grads and inv is not None
     hyper = dict(beta1=beta1, beta2=beta2, eps=eps, l2=l2, weight_decay=weight_decay,
-                 inv=inv, clip=clip, skip=skip, keep=keep)
+                 inv=None if write_grads else inv, clip=clip, skip=skip, keep=keep)
 
     def group(g):
         plan = plans[g.index]
-        params = g["params"]
+        params, grads = g["params"], g["grads"]
+        if write_grads:
+            grads = unscaled_grads(engine, g, grads, inv, keep)
         p = fp32_params(engine, g, params)
         u = engine.buffers(g, "update", params)
         if grad_averaging:
-            _lamb_moments_fused(engine, g, plan, p, u, bias_correction, **hyper)
+            _lamb_moments_fused(engine, g, plan, p, u, grads, bias_correction, **hyper)
         else:
-            _lamb_moments_foreach(engine, g, plan, p, u, bias_correction, **hyper)
+            _lamb_moments_foreach(engine, g, plan, p, u, grads, bias_correction, **hyper)
         if adam_w_mode and has_decay:
             torch._foreach_add_(u, p, alpha=weight_decay)
         # p -= ratio * u: the product rounded, then the subtraction, as the reference.
@@ -507,6 +547,8 @@ def lamb_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=
         write_params(engine, g, params, p, plan, skip)
 
     engine.run_cpu(group)
+    if write_grads:
+        write_staged_grads(engine)
 
 
 class _LambCpuLists(_CpuLists):
@@ -524,11 +566,11 @@ class _LambCpuLists(_CpuLists):
         return self._no_bias
 
 
-def _lamb_moments_fused(engine, g, plan, p, u, bias_correction, *, beta1, beta2, eps, l2,
-                        weight_decay, inv, clip, skip, keep):
-    """m, v and u by ``torch._fused_adam_`` (see :func:`lamb_step_cpu`); advances the step
-    counts first (by 1, or 0 on a skipped step), as torch's Adam does."""
-    grads = g["grads"]
+def _lamb_moments_fused(engine, g, plan, p, u, grads, bias_correction, *, beta1, beta2, eps,
+                        l2, weight_decay, inv, clip, skip, keep):
+    """m, v and u by ``torch._fused_adam_`` (see :func:`lamb_step_cpu`) from ``grads``
+    (read only); advances the step counts first (by 1, or 0 on a skipped step), as
+    torch's Adam does."""
     scale = None
     if l2 or grads[0].dtype != torch.float32 or inv is not None or clip is not None:
         work = engine.buffers(g, "grads", g["params"])
@@ -552,12 +594,13 @@ def _lamb_moments_fused(engine, g, plan, p, u, bias_correction, *, beta1, beta2,
                        maximize=False, grad_scale=scale, found_inf=skip)
 
 
-def _lamb_moments_foreach(engine, g, plan, p, u, bias_correction, *, beta1, beta2, eps, l2,
-                          weight_decay, inv, clip, skip, keep):
+def _lamb_moments_foreach(engine, g, plan, p, u, grads, bias_correction, *, beta1, beta2, eps,
+                          l2, weight_decay, inv, clip, skip, keep):
     """m = beta1 * m + g (no grad averaging), v and u by foreach ops, with the gated
-    gradient of the comment above; advances the step counts after."""
+    gradient of the comment above (from ``grads``, read only); advances the step counts
+    after."""
     factor = inv if clip is None else (clip.reciprocal() if inv is None else inv / clip)
-    grad = fp32_grads(engine, g, g["grads"], factor, skip, u)
+    grad = fp32_grads(engine, g, grads, factor, skip, u)
     if l2:
         torch._foreach_addcmul_(grad, p, [gated(fp32_scalar(weight_decay, p[0].device), keep,
                                                 0.0)] * len(p))

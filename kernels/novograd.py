@@ -33,7 +33,9 @@ the number of tensors:
    it): no extra launch.
 
 When ``found_inf`` holds a non-zero value nothing is written and the step counts stay:
-the skipped step leaves no trace. :func:`novograd_prepare` validates and plans once
+the skipped step leaves no trace. With ``write_grads`` (``torch.amp.GradScaler``'s
+contract, see _cpu_optim.GradWrites) stage 3, the last to read the gradient, also
+stores g, the unscaled gradient, into it. :func:`novograd_prepare` validates and plans once
 (tables, blend table, buffers); :func:`novograd_launch` then uploads nothing.
 
 On the CPU without the interpreter :func:`novograd_step_cpu` runs the same stages as
@@ -46,13 +48,13 @@ import triton.language as tl
 from ._multi_tensor import Column, StagedPrepared, Sweep, _upload, device_constants, scalar_arg
 from ._ref_utils import advance_steps, f32 as _f32
 from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step, load_f32,
-                        load_grad, load_lr, scalar_ptr, store_param, sweep_block, tensor_step,
-                        unscale_factor)
-from ._cpu_optim import advance_counts, amp_flags
+                        load_grad, load_lr, scalar_ptr, store_cast, store_param, sweep_block,
+                        tensor_step, unscale_factor)
+from ._cpu_optim import advance_counts, amp_flags, take_grad_writes, write_staged_grads
 from .l2norm import (SEGMENT_BLOCK, SegmentLayout, SquareSums, bias_correction_terms,
                      scalar_views)
 from .lamb import (_CpuLists, bias_correction_f32, cpu_lists, first_moment, fp32_grads,
-                   fp32_params, fp32_scalar, gated, write_params)
+                   fp32_params, fp32_scalar, gated, unscaled_grads, write_params)
 
 NOVOGRAD = Sweep("novograd_step", [
     Column("params", "param"), Column("grads", "grad"), Column("exp_avgs", "state"),
@@ -162,6 +164,7 @@ def _novograd_step_kernel(
     HAS_FOUND_INF: tl.constexpr,
     REG_INSIDE_MOMENT: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,      # store the unscaled gradient back (torch's GradScaler)
     HAS_COPIES: tl.constexpr,
     VEC: tl.constexpr,
     EMULATE_BF16_ROUNDING: tl.constexpr,
@@ -184,8 +187,10 @@ def _novograd_step_kernel(
 
     p_ptrs = column(row, _P, offs, p_proto, VEC)
     m_ptrs = column_f32(row, _M, offs, VEC)
-    g = load_grad(column(row, _G, offs, g_proto, VEC), mask, inv, HAS_SCALE,
-                  EMULATE_BF16_ROUNDING)
+    g_ptrs = column(row, _G, offs, g_proto, VEC)
+    g = load_grad(g_ptrs, mask, inv, HAS_SCALE, EMULATE_BF16_ROUNDING)
+    if WRITE_GRAD:
+        store_cast(g_ptrs, g, mask, EMULATE_BF16_ROUNDING)
     p = load_f32(p_ptrs, mask, EMULATE_BF16_ROUNDING)
     m = tl.load(m_ptrs, mask=mask, other=0.0)
     if REG_INSIDE_MOMENT:
@@ -244,18 +249,23 @@ def novograd_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None):
 
 def novograd_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, reg_inside_moment=False,
                     grad_averaging=True, norm_type=2, init_zero=False, bias_correction=True,
-                    grad_scale=None, found_inf=None):
+                    grad_scale=None, found_inf=None, write_grads=False):
     """One NovoGrad step over a prepared sweep: per dtype group the norm and step
-    launches, and one blend launch (every tensor of every group) between them."""
+    launches, and one blend launch (every tensor of every group) between them.
+    ``write_grads`` (or a :class:`~._cpu_optim.GradWrites` for ``prepared``) stores each
+    unscaled gradient back into its gradient, unless the step is skipped; without a
+    ``grad_scale`` there is nothing to write."""
     _check_norm_type(norm_type)
+    prepared, write_grads = take_grad_writes(prepared, write_grads)
     if prepared.n == 0:
         return
+    write_grads = write_grads and grad_scale is not None
     if not prepared.triton:
         novograd_step_cpu(prepared, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                           weight_decay=weight_decay, reg_inside_moment=reg_inside_moment,
                           grad_averaging=grad_averaging, norm_type=norm_type,
                           init_zero=init_zero, bias_correction=bias_correction,
-                          grad_scale=grad_scale, found_inf=found_inf)
+                          grad_scale=grad_scale, found_inf=found_inf, write_grads=write_grads)
         return
     prepared.prepared.advance_empty_steps(found_inf)
     if not prepared.norm_args:
@@ -281,27 +291,29 @@ def novograd_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, reg_inside
         1.0 - beta1 if grad_averaging else 1.0, float(eps), float(weight_decay), scale, skip),
         dict(LR_IS_TENSOR=isinstance(lr, torch.Tensor), HAS_SCALE=grad_scale is not None,
              HAS_FOUND_INF=has_inf, REG_INSIDE_MOMENT=bool(reg_inside_moment),
-             BIAS_CORRECTION=bool(bias_correction)))
+             BIAS_CORRECTION=bool(bias_correction), WRITE_GRAD=write_grads))
+    if write_grads:
+        write_staged_grads(prepared.prepared)
 
 
 @torch.no_grad()
 def novograd_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, lr, beta1,
                   beta2, eps, weight_decay, reg_inside_moment=False, grad_averaging=True,
                   norm_type=2, init_zero=False, bias_correction=True, grad_scale=None,
-                  found_inf=None):
+                  found_inf=None, write_grads=False):
     """One NovoGrad step for lists of tensors (see the module docstring).
 
     ``exp_avg_sqs`` are fp32 one-element tensors (the per-tensor running gradient norm),
     ``steps`` fp32 one-element tensors advanced by one unless ``found_inf`` is non-zero;
     ``lr`` a float or an fp32 one-element tensor; ``copies`` may hold None for
-    parameters without a copy. Bad lists raise before anything is written. No host
-    sync."""
+    parameters without a copy; ``write_grads`` stores the unscaled gradients back into
+    ``grads``. Bad lists raise before anything is written. No host sync."""
     _check_norm_type(norm_type)
     novograd_launch(novograd_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies),
                     lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                     reg_inside_moment=reg_inside_moment, grad_averaging=grad_averaging,
                     norm_type=norm_type, init_zero=init_zero, bias_correction=bias_correction,
-                    grad_scale=grad_scale, found_inf=found_inf)
+                    grad_scale=grad_scale, found_inf=found_inf, write_grads=write_grads)
 
 
 # --- the production CPU path -------------------------------------------------------------
@@ -342,7 +354,8 @@ class _NovoGradCpuLists(_CpuLists):
 @torch.no_grad()
 def novograd_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay,
                       reg_inside_moment=False, grad_averaging=True, norm_type=2,
-                      init_zero=False, bias_correction=True, grad_scale=None, found_inf=None):
+                      init_zero=False, bias_correction=True, grad_scale=None, found_inf=None,
+                      write_grads=False):
     """The production CPU path of :func:`novograd_launch`: :func:`novograd_step_ref`'s
     stages as torch foreach ops, per dtype group, with no Python work per tensor and no
     host read.
@@ -357,7 +370,9 @@ def novograd_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay,
     its per-tensor factors (``lr / (bc1 * denom)``) into one multiplier, so values
     differ from the reference's in the last bits. A skipped step changes nothing (see
     lamb.py's CPU path: the gradient is gated, every write an identity; the update's
-    addend is then ``m * 0``, so a parameter holding -0.0 would come back +0.0)."""
+    addend is then ``m * 0``, so a parameter holding -0.0 would come back +0.0).
+    ``write_grads``: the gradients are unscaled in place first (see lamb.py's
+    ``unscaled_grads``) and the step reads them unscaled."""
     _check_norm_type(norm_type)
     device = prepared.device
     engine = prepared.prepared
@@ -369,17 +384,22 @@ def novograd_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay,
         decay = (gated(fp32_scalar(weight_decay, device), keep, 0.0) if reg_inside_moment
                  else gated(torch.rsub(lr32 * weight_decay, 1.0), keep, 1.0))
     plans = cpu_lists(prepared, _NovoGradCpuLists)
+    write_grads = write_grads and inv is not None
+    read_inv = None if write_grads else inv
 
     def group(g):
         plan = plans[g.index]
         params, grads = g["params"], g["grads"]
         n = len(params)
+        if write_grads:
+            grads = unscaled_grads(engine, g, grads, inv, keep)
         p = fp32_params(engine, g, params)
-        if skip is None and inv is None and not reg_inside_moment \
+        if skip is None and read_inv is None and not reg_inside_moment \
                 and grads[0].dtype == torch.float32:
             grad = grads  # read as they are
         else:
-            grad = fp32_grads(engine, g, grads, inv, skip, engine.buffers(g, "spare", params))
+            grad = fp32_grads(engine, g, grads, read_inv, skip,
+                              engine.buffers(g, "spare", params))
         v_old = torch.cat(plan.moments)
         if norm_type == 0:
             norm = _max_abs(engine, g, grad, plan)
@@ -424,6 +444,8 @@ def novograd_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay,
         advance_counts(g.counted("steps"), keep)
 
     engine.run_cpu(group)
+    if write_grads:
+        write_staged_grads(engine)
 
 
 def _max_abs(engine, group, grad, plan):

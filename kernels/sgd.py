@@ -11,7 +11,9 @@ For every tensor, with g = grad * (1/grad_scale) when a scale is given:
 torch.optim.SGD's order of operations, in fp32; the momentum buffer is fp32 whatever the
 parameter dtype. ``copies`` receive the updated parameter in their own dtype (the half
 model copy of an fp32 master). A non-zero ``found_inf`` makes it read and write nothing
-and leaves the step counts as they are.
+and leaves the step counts as they are. With ``write_grads`` (``torch.amp.GradScaler``'s
+contract, see _cpu_optim.GradWrites) the kernel also stores g, the unscaled gradient
+before any weight decay, into the gradient, in the gradient's dtype.
 
 "First step" is ``first_run`` (every buffer starts from the gradient) or, per tensor, a
 step count of 0 in ``steps``: the count is read on the device, so a skipped first step
@@ -26,11 +28,12 @@ import triton
 import triton.language as tl
 
 from ._dispatch import use_triton  # noqa: F401  (tests read the module's dispatch)
-from ._cpu_optim import advance_counts, amp_flags, decay_factor, fp32_work, write_back
+from ._cpu_optim import (advance_counts, amp_flags, decay_factor, fp32_work, take_grad_writes,
+                         write_back, write_staged_grads)
 from ._multi_tensor import Column, Sweep, scalar_arg
 from ._ref_utils import advance_steps, f32
 from ._tl_utils import (column, column_f32, finish_tensor_step, load_f32, load_grad, load_lr,
-                        store_param, sweep_block, tensor_step, unscale_factor)
+                        store_cast, store_param, sweep_block, tensor_step, unscale_factor)
 
 SGD = Sweep("sgd_step", [
     Column("params", "param"), Column("grads", "grad"),
@@ -60,6 +63,7 @@ def _sgd_step_kernel(
     FIRST_RUN: tl.constexpr,       # every momentum buffer starts as the gradient
     NESTEROV: tl.constexpr,
     WD_AFTER_MOMENTUM: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,      # store the unscaled gradient back (torch's GradScaler)
     HAS_MOMENTUM_BUFFERS: tl.constexpr,
     HAS_COPIES: tl.constexpr,
     HAS_STEPS: tl.constexpr,       # per-tensor step counts: first run on device, advanced
@@ -78,8 +82,10 @@ def _sgd_step_kernel(
         neg_lr = -lr
 
     p_ptrs = column(row, _P, offs, p_proto, VEC)
-    g = load_grad(column(row, _G, offs, g_proto, VEC), mask, inv, HAS_SCALE,
-                  EMULATE_BF16_ROUNDING)
+    g_ptrs = column(row, _G, offs, g_proto, VEC)
+    g = load_grad(g_ptrs, mask, inv, HAS_SCALE, EMULATE_BF16_ROUNDING)
+    if WRITE_GRAD:
+        store_cast(g_ptrs, g, mask, EMULATE_BF16_ROUNDING)
     p = load_f32(p_ptrs, mask, EMULATE_BF16_ROUNDING)
     if not WD_AFTER_MOMENTUM:
         g = g + weight_decay * p
@@ -133,10 +139,16 @@ def _missing_buffer(prepared):
 
 
 def sgd_launch(prepared, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
-               wd_after_momentum=False, first_run=False, grad_scale=None, found_inf=None):
-    """One SGD step over a prepared sweep: one launch per dtype group."""
+               wd_after_momentum=False, first_run=False, grad_scale=None, found_inf=None,
+               write_grads=False):
+    """One SGD step over a prepared sweep: one launch per dtype group. ``write_grads``
+    (or a :class:`~._cpu_optim.GradWrites` for ``prepared``) stores each unscaled
+    gradient back into its gradient, unless the step is skipped; without a
+    ``grad_scale`` there is nothing to write."""
+    prepared, write_grads = take_grad_writes(prepared, write_grads)
     if prepared.n == 0:
         return
+    write_grads = write_grads and grad_scale is not None
     if momentum != 0:
         missing = _missing_buffer(prepared)
         if missing is not None:
@@ -148,7 +160,7 @@ def sgd_launch(prepared, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, n
         sgd_step_cpu(prepared, lr=lr, momentum=momentum, dampening=dampening,
                      weight_decay=weight_decay, nesterov=nesterov,
                      wd_after_momentum=wd_after_momentum, first_run=first_run,
-                     grad_scale=grad_scale, found_inf=found_inf)
+                     grad_scale=grad_scale, found_inf=found_inf, write_grads=write_grads)
         return
     device = prepared.device
     lr = scalar_arg(lr, "lr", device)
@@ -160,17 +172,21 @@ def sgd_launch(prepared, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, n
         LR_IS_TENSOR=isinstance(lr, torch.Tensor), HAS_SCALE=grad_scale is not None,
         HAS_FOUND_INF=found_inf is not None, HAS_MOMENTUM=momentum != 0,
         FIRST_RUN=bool(first_run), NESTEROV=bool(nesterov),
-        WD_AFTER_MOMENTUM=bool(wd_after_momentum)))
+        WD_AFTER_MOMENTUM=bool(wd_after_momentum), WRITE_GRAD=write_grads))
+    if write_grads:
+        write_staged_grads(prepared)
     prepared.advance_empty_steps(found_inf)
 
 
 def sgd_step_cpu(prepared, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, wd_after_momentum=False, first_run=False, grad_scale=None,
-                 found_inf=None):
+                 found_inf=None, write_grads=False):
     """The production CPU path of :func:`sgd_launch`: per dtype group torch's fused CPU
     SGD kernel on fp32 lists (half parameters and gradients through fp32 scratch, see
     _cpu_optim), ``found_inf`` handed to it (it then writes nothing), the step counts
     advanced by 1 (0 on a skipped step), the copies written from the updated values.
+    With ``write_grads`` the kernel's own write of the unscaled gradient lands in the
+    gradients (fp32 ones handed to it directly, half ones copied back from scratch).
 
     - First step: torch's kernel takes one ``is_first_step`` for the whole call, the
       kernel's rule is per tensor (``first_run``, or a step count of 0). Without
@@ -201,7 +217,9 @@ def sgd_step_cpu(prepared, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
             if steps is not None:
                 advance_counts(group.counted("steps"), keep)
             return
-        work_p, work_g, scale = fp32_work(prepared, group, params, lists["grads"], grad_scale)
+        grads = lists["grads"]
+        work_p, work_g, scale = fp32_work(prepared, group, params, grads, grad_scale,
+                                          write_grads)
         if decay is not None:
             torch._foreach_mul_(work_p, decay)
         if momentum == 0:
@@ -219,9 +237,11 @@ def sgd_step_cpu(prepared, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
             _momentum_step_by_counts(work_p, work_g, bufs, steps, scale, kw)
         if steps is not None:
             advance_counts(group.counted("steps"), keep)
-        write_back(params, work_p, lists["copies"])
+        write_back(params, work_p, lists["copies"], grads if write_grads else None, work_g)
 
     prepared.run_cpu(group_step)
+    if write_grads:
+        write_staged_grads(prepared)
 
 
 def _momentum_step_by_counts(params, grads, bufs, steps, scale, kw):

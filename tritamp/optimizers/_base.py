@@ -14,7 +14,10 @@ Each parameter resolves to (target, gradient, copy):
 
 The step reads ``self.grad_scale`` and ``self.found_inf`` (set by ``torch.amp.GradScaler``
 or ``tritamp.amp``) on the device: unscaling is folded in, and on overflow nothing
-changes, step counts included, without a host sync.
+changes, step counts included, without a host sync. Driven by ``torch.amp.GradScaler``
+the step also leaves the unscaled gradients in ``.grad``, as torch's fused optimizers
+do (the kernels store the values they unscale anyway); under ``tritamp.amp`` the
+gradients stay as they are (docs/grads-after-step.md).
 """
 import collections
 import functools
@@ -27,6 +30,7 @@ import torch
 from torch.optim.optimizer import required
 
 from tritamp.amp._model import MODEL_ATTR
+from tritamp.kernels._cpu_optim import GradWrites, check_grads_writable
 from tritamp.kernels._multi_tensor import (SweepCache, borrowed, layout_key, restride_like,
                                            zero_grads_)
 
@@ -72,6 +76,11 @@ def _describe(value):
     if isinstance(value, torch.Tensor):
         return f"a {_dtype_name(value.dtype)} tensor of shape {tuple(value.shape)}"
     return f"{type(value).__name__} {value!r}"
+
+
+# What a parameter's state holds before its first plan: at most the fp32 master its
+# links made (master_weights).
+_LINK_STATE = frozenset(("master_param",))
 
 
 class _Epoch:
@@ -582,7 +591,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 targets.append(p)
                 copies.append(model)
                 models.append(model)
-            elif self.master_weights and p.dtype != torch.float32:
+            elif self._keeps_master(p):
                 st = self.state[p]
                 if "master_param" not in st:
                     dict.__setitem__(st, "master_param",
@@ -598,6 +607,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._links_cache[gi] = (params, len(params), gen, links)
         return links
 
+    def _keeps_master(self, p):
+        """Whether the optimizer keeps an fp32 master of ``p`` in ``state["master_param"]``
+        (``master_weights=True``: every half parameter)."""
+        return self.master_weights and p.dtype != torch.float32
+
     def _group_grads(self, links, grad_scale):
         if links.model_rows and grad_scale is not None:
             # amp left this step's half gradients scaled for us to read directly (without
@@ -612,12 +626,15 @@ class FusedOptimizer(torch.optim.Optimizer):
             return grads
         return list(map(_grad_of, links.params))
 
-    def _group_plan(self, gi, group, grad_scale):
+    def _group_plan(self, gi, group, grad_scale, write_grads=False, fresh=None):
         """The prepared sweep of group ``gi`` for this step's gradients, or None when no
         parameter of the group has a gradient. Cache key: the gradients' addresses and
         strides, one entry per parameter (torch itself keeps a ``.grad``'s dtype, shape
         and device equal to its parameter's), the addresses of what the step writes, the
-        optimizer's generation and its state's epoch."""
+        optimizer's generation and its state's epoch. ``write_grads``: the sweep must be
+        able to write the unscaled gradients back (checked, refused otherwise).
+        ``fresh`` (a list) receives the parameters whose state this call creates, for
+        the caller to drop if the step is refused."""
         if not isinstance(self.state, _TrackedStates):  # replaced wholesale by the user
             self._track_state()
             self._bump()
@@ -638,6 +655,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             cache = self._plans[gi] = SweepCache()
         found = cache.get(key)
         if found is not None:
+            if write_grads:
+                check_grads_writable(found)
             return found
         found = cache.prepared
         if found is not None and cache.key[1] == rest and found.rebindable:
@@ -653,16 +672,16 @@ class FusedOptimizer(torch.optim.Optimizer):
             return cache.put(key, None)
         params, targets, copies = links.params, links.targets, links.copies
         rows_targets = [targets[i] for i in rows]
-        fresh = [params[i] for i in rows if not self.state.get(params[i])]
-        try:
-            states = [self._state_for(params[i], targets[i], group) for i in rows]
-            # Borrowed gradients: the kept plan must not keep this step's gradients alive.
-            prepared = self._prepare(group, rows_targets, borrowed([grads[i] for i in rows]),
-                                     [copies[i] for i in rows], states)
-        except Exception:
-            for p in fresh:  # a refused step leaves no state behind either
-                dict.pop(self.state, p, None)
-            raise
+        if fresh is not None:
+            # State made by this plan (or only the master its links made) is new.
+            fresh.extend(params[i] for i in rows
+                         if set(self.state.get(params[i], ())) <= _LINK_STATE)
+        states = [self._state_for(params[i], targets[i], group) for i in rows]
+        # Borrowed gradients: the kept plan must not keep this step's gradients alive.
+        prepared = self._prepare(group, rows_targets, borrowed([grads[i] for i in rows]),
+                                 [copies[i] for i in rows], states)
+        if write_grads:
+            check_grads_writable(prepared)
         return cache.put(key, prepared)
 
     def _group_links(self, gi, group):
@@ -694,18 +713,42 @@ class FusedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        plans = [self._group_plan(gi, group, grad_scale)
-                 for gi, group in enumerate(self.param_groups)]
+        write_grads = self._writes_unscaled_grads(grad_scale)
+        fresh = []
+        try:
+            plans = [self._group_plan(gi, group, grad_scale, write_grads, fresh)
+                     for gi, group in enumerate(self.param_groups)]
+        except Exception:
+            if fresh:  # a refused step leaves no state behind, in any group
+                for p in fresh:
+                    dict.pop(self.state, p, None)
+                self._bump()  # plans and links that hold the dropped state
+            raise
+        launched = plans
+        if write_grads:
+            launched = [None if p is None else GradWrites(p) for p in plans]
         extra = self._before_groups(plans, grad_scale)
         for gi, (group, prepared) in enumerate(zip(self.param_groups, plans)):
             if prepared is not None:
-                self._launch(group, prepared, grad_scale, found_inf, **extra)
+                self._launch(group, launched[gi], grad_scale, found_inf, **extra)
                 if prepared.rebindable:
                     # A kept CPU sweep holds this step's gradients only while it runs.
                     prepared.release("grads")
                     cache = self._plans[gi]
                     cache.key = (None, cache.key[1])
         return loss
+
+    def _writes_unscaled_grads(self, grad_scale):
+        """Whether this step leaves the unscaled gradients in ``.grad``: yes when
+        ``torch.amp.GradScaler`` hands it ``grad_scale``, as torch's fused optimizers do
+        (the kernels store the unscaled values they compute anyway); no under tritamp's
+        amp, whose step hands the optimizer the ``grad_scale`` it keeps in the
+        optimizer's ``_amp_stash`` (its gradients stay as they are, see
+        docs/grads-after-step.md); no without a scale (nothing to unscale)."""
+        if grad_scale is None:
+            return False
+        stash = getattr(self, "_amp_stash", None)
+        return stash is None or getattr(stash, "grad_scale", None) is not grad_scale
 
     def _plan_depends_on(self, group):
         """Hyperparameters that change what a group's plan holds (SGD: momentum or not)."""

@@ -1,5 +1,6 @@
 """FusedLAMB: Apex's signature and defaults, a few Triton launches per dtype group."""
 
+from tritamp.kernels._cpu_optim import take_grad_writes
 from tritamp.kernels.l2norm import multi_tensor_l2norm_launch, multi_tensor_l2norm_prepare
 from tritamp.kernels.lamb import lamb_launch, lamb_prepare
 
@@ -98,12 +99,13 @@ class FusedLAMB(FusedOptimizer):
             cached[1].release("tensors")
         return dict(global_norm=norm)
 
-    def _launch(self, group, prepared, grad_scale, found_inf, global_norm=None):
+    def _launch(self, group, plan, grad_scale, found_inf, global_norm=None):
+        plan, write_grads = take_grad_writes(plan)
         beta1, beta2 = group["betas"]
-        lamb_launch(prepared.prepared, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+        lamb_launch(plan.prepared, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"], adam_w_mode=bool(self.adam_w_mode),
                     grad_averaging=bool(group["grad_averaging"]),
                     bias_correction=bool(group["bias_correction"]),
                     use_nvlamb=bool(self.use_nvlamb), global_grad_norm=global_norm,
                     max_grad_norm=self.defaults["max_grad_norm"] or 0.0,
-                    grad_scale=grad_scale, found_inf=found_inf)
+                    grad_scale=grad_scale, found_inf=found_inf, write_grads=write_grads)
