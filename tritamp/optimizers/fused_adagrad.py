@@ -16,10 +16,11 @@ class FusedAdagrad(FusedOptimizer):
     steps taken, a step skipped for overflow excluded. ``lr_decay`` is not supported (Apex
     has none): a state dict from ``torch.optim.Adagrad`` with ``lr_decay != 0`` or
     ``maximize=True`` is refused when loaded (and a group changed to either by hand, at
-    the next step). ``master_weights=True`` keeps an fp32 copy of half parameters in
-    ``state["master_param"]`` and writes the half parameter in the same pass. ``grad_scale`` / ``found_inf`` (``torch.amp.GradScaler``,
-    ``tritamp.amp``) are read on the device: unscaling is folded in and an overflow step
-    changes nothing.
+    the next step); Apex's state dicts (``sum`` alone) load with a count of 0.
+    ``master_weights=True`` keeps an fp32 copy of half parameters in
+    ``state["master_param"]`` and writes the half parameter in the same pass.
+    ``grad_scale`` / ``found_inf`` (``torch.amp.GradScaler``, ``tritamp.amp``) are read on
+    the device: unscaling is folded in and an overflow step changes nothing.
     """
 
     def __init__(self, params, lr=1e-2, eps=1e-10, weight_decay=0.0, set_grad_none=True,

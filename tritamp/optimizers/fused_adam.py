@@ -9,8 +9,10 @@ class FusedAdam(FusedOptimizer):
 
     Matches ``torch.optim.AdamW`` (or ``Adam`` with ``adam_w_mode=False``) and keeps its
     ``state_dict`` layout (``step``, ``exp_avg``, ``exp_avg_sq`` per parameter; state in
-    fp32). ``master_weights=True`` keeps an fp32 copy of half parameters in
-    ``state["master_param"]`` and writes the half parameter in the same pass.
+    fp32; each group says ``decoupled_weight_decay``), so state dicts load either way;
+    Apex's (the step count kept per group) load too. ``master_weights=True`` keeps an
+    fp32 copy of half parameters in ``state["master_param"]`` and writes the half
+    parameter in the same pass.
     ``capturable=True`` keeps ``lr`` as a device tensor (safe under CUDA graphs).
     """
 

@@ -1,0 +1,411 @@
+"""Bad input to tritamp's fused optimizers: a clear error (torch.optim's message where
+torch has one) and nothing changed; and the unusual input that must work: a learning rate
+given only per parameter group, hyperparameters given as tensors, zero-size and frozen
+parameters, fp32/fp16/bf16 parameters mixed in one group.
+
+Mixed dtypes are held to the ``*_ref`` oracles with conftest's ``assert_close_to_ref``
+(fp32 within 1e-6, a half value within one ulp of its dtype: one rounding of such an
+fp32 value); LAMB and NovoGrad take their per-tensor norms from torch in the oracle, a
+few fp32 ulps from the kernel's, so their fp32 rows get ``rtol=1e-5``.
+"""
+import pytest
+import torch
+
+from conftest import assert_bits_equal, assert_close_to_ref
+from tritamp.kernels._dispatch import force_cpu_path
+from tritamp.kernels.adagrad import adagrad_step_ref
+from tritamp.kernels.adam import adam_step_ref
+from tritamp.kernels.lamb import lamb_step_ref
+from tritamp.kernels.novograd import novograd_step_ref
+from tritamp.kernels.sgd import sgd_step_ref
+from tritamp.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
+
+ALL = {"adam": FusedAdam, "sgd": FusedSGD, "adagrad": FusedAdagrad, "novograd": FusedNovoGrad,
+       "lamb": FusedLAMB}
+# the keyword arguments each needs beside the parameters (FusedSGD has no default lr)
+KW = {"adam": {}, "sgd": dict(lr=0.1), "adagrad": {}, "novograd": {}, "lamb": {}}
+# the torch.optim class whose checks and messages each one follows
+TORCH = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad,
+         "novograd": torch.optim.Adam, "lamb": torch.optim.Adam}
+
+
+def params(*shapes, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen).to(dtype).requires_grad_() for s in shapes]
+
+
+def grads_for(ps, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(p.shape, generator=gen).to(p.dtype) for p in ps]
+
+
+def set_grads(ps, gs):
+    for p, g in zip(ps, gs):
+        p.grad = None if g is None else g.clone()
+
+
+def message(fn):
+    with pytest.raises(Exception) as info:
+        fn()
+    return type(info.value), str(info.value)
+
+
+def snapshot(opt):
+    """Everything a refusal must leave as it was: parameters, state, groups."""
+    ps = [p for g in opt.param_groups for p in g["params"]]
+    state = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()}
+             for i, p in enumerate(ps) if p in opt.state}
+    groups = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.items() if k != "params"}
+              for g in opt.param_groups]
+    return [p.detach().clone() for p in ps], state, groups, [list(g["params"]) for g in
+                                                             opt.param_groups]
+
+
+def assert_unchanged(before, opt):
+    after = snapshot(opt)
+    for i, (a, b) in enumerate(zip(before[0], after[0])):
+        assert_bits_equal(a, b, f"param {i}")
+    assert len(before[0]) == len(after[0])
+    assert before[1].keys() == after[1].keys()
+    for i in before[1]:
+        assert before[1][i].keys() == after[1][i].keys(), i
+        for k, v in before[1][i].items():
+            w = after[1][i][k]
+            if torch.is_tensor(v):
+                assert_bits_equal(v, w, f"state[{i}][{k!r}]")
+            else:
+                assert v == w
+    assert len(before[2]) == len(after[2])
+    for g, h in zip(before[2], after[2]):
+        assert g.keys() == h.keys()
+        for k in g:
+            assert (torch.equal(g[k], h[k]) if torch.is_tensor(g[k]) else g[k] == h[k]), k
+    assert all(len(a) == len(b) and all(x is y for x, y in zip(a, b))
+               for a, b in zip(before[3], after[3]))
+
+
+def trained(name, n=2):
+    ps = params((3, 4), (5,))
+    opt = ALL[name](ps, **KW[name])
+    for k in range(n):
+        set_grads(ps, grads_for(ps, k))
+        opt.step()
+    return ps, opt
+
+
+# =====================================================================================
+# learning rate and other hyperparameters, tensors included
+# =====================================================================================
+
+@pytest.mark.parametrize("name", list(ALL))
+@pytest.mark.parametrize("lr", [torch.tensor(-1.0), -1.0, torch.tensor(float("nan")),
+                                torch.tensor([-1.0])],
+                         ids=["tensor", "float", "tensor-nan", "tensor-1d"])
+def test_negative_learning_rate_is_refused_with_torchs_message(name, lr):
+    ours = message(lambda: ALL[name](params(3), lr=lr))
+    if not (name == "sgd" and lr.isnan().any() if torch.is_tensor(lr) else False):
+        # torch.optim.SGD lets a NaN lr through (it checks lr < 0); the others refuse it
+        assert ours == message(lambda: torch.optim.Adam(params(3), lr=lr))
+    assert ours[0] is ValueError and "Invalid learning rate: " in ours[1]
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_learning_rate_tensor_of_several_elements_is_refused(name):
+    kind, text = message(lambda: ALL[name](params(3), lr=torch.tensor([0.1, 0.2])))
+    assert kind is ValueError and text.startswith("Tensor lr must be 1-element")
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_learning_rate_of_a_wrong_type_is_a_type_error(name):
+    kind, text = message(lambda: ALL[name](params(3), lr="0.1"))
+    assert kind is TypeError and "lr" in text and "'0.1'" in text
+
+
+BAD_TENSOR_HYPER = {
+    "adam-beta2": ("adam", dict(betas=(torch.tensor(0.9), torch.tensor(1.5)))),
+    "adam-beta1-neg": ("adam", dict(betas=(torch.tensor(-0.1), torch.tensor(0.9)))),
+    "adam-eps": ("adam", dict(eps=torch.tensor(-1.0))),
+    "adam-wd": ("adam", dict(weight_decay=torch.tensor(-1.0))),
+    "sgd-momentum": ("sgd", dict(lr=0.1, momentum=torch.tensor(-1.0))),
+    "sgd-wd": ("sgd", dict(lr=0.1, weight_decay=torch.tensor(-1.0))),
+    "adagrad-eps": ("adagrad", dict(eps=torch.tensor(-1.0))),
+    "adagrad-wd": ("adagrad", dict(weight_decay=torch.tensor(-1.0))),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TENSOR_HYPER))
+def test_hyperparameters_given_as_tensors_are_checked_like_torch(case):
+    name, kw = BAD_TENSOR_HYPER[case]
+    ours = message(lambda: ALL[name](params(3), **kw))
+    theirs = message(lambda: TORCH[name](params(3), **kw))
+    assert ours == theirs
+    assert ours[0] is ValueError
+
+
+@pytest.mark.parametrize("name", ["adam", "novograd", "lamb"])
+@pytest.mark.parametrize("path", ["kernel", "cpu"])
+def test_tensor_betas_eps_weight_decay_step_like_their_float_values(name, path):
+    t = dict(betas=(torch.tensor(0.8), torch.tensor(0.95)), eps=torch.tensor(1e-6),
+             weight_decay=torch.tensor(0.05))
+    f = dict(betas=(float(t["betas"][0]), float(t["betas"][1])), eps=float(t["eps"]),
+             weight_decay=float(t["weight_decay"]))
+    a, b = params((3, 4), (5,)), params((3, 4), (5,))
+    with force_cpu_path() if path == "cpu" else _null():
+        oa, ob = ALL[name](a, lr=0.01, **t), ALL[name](b, lr=0.01, **f)
+        # read once, at construction: the groups hold floats, the kernels launch arguments
+        assert oa.param_groups[0]["betas"] == f["betas"]
+        assert type(oa.param_groups[0]["eps"]) is float
+        for k in range(3):
+            set_grads(a, grads_for(a, k))
+            set_grads(b, grads_for(b, k))
+            oa.step()
+            ob.step()
+    for x, y in zip(a, b):
+        assert_bits_equal(x.detach(), y.detach())
+
+
+def test_sgd_tensor_momentum_steps_like_its_float_value():
+    a, b = params((3, 4), (5,)), params((3, 4), (5,))
+    oa = FusedSGD(a, lr=torch.tensor(0.1), momentum=torch.tensor(0.9),
+                  dampening=torch.tensor(0.1), weight_decay=torch.tensor(0.01))
+    ob = FusedSGD(b, lr=torch.tensor(0.1), momentum=float(torch.tensor(0.9)),
+                  dampening=float(torch.tensor(0.1)), weight_decay=float(torch.tensor(0.01)))
+    for k in range(3):
+        set_grads(a, grads_for(a, k))
+        set_grads(b, grads_for(b, k))
+        oa.step()
+        ob.step()
+    for x, y in zip(a, b):
+        assert_bits_equal(x.detach(), y.detach())
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_bad_value_in_a_parameter_group_is_refused_naming_the_group(name):
+    kind, text = message(lambda: ALL[name]([{"params": params(3)},
+                                            {"params": params(2), "lr": -0.5}], **KW[name]))
+    assert kind is ValueError
+    assert text == "Invalid learning rate: -0.5 (parameter group 1)"
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_refused_add_param_group_changes_nothing(name):
+    ps, opt = trained(name)
+    before = snapshot(opt)
+    gen = opt._generation
+    extra = {"params": params(4), "lr": torch.tensor(-1.0)}
+    with pytest.raises(ValueError, match=r"Invalid learning rate: -1\.0 \(parameter group 1\)"):
+        opt.add_param_group(extra)
+    assert_unchanged(before, opt)
+    assert opt._generation == gen
+    # and the optimizer still steps as before
+    set_grads(ps, grads_for(ps, 9))
+    opt.step()
+
+
+# =====================================================================================
+# a learning rate given only per parameter group
+# =====================================================================================
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_learning_rate_given_only_per_group(name):
+    kw = {k: v for k, v in KW[name].items() if k != "lr"}
+    a, b = params((3, 4), (5,)), params((3, 4), (5,))
+    oa = ALL[name]([{"params": a[:1], "lr": 0.05}, {"params": a[1:], "lr": 0.01}], **kw)
+    ob = ALL[name]([{"params": b[:1]}, {"params": b[1:], "lr": 0.01}], lr=0.05, **kw)
+    assert [g["lr"] for g in oa.param_groups] == [0.05, 0.01]
+    for k in range(3):
+        set_grads(a, grads_for(a, k))
+        set_grads(b, grads_for(b, k))
+        oa.step()
+        ob.step()
+    for x, y in zip(a, b):
+        assert_bits_equal(x.detach(), y.detach())
+
+
+def test_fused_sgd_per_group_lr_follows_torch_sgd():
+    a, b = params((3, 4), (5,)), params((3, 4), (5,))
+    groups = lambda ps: [{"params": ps[:1], "lr": 0.1}, {"params": ps[1:], "lr": 0.02}]
+    oa = FusedSGD(groups(a), momentum=0.9)
+    ob = torch.optim.SGD(groups(b), momentum=0.9)
+    for k in range(3):
+        set_grads(a, grads_for(a, k))
+        set_grads(b, grads_for(b, k))
+        oa.step()
+        ob.step()
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+
+
+def test_group_without_any_learning_rate_gets_torchs_error():
+    kind, text = message(lambda: FusedSGD([{"params": params(3), "lr": 0.1},
+                                           {"params": params(2)}]))
+    # torch's own wording for the same mistake (an optimizer whose lr is required, as
+    # FusedSGD's is in Apex), then where and how to fix it
+    from torch.optim.optimizer import required
+
+    class Required(torch.optim.Optimizer):
+        def __init__(self, ps):
+            super().__init__(ps, dict(lr=required))
+
+    theirs = message(lambda: Required([{"params": params(2)}]))
+    assert kind is theirs[0] is ValueError
+    assert text.startswith(theirs[1])
+    assert "(parameter group 1)" in text and "FusedSGD(params, lr=...)" in text
+
+
+def test_fused_sgd_without_lr_anywhere_is_refused():
+    with pytest.raises(ValueError, match="required optimization parameter lr"):
+        FusedSGD(params(3))
+
+
+# =====================================================================================
+# float64 (and other dtypes the sweeps do not update)
+# =====================================================================================
+
+ALTERNATIVE = {"adam": "torch.optim.AdamW", "sgd": "torch.optim.SGD",
+               "adagrad": "torch.optim.Adagrad", "novograd": "model.float()",
+               "lamb": "model.float()"}
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_float64_parameters_are_refused_naming_dtype_and_alternative(name):
+    ps = params(3) + params((2, 2), dtype=torch.float64)
+    kind, text = message(lambda: ALL[name](ps, **KW[name]))
+    assert kind is TypeError
+    assert "parameter 1 of parameter group 0 is float64 with shape (2, 2)" in text
+    assert ALTERNATIVE[name] in text and "float32" in text
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_float64_group_added_later_is_refused_and_changes_nothing(name):
+    ps, opt = trained(name)
+    before = snapshot(opt)
+    with pytest.raises(TypeError, match="parameter 0 of parameter group 1 is float64"):
+        opt.add_param_group({"params": params(3, dtype=torch.float64)})
+    assert_unchanged(before, opt)
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_frozen_float64_parameter_is_left_alone(name):
+    # torch's and Apex's optimizers only look at parameters that have a gradient
+    frozen = torch.randn(3, dtype=torch.float64)
+    ps = params(3)
+    opt = ALL[name](ps + [frozen], **KW[name])
+    set_grads(ps, grads_for(ps, 0))
+    keep = frozen.clone()
+    opt.step()
+    assert torch.equal(frozen, keep) and frozen not in opt.state
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_parameter_turned_float64_after_construction_is_refused_at_step(name):
+    ps, opt = trained(name)
+    before = snapshot(opt)
+    with torch.no_grad():
+        extra = torch.randn(2).requires_grad_()
+    opt.add_param_group({"params": [extra]})
+    extra.data = extra.data.double()
+    extra.grad = torch.ones(2, dtype=torch.float64)
+    set_grads(ps, grads_for(ps, 5))
+    with pytest.raises(TypeError, match="float64"):
+        opt.step()
+    assert extra not in opt.state  # no state was left behind for the refused parameter
+    for i, p in enumerate(ps):
+        assert_bits_equal(before[0][i], p.detach(), f"param {i}")
+
+
+# =====================================================================================
+# zero-size and frozen parameters; fp32/fp16/bf16 parameters in one group
+# =====================================================================================
+
+@pytest.mark.parametrize("path", ["kernel", "cpu"])
+@pytest.mark.parametrize("name", list(ALL))
+def test_zero_size_and_frozen_parameters(name, path):
+    live = params((3, 4), (5,), seed=1)
+    empty = torch.zeros(0, 3, requires_grad=True)
+    frozen = torch.randn(4, requires_grad=False)
+    no_grad = torch.randn(2, requires_grad=True)
+    ref_live = [p.detach().clone().requires_grad_() for p in live]
+    keep_frozen, keep_no_grad = frozen.clone(), no_grad.clone()
+    with force_cpu_path() if path == "cpu" else _null():
+        opt = ALL[name]([empty, live[0], frozen, no_grad, live[1]], **KW[name])
+        ref = ALL[name](ref_live, **KW[name])
+        for k in range(3):
+            set_grads(live, grads_for(live, k))
+            set_grads(ref_live, grads_for(ref_live, k))
+            empty.grad = torch.zeros(0, 3)
+            opt.step()
+            ref.step()
+    # the parameters with gradients step exactly as without the others
+    for x, y in zip(live, ref_live):
+        assert_bits_equal(x.detach(), y.detach())
+    assert torch.equal(frozen, keep_frozen) and frozen not in opt.state
+    assert torch.equal(no_grad.detach(), keep_no_grad) and no_grad not in opt.state
+    assert empty.shape == (0, 3)
+    # and the state dict of such an optimizer loads and keeps stepping
+    twin = ALL[name]([empty, live[0].detach().clone().requires_grad_(), frozen, no_grad,
+                      live[1].detach().clone().requires_grad_()], **KW[name])
+    twin.load_state_dict(opt.state_dict())
+    for st in twin.state.values():
+        for k, v in st.items():
+            assert v.dtype == torch.float32, k
+
+
+def _ref_step(name, ps, gs, st):
+    if name == "adam":
+        adam_step_ref(ps, gs, st["exp_avg"], st["exp_avg_sq"], st["step"], lr=1e-2,
+                      beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    elif name == "sgd":
+        sgd_step_ref(ps, gs, st["momentum_buffer"], lr=0.1, momentum=0.9, steps=st["step"])
+    elif name == "adagrad":
+        adagrad_step_ref(ps, gs, st["sum"], lr=1e-2, eps=1e-10, steps=st["step"])
+    elif name == "novograd":
+        novograd_step_ref(ps, gs, st["exp_avg"], st["exp_avg_sq"], st["step"], lr=1e-2,
+                          beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    else:
+        lamb_step_ref(ps, gs, st["exp_avg"], st["exp_avg_sq"], st["step"], lr=1e-2, beta1=0.9,
+                      beta2=0.999, eps=1e-6, weight_decay=0.01)
+
+
+MIXED_KW = {"adam": dict(lr=1e-2, weight_decay=0.01), "sgd": dict(lr=0.1, momentum=0.9),
+            "adagrad": dict(lr=1e-2), "novograd": dict(lr=1e-2, weight_decay=0.01),
+            "lamb": dict(lr=1e-2, weight_decay=0.01, max_grad_norm=0)}
+STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",),
+              "adagrad": ("sum",), "novograd": ("exp_avg",), "lamb": ("exp_avg", "exp_avg_sq")}
+
+
+@pytest.mark.parametrize("path", ["kernel", "cpu"])
+@pytest.mark.parametrize("name", list(ALL))
+def test_fp32_fp16_bf16_parameters_in_one_group_match_the_oracle(name, path):
+    ps = (params((3, 5), seed=2) + params((7,), dtype=torch.float16, seed=3)
+          + params((4, 2), dtype=torch.bfloat16, seed=4) + params((6,), seed=5))
+    ref_ps = [p.detach().clone() for p in ps]
+    ref_state = {k: [torch.zeros(p.shape) for p in ps] for k in STATE_KEYS[name]}
+    ref_state["step"] = [torch.zeros(()) for _ in ps]
+    if name == "novograd":
+        ref_state["exp_avg_sq"] = [torch.zeros(()) for _ in ps]
+    with force_cpu_path() if path == "cpu" else _null():
+        opt = ALL[name](ps, **MIXED_KW[name])
+        for k in range(3):
+            gs = grads_for(ps, 10 + k)
+            set_grads(ps, gs)
+            opt.step()
+            _ref_step(name, ref_ps, [g.clone() for g in gs], ref_state)
+    rows = [[p.detach()] for p in ps]
+    for i, (p, r) in enumerate(zip(ps, ref_ps)):
+        assert p.dtype == r.dtype
+        if name in ("novograd", "lamb") and p.dtype == torch.float32:
+            torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6)
+        else:
+            assert_close_to_ref(rows[i], [r], f"{name} param {i} ({p.dtype})")
+        assert opt.state[p]["step"].item() == ref_state["step"][i].item() == 3
+        for key in STATE_KEYS[name]:
+            assert opt.state[p][key].dtype == torch.float32
