@@ -419,7 +419,8 @@ def test_bad_state_dict_is_refused_and_changes_nothing(case):
 
 @pytest.mark.parametrize("make,edit,match", [
     (lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9),
-     _set("momentum_buffer", 0, torch.zeros(12)), r"'momentum_buffer' of parameter 0 has shape \(12,\)"),
+     _set("momentum_buffer", 0, torch.zeros(12)),
+     r"'momentum_buffer' of parameter 0 has shape \(12,\)"),
     (lambda ps: FusedAdagrad(ps), _without("sum", 1),
      r"state of parameter 1 has 'step' but no 'sum'"),
     (lambda ps: FusedAdagrad(ps), _group("lr_decay", 0.1), r"lr_decay"),

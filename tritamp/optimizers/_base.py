@@ -24,7 +24,6 @@ import functools
 import math
 import numbers
 import operator
-from itertools import chain
 
 import torch
 from torch.optim.optimizer import required

@@ -10,10 +10,12 @@ from ._base import FusedOptimizer
 class FusedSGD(FusedOptimizer):
     """SGD with momentum, dampening, Nesterov and weight decay on Triton.
 
-    Matches ``torch.optim.SGD`` and keeps its ``state_dict`` layout
-    (``momentum_buffer`` per parameter, fp32, plus a ``step`` count that torch ignores). ``wd_after_momentum`` applies weight decay
-    after the momentum update (Apex). ``materialize_master_grads`` is accepted for Apex
-    compatibility: tritamp never materialises master gradients on its fused path.
+    Matches ``torch.optim.SGD`` and keeps its ``state_dict`` layout (``momentum_buffer``
+    per parameter, fp32, plus a ``step`` count that torch ignores), so state dicts load
+    either way, Apex's too. ``lr`` may be given per parameter group only, as in torch and
+    Apex. ``wd_after_momentum`` applies weight decay after the momentum update (Apex).
+    ``materialize_master_grads`` is accepted for Apex compatibility: tritamp never
+    materialises master gradients on its fused path.
     """
 
     def __init__(self, params, lr=required, momentum=0, dampening=0, weight_decay=0,
