@@ -8,9 +8,9 @@ a small fixed number, whatever the number of tensors).
 from .clip import clip_grad_norm_
 from .fused_adagrad import FusedAdagrad
 from .fused_adam import FusedAdam
-from .fused_lamb import FusedLAMB
+from .fused_lamb import FusedLAMB, FusedMixedPrecisionLamb
 from .fused_novograd import FusedNovoGrad
 from .fused_sgd import FusedSGD
 
-__all__ = ["FusedAdam", "FusedSGD", "FusedLAMB", "FusedAdagrad", "FusedNovoGrad",
-           "clip_grad_norm_"]
+__all__ = ["FusedAdam", "FusedSGD", "FusedLAMB", "FusedMixedPrecisionLamb", "FusedAdagrad",
+           "FusedNovoGrad", "clip_grad_norm_"]

@@ -1,4 +1,8 @@
-"""FusedLAMB: Apex's signature and defaults, a few Triton launches per dtype group."""
+"""FusedLAMB and FusedMixedPrecisionLamb: Apex's signatures and defaults, a few Triton
+launches per dtype group."""
+import numbers
+
+import torch
 
 from tritamp.kernels._cpu_optim import take_grad_writes
 from tritamp.kernels.l2norm import multi_tensor_l2norm_launch, multi_tensor_l2norm_prepare
@@ -56,17 +60,23 @@ class FusedLAMB(FusedOptimizer):
                  set_grad_none=True, max_grad_norm=1.0, use_nvlamb=False, master_weights=False):
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
-        self._check_lr(lr)
-        self._check_betas(betas)
-        self._check_nonneg("epsilon", eps)
-        self._check_nonneg("weight_decay", weight_decay)
-        if max_grad_norm is not None:
-            self._check_nonneg("max_grad_norm", max_grad_norm)
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                        weight_decay=weight_decay, grad_averaging=grad_averaging,
-                        max_grad_norm=max_grad_norm)
-        super().__init__(params, defaults, set_grad_none=set_grad_none,
-                         master_weights=master_weights)
+        self._lamb_init(params, dict(lr=lr, bias_correction=bias_correction, betas=betas,
+                                     eps=eps, weight_decay=weight_decay,
+                                     grad_averaging=grad_averaging,
+                                     max_grad_norm=max_grad_norm),
+                        adam_w_mode=adam_w_mode, use_nvlamb=use_nvlamb,
+                        set_grad_none=set_grad_none, master_weights=master_weights)
+
+    def _lamb_init(self, params, defaults, *, adam_w_mode, use_nvlamb, set_grad_none,
+                   master_weights, capturable=False):
+        self._check_lr(defaults["lr"])
+        self._check_betas(defaults["betas"])
+        self._check_nonneg("epsilon", defaults["eps"])
+        self._check_nonneg("weight_decay", defaults["weight_decay"])
+        if defaults["max_grad_norm"] is not None:
+            self._check_nonneg("max_grad_norm", defaults["max_grad_norm"])
+        FusedOptimizer.__init__(self, params, defaults, set_grad_none=set_grad_none,
+                                capturable=capturable, master_weights=master_weights)
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.use_nvlamb = use_nvlamb
 
@@ -109,3 +119,143 @@ class FusedLAMB(FusedOptimizer):
                     use_nvlamb=bool(self.use_nvlamb), global_grad_norm=global_norm,
                     max_grad_norm=self.defaults["max_grad_norm"] or 0.0,
                     grad_scale=grad_scale, found_inf=found_inf, write_grads=write_grads)
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _check_step(step, where=""):
+    """A step count given to the constructor or in a parameter group: an integer >= 0
+    (or a one-element integer tensor), as Apex's ``torch.tensor([step], dtype=torch.int)``
+    takes it."""
+    value = step
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1 or step.is_floating_point() or step.is_complex() \
+                or step.dtype == torch.bool:
+            raise TypeError(f"step must be an integer or a one-element integer tensor, got a "
+                            f"{str(step.dtype).replace('torch.', '')} tensor of shape "
+                            f"{tuple(step.shape)}{where}")
+        value = int(step.reshape(()).item())  # once, at construction
+    elif isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(f"step must be an integer (the number of steps already taken), got "
+                        f"{type(step).__name__} {step!r}{where}")
+    if value < 0:
+        raise ValueError(f"Invalid step value: {value}{where}; the number of steps already "
+                         "taken is >= 0")
+    return int(value)
+
+
+class FusedMixedPrecisionLamb(FusedLAMB):
+    """Apex's ``FusedMixedPrecisionLamb``: :class:`FusedLAMB` for fp16/bf16 parameters,
+    with fp32 state and fp32 master weights, and the learning rate and step count kept
+    as device tensors (no host value is read on a step).
+
+    - ``reduced_precision_dtype`` (``torch.float16`` or ``torch.bfloat16``): the
+      parameters of that dtype get an fp32 master in ``state["master_param"]``, made on
+      the first step (after a DDP broadcast, as in Apex), updated by the step, which
+      writes the half parameter from it in the same pass; parameters of other dtypes are
+      updated directly. ``None`` (the default): every fp16/bf16 parameter gets a master
+      (Apex updated them in their own dtype, with state in that dtype; tritamp's state is
+      fp32 always).
+    - ``group["lr"]`` is an fp32 tensor on the parameters' device (one per group; change
+      it in place, or let a scheduler do it). ``group["step"]`` is an int32 tensor of shape
+      ``(1,)`` on that device, Apex's group step count: it starts at ``step`` and advances
+      on the device by 1 per step taken, by 0 on a skipped one. Each parameter's state also
+      keeps its own count (``state["step"]``, started from the group's, as FusedLAMB's): the
+      bias correction reads it, so the two agree unless a parameter has no gradient on
+      some steps (it then counts its own steps, as torch's optimizers do).
+    - Driven with ``grad_scale`` / ``found_inf`` (``torch.amp.GradScaler`` or
+      ``tritamp.amp``): the global norm clips the unscaled gradients, and a skipped step
+      changes nothing, step counts included. Under ``torch.amp.GradScaler`` ``.grad``
+      holds the unscaled gradient after the step.
+    - ``amsgrad=True`` raises, as in Apex. ``state_dict`` holds Apex's layout (per
+      parameter ``exp_avg``, ``exp_avg_sq``; ``step`` and ``lr`` in the groups) plus the
+      per-parameter ``step`` and ``master_param``; Apex's checkpoints load (each
+      parameter's count from its group's, masters made from the parameters).
+    """
+
+    _SAVED_ONLY_GROUP_KEYS = ()  # the group step count is this optimizer's own
+
+    def __init__(self, params, lr=1e-3, step=0, bias_correction=True, betas=(0.9, 0.999),
+                 eps=1e-6, weight_decay=0.01, amsgrad=False, adam_w_mode=True,
+                 grad_averaging=True, max_grad_norm=1.0, use_nvlamb=False,
+                 reduced_precision_dtype=None):
+        if amsgrad:
+            raise RuntimeError("FusedMixedPrecisionLamb does not support the AMSGrad variant.")
+        step = _check_step(step)
+        if reduced_precision_dtype is not None:
+            if not isinstance(reduced_precision_dtype, torch.dtype):
+                raise TypeError("reduced_precision_dtype must be torch.float16, "
+                                "torch.bfloat16 or None, got "
+                                f"{type(reduced_precision_dtype).__name__} "
+                                f"{reduced_precision_dtype!r}")
+            if reduced_precision_dtype not in _HALF:
+                raise ValueError("reduced_precision_dtype must be torch.float16, "
+                                 f"torch.bfloat16 or None, got {reduced_precision_dtype}: "
+                                 "it names the parameters that get fp32 master weights")
+        self.reduced_precision_dtype = reduced_precision_dtype
+        self._lamb_init(params, dict(lr=lr, step=step, bias_correction=bias_correction,
+                                     betas=betas, eps=eps, weight_decay=weight_decay,
+                                     grad_averaging=grad_averaging,
+                                     max_grad_norm=max_grad_norm),
+                        adam_w_mode=adam_w_mode, use_nvlamb=use_nvlamb, set_grad_none=True,
+                        master_weights=True, capturable=True)
+
+    @staticmethod
+    def _group_step(step, group):
+        """``step`` (a number or a one-element tensor) as a fresh int32 tensor of shape
+        (1,) on the group's device."""
+        device = group["params"][0].device if group["params"] else None
+        if isinstance(step, torch.Tensor):
+            return step.detach().reshape(1).to(device=device, dtype=torch.int32, copy=True)
+        return torch.tensor([int(step)], dtype=torch.int32, device=device)
+
+    def add_param_group(self, param_group):
+        from_defaults = isinstance(param_group, dict) and "lr" not in param_group
+        if isinstance(param_group, dict) and "step" in param_group:
+            _check_step(param_group["step"], f" (parameter group {len(self.param_groups)})")
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if from_defaults and isinstance(group["lr"], torch.Tensor):
+            group["lr"] = group["lr"].clone()  # groups never share one lr tensor
+        group["step"] = self._group_step(group["step"], group)
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        saved = state_dict["param_groups"]
+        for group, saved_group in zip(self.param_groups, saved):
+            if "step" in saved_group:
+                step = group["step"]
+            else:
+                # Another optimizer's checkpoint (FusedLAMB's): the group has taken as many
+                # steps as its parameters' counts say (read once, at load).
+                counts = [float(self.state[p]["step"]) for p in group["params"]
+                          if "step" in self.state.get(p, ())]
+                step = int(max(counts)) if counts else self.defaults["step"]
+            group["step"] = self._group_step(step, group)
+
+    def _keeps_master(self, p):
+        if p.dtype not in _HALF:
+            return False
+        return self.reduced_precision_dtype is None or p.dtype == self.reduced_precision_dtype
+
+    def _state_for(self, p, target, group):
+        st = self.state[p]
+        if "step" not in st:
+            # A parameter's count starts from its group's (the constructor's step, or an
+            # Apex checkpoint's group count): a device copy, no host read.
+            dict.__setitem__(st, "step", group["step"].reshape(()).to(
+                device=target.device, dtype=torch.float32, copy=True))
+        return super()._state_for(p, target, group)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        # Apex's group counts: +1 per step taken, +0 on a skipped one, on the device.
+        steps = [group["step"] for group in self.param_groups]
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            torch._foreach_add_(steps, 1)
+        else:
+            torch._foreach_add_(steps, found_inf.reshape(()).eq(0).to(torch.int32))
+        return loss
