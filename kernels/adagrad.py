@@ -184,16 +184,18 @@ def adagrad_step_cpu(prepared, *, lr, eps, weight_decay=0.0, adagrad_w_mode=Fals
 
 @torch.no_grad()
 def adagrad_step(params, grads, sums, copies=None, *, lr, eps, weight_decay=0.0,
-                 adagrad_w_mode=False, steps=None, grad_scale=None, found_inf=None):
+                 adagrad_w_mode=False, steps=None, grad_scale=None, found_inf=None,
+                 write_grads=False):
     """One Adagrad step for lists of same-shaped tensors (see the module docstring).
 
     ``sums`` are the fp32 sums of squared gradients; ``steps`` (optional) fp32
     one-element tensors advanced by one unless ``found_inf`` is non-zero; ``lr`` a float
     or an fp32 one-element tensor; ``copies`` may hold None for parameters without a
-    copy. Bad lists raise before anything is written. No host sync."""
+    copy; ``write_grads`` stores the unscaled gradients back into ``grads``. Bad lists
+    raise before anything is written. No host sync."""
     adagrad_launch(adagrad_prepare(params, grads, sums, copies, steps), lr=lr, eps=eps,
                    weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode,
-                   grad_scale=grad_scale, found_inf=found_inf)
+                   grad_scale=grad_scale, found_inf=found_inf, write_grads=write_grads)
 
 
 @torch.no_grad()

@@ -268,7 +268,7 @@ def _momentum_step_by_counts(params, grads, bufs, steps, scale, kw):
 @torch.no_grad()
 def sgd_step(params, grads, momentum_buffers=None, copies=None, *, lr, momentum=0.0,
              dampening=0.0, weight_decay=0.0, nesterov=False, wd_after_momentum=False,
-             first_run=False, steps=None, grad_scale=None, found_inf=None):
+             first_run=False, steps=None, grad_scale=None, found_inf=None, write_grads=False):
     """One SGD step for lists of same-shaped tensors (see the module docstring).
 
     ``first_run`` says the momentum buffers hold nothing yet (they are set to the
@@ -276,12 +276,12 @@ def sgd_step(params, grads, momentum_buffers=None, copies=None, *, lr, momentum=
     parameter) decide it on the device: a buffer whose step count is 0 starts from the
     gradient, so a skipped first step leaves no trace; the counts advance unless
     ``found_inf``. ``lr`` is a float or an fp32 one-element tensor; ``copies`` may hold
-    None for parameters without a copy. Bad lists raise before anything is written. No
-    host sync."""
+    None for parameters without a copy; ``write_grads`` stores the unscaled gradients
+    back into ``grads``. Bad lists raise before anything is written. No host sync."""
     sgd_launch(sgd_prepare(params, grads, momentum_buffers, copies, steps), lr=lr,
                momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                nesterov=nesterov, wd_after_momentum=wd_after_momentum, first_run=first_run,
-               grad_scale=grad_scale, found_inf=found_inf)
+               grad_scale=grad_scale, found_inf=found_inf, write_grads=write_grads)
 
 
 @torch.no_grad()

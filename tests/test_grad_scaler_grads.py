@@ -202,3 +202,46 @@ def test_tritamp_amp_step_writes_no_gradient(path, opt_level, name):
     assert [g._version for g in grads] == versions
     assert_bits_unchanged(before, grads)
     assert any(not torch.equal(w, p) for w, p in zip(weights, model.parameters()))
+
+
+def _launcher_call(name, params, grads, **amp_kw):
+    from tritamp.kernels.adagrad import adagrad_step
+    from tritamp.kernels.adam import adam_step
+    from tritamp.kernels.lamb import lamb_step
+    from tritamp.kernels.novograd import novograd_step
+    from tritamp.kernels.sgd import sgd_step
+    zeros = [torch.zeros_like(p) for p in params]
+    steps = [torch.zeros(()) for _ in params]
+    if name.startswith("adam"):
+        # "adam-degenerate": beta1 = 1 without bias correction, which the CPU path hands
+        # to the oracle (torch's fused kernel cannot express it)
+        degenerate = name == "adam-degenerate"
+        adam_step(params, grads, zeros, [torch.zeros_like(p) for p in params], steps,
+                  lr=1e-2, beta1=1.0 if degenerate else 0.9, beta2=0.999, eps=1e-8,
+                  weight_decay=0.0, bias_correction=not degenerate, **amp_kw)
+    elif name == "sgd":
+        sgd_step(params, grads, zeros, lr=0.1, momentum=0.9, steps=steps, **amp_kw)
+    elif name == "adagrad":
+        adagrad_step(params, grads, zeros, lr=1e-2, eps=1e-10, **amp_kw)
+    elif name == "lamb":
+        lamb_step(params, grads, zeros, [torch.zeros_like(p) for p in params], steps, lr=1e-2,
+                  beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, **amp_kw)
+    else:
+        novograd_step(params, grads, zeros, [torch.zeros(()) for _ in params], steps, lr=1e-2,
+                      beta1=0.95, beta2=0.98, eps=1e-8, weight_decay=0.0, **amp_kw)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("name", ["adam", "adam-degenerate", "sgd", "adagrad", "lamb",
+                                  "novograd"])
+def test_launchers_write_unscaled_grads_when_asked(path, name, skip):
+    gen = torch.Generator().manual_seed(4)
+    params = [torch.randn(s, generator=gen) for s in SHAPES]
+    grads = [torch.randn(s, generator=gen) * SCALE for s in SHAPES]
+    before = [g.clone() for g in grads]
+    _launcher_call(name, params, grads, grad_scale=torch.tensor(SCALE),
+                   found_inf=torch.tensor(1.0 if skip else 0.0), write_grads=True)
+    assert_bits_unchanged(before if skip else _unscaled(before, SCALE), grads)
+    _launcher_call(name, params, grads, grad_scale=torch.tensor(SCALE),
+                   found_inf=torch.tensor(0.0))  # not asked: read only
+    assert_bits_unchanged(before if skip else _unscaled(before, SCALE), grads)
