@@ -55,27 +55,32 @@ from ._tl_utils import load_f32, store_cast
 
 # -- kernels -------------------------------------------------------------------------------
 @triton.jit
-def _syncbn_tile(seg, cols, col_mask, M, C, B, NBB, CHANNELS_LAST: tl.constexpr,
-                 BLOCK_R: tl.constexpr):
-    """Offsets, mask and element count per channel of tile ``seg``: the channels ``cols``
-    x BLOCK_R reduced elements (rows of [M, C], or a run of one plane of [N, C, B]).
+def _syncbn_tile(seg, c0, col_mask, M, C, B, NBB, CHANNELS_LAST: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Offsets, mask and element count per channel of tile ``seg``: the BLOCK_C channels
+    from ``c0`` x BLOCK_R reduced elements (rows of [M, C], or a run of one plane of
+    [N, C, B]).
 
     The reduced axis is axis 1 in both layouts (the interpreter then sums pairwise, as
-    numpy does along the last axis, rather than row after row); the offsets' int64 part is
-    the tile's base (one scalar), the per-element part fits in int32 (one row block or one
-    sample)."""
+    numpy does along the last axis, rather than row after row). An input, and one sample
+    of it, may hold more than 2**31 elements (``seg`` and ``c0`` are int64): ``base`` is
+    int64, the start of each channel's run (a [BLOCK_C, 1] column) in channels-first
+    order or of the tile (a scalar) in channels-last order. ``offs`` is int32: it spans
+    one run (below BLOCK_R) or one tile (below BLOCK_R * C, which _Geometry keeps under
+    2**31), and int32 per element costs fewer registers than int64."""
     r = tl.arange(0, BLOCK_R)
+    lc = tl.arange(0, BLOCK_C)
     if CHANNELS_LAST:
         start = seg * BLOCK_R
-        base = start * C
-        offs = cols[:, None] + r[None, :] * C
+        base = start * C + c0
+        offs = lc[:, None] + r[None, :] * C
         rmask = r < M - start
         k = tl.minimum(M - start, BLOCK_R)
     else:
         n = seg // NBB
         start = (seg - n * NBB) * BLOCK_R
-        base = n * C * B + start
-        offs = cols[:, None] * B + r[None, :]
+        base = n * C * B + start + (c0 + lc)[:, None] * B
+        offs = r[None, :]
         rmask = r < B - start
         k = tl.minimum(B - start, BLOCK_R)
     return base, offs, col_mask[:, None] & rmask[None, :], k
@@ -108,7 +113,8 @@ def _syncbn_stats_kernel(
 ):
     pid_c = tl.program_id(0)
     chunk = tl.program_id(1).to(tl.int64)
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    c0 = pid_c.to(tl.int64) * BLOCK_C
+    cols = c0 + tl.arange(0, BLOCK_C)
     col_mask = cols < C
     acc_n = 0.0
     acc_mean = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -121,12 +127,12 @@ def _syncbn_stats_kernel(
     if CHANNELS_LAST:
         pivot = load_f32(x_ptr + cols, col_mask, EMULATE_BF16_ROUNDING)
     else:
-        pivot = load_f32(x_ptr + cols * B, col_mask, EMULATE_BF16_ROUNDING)
+        pivot = load_f32(x_ptr + cols * B, col_mask, EMULATE_BF16_ROUNDING)  # (int64)
     if chunk == 0:
         tl.store(shift_ptr + cols, pivot, mask=col_mask)
     for seg in range(first, last):
-        base, offs, mask, k = _syncbn_tile(seg, cols, col_mask, M, C, B, NBB, CHANNELS_LAST,
-                                           BLOCK_R)
+        base, offs, mask, k = _syncbn_tile(seg, c0, col_mask, M, C, B, NBB, CHANNELS_LAST,
+                                           BLOCK_R, BLOCK_C)
         x = load_f32(x_ptr + base + offs, mask, EMULATE_BF16_ROUNDING)
         x = tl.where(mask, x - pivot[:, None], 0.0)
         kf = k.to(tl.float32)
@@ -135,11 +141,11 @@ def _syncbn_stats_kernel(
         d = tl.where(mask, x - t_mean[:, None], 0.0)
         t_m2 = tl.sum(d * d, axis=1)
         acc_n, acc_mean, acc_m2 = _chan_merge(acc_n, acc_mean, acc_m2, kf, t_mean, t_m2)
-    row = part_ptr + chunk * (2 * C + 1)
+    row = part_ptr + chunk * 2 * C + chunk  # (int64: 2C + 1 may pass 2**31)
     tl.store(row + cols, acc_mean, mask=col_mask)
     tl.store(row + C + cols, acc_m2, mask=col_mask)
     if pid_c == 0:
-        tl.store(row + 2 * C, acc_n)
+        tl.store(row + C + C, acc_n)
 
 
 @triton.jit
@@ -163,7 +169,7 @@ def _syncbn_merge_kernel(
     pid_c = tl.program_id(0)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
-    width = 2 * C + 1
+    width = tl.full([], 2, tl.int64) * C + 1  # (int64: may pass 2**31)
     acc_n = 0.0
     acc_mean = tl.zeros([BLOCK_C], dtype=tl.float32)
     acc_m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -180,7 +186,7 @@ def _syncbn_merge_kernel(
         p_mask = p < P
         row = rows_ptr + p.to(tl.int64)[:, None] * width
         mask = p_mask[:, None] & col_mask[None, :]
-        cnt = tl.load(rows_ptr + p.to(tl.int64) * width + 2 * C, mask=p_mask, other=0.0)
+        cnt = tl.load(rows_ptr + p.to(tl.int64) * width + (width - 1), mask=p_mask, other=0.0)
         mean_i = tl.load(row + cols[None, :], mask=mask, other=0.0) - rel[None, :]
         m2_i = tl.load(row + C + cols[None, :], mask=mask, other=0.0)
         # This block of rows merged exactly: its mean first, then the spread of the row
@@ -219,7 +225,7 @@ def _syncbn_merge_kernel(
         tl.store(out_ptr + cols, acc_mean, mask=col_mask)
         tl.store(out_ptr + C + cols, acc_m2, mask=col_mask)
         if pid_c == 0:
-            tl.store(out_ptr + 2 * C, acc_n)
+            tl.store(out_ptr + C + C, acc_n)
 
 
 @triton.jit
@@ -254,10 +260,11 @@ def _syncbn_forward_kernel(
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     seg = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c0 = tl.program_id(1).to(tl.int64) * BLOCK_C
+    cols = c0 + tl.arange(0, BLOCK_C)
     col_mask = cols < C
-    base, offs, mask, k = _syncbn_tile(seg, cols, col_mask, M, C, B, NBB, CHANNELS_LAST,
-                                       BLOCK_R)
+    base, offs, mask, k = _syncbn_tile(seg, c0, col_mask, M, C, B, NBB, CHANNELS_LAST,
+                                       BLOCK_R, BLOCK_C)
     x = load_f32(x_ptr + base + offs, mask, EMULATE_BF16_ROUNDING)
     z = x
     if HAS_Z:
@@ -300,9 +307,9 @@ def _syncbn_backward_reduce_kernel(
     HAS_Z: tl.constexpr, RELU: tl.constexpr, EMULATE_BF16_ROUNDING: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    pid_c = tl.program_id(0)
+    c0 = tl.program_id(0).to(tl.int64) * BLOCK_C
     chunk = tl.program_id(1).to(tl.int64)
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    cols = c0 + tl.arange(0, BLOCK_C)
     col_mask = cols < C
     mean = tl.load(mean_ptr + cols, mask=col_mask, other=0.0)
     sum_dy = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -314,8 +321,8 @@ def _syncbn_backward_reduce_kernel(
     first = chunk * segs_per_chunk
     last = tl.minimum(first + segs_per_chunk, n_segs)
     for seg in range(first, last):
-        base, offs, mask, k = _syncbn_tile(seg, cols, col_mask, M, C, B, NBB, CHANNELS_LAST,
-                                           BLOCK_R)
+        base, offs, mask, k = _syncbn_tile(seg, c0, col_mask, M, C, B, NBB, CHANNELS_LAST,
+                                           BLOCK_R, BLOCK_C)
         dy, x = _syncbn_load_dy_x(dy_ptr, x_ptr, z_ptr, base, offs, mask, cols, col_mask,
                                   mean_ptr, invstd_ptr, w_ptr, b_ptr, HAS_WEIGHT, HAS_BIAS,
                                   HAS_Z, RELU, EMULATE_BF16_ROUNDING)
@@ -327,7 +334,7 @@ def _syncbn_backward_reduce_kernel(
         new = sum_dy_xmu + t_xmu
         c_xmu = (new - sum_dy_xmu) - t_xmu
         sum_dy_xmu = new
-    row = part_ptr + chunk * (2 * C)
+    row = part_ptr + chunk * 2 * C
     tl.store(row + cols, sum_dy - c_dy, mask=col_mask)
     tl.store(row + C + cols, sum_dy_xmu - c_xmu, mask=col_mask)
 
@@ -350,7 +357,7 @@ def _syncbn_reduce_merge_kernel(
     s_xmu = tl.zeros([BLOCK_C], dtype=tl.float64)
     for p0 in range(0, P, BLOCK_P):
         p = p0 + tl.arange(0, BLOCK_P)
-        row = part_ptr + p.to(tl.int64)[:, None] * (2 * C)
+        row = (part_ptr + p.to(tl.int64) * 2 * C)[:, None]
         mask = (p < P)[:, None] & col_mask[None, :]
         s_dy += tl.sum(tl.load(row + cols[None, :], mask=mask, other=0.0).to(tl.float64), axis=0)
         s_xmu += tl.sum(tl.load(row + C + cols[None, :], mask=mask, other=0.0).to(tl.float64),
@@ -381,10 +388,11 @@ def _syncbn_backward_input_kernel(
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     seg = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c0 = tl.program_id(1).to(tl.int64) * BLOCK_C
+    cols = c0 + tl.arange(0, BLOCK_C)
     col_mask = cols < C
-    base, offs, mask, k = _syncbn_tile(seg, cols, col_mask, M, C, B, NBB, CHANNELS_LAST,
-                                       BLOCK_R)
+    base, offs, mask, k = _syncbn_tile(seg, c0, col_mask, M, C, B, NBB, CHANNELS_LAST,
+                                       BLOCK_R, BLOCK_C)
     dy, x = _syncbn_load_dy_x(dy_ptr, x_ptr, z_ptr, base, offs, mask, cols, col_mask, mean_ptr,
                               invstd_ptr, w_ptr, b_ptr, HAS_WEIGHT, HAS_BIAS, HAS_Z, RELU,
                               EMULATE_BF16_ROUNDING)
@@ -416,33 +424,56 @@ def _target_programs(device):
     return 4
 
 
-class _Geometry:
-    """Tiles of one canonical view: BLOCK_R reduced elements x BLOCK_C channels."""
+# Limits the geometry keeps to: element offsets within a tile fit in int32 (see
+# _syncbn_tile), and the channel blocks, on grid axis 1 of the forward and backward_input
+# launches, fit in CUDA's 65535 programs there.
+_INT32_MAX = 2**31 - 1
+_GRID_Y_MAX = 65535
 
-    def __init__(self, x):
-        if x.dim() not in (2, 3) or not x.is_contiguous():
-            raise ValueError("syncbn kernels take a contiguous [M, C] (channels last) or "
-                             f"[N, C, B] (channels first) view; got shape {tuple(x.shape)} with "
-                             f"strides {x.stride()}")
-        self.channels_last = x.dim() == 2
-        gpu = x.device.type == "cuda"
+
+class _Geometry:
+    """Tiles of one canonical view: BLOCK_R reduced elements x BLOCK_C channels.
+
+    Computed from the view's shape alone (``gpu``: the GPU's tile sizes, else the
+    interpreter's), so what a launch would compute for any shape can be checked without
+    the tensor. :meth:`of` takes the tensor."""
+
+    def __init__(self, shape, gpu):
+        self.channels_last = len(shape) == 2
         tile = 4096 if gpu else 16384
         if self.channels_last:
-            self.M, self.C = x.shape
+            self.M, self.C = shape
             self.B = 1
             self.BLOCK_C = min(triton.next_power_of_2(max(self.C, 1)), 64 if gpu else 256)
+            self.BLOCK_C = max(self.BLOCK_C, triton.next_power_of_2(
+                triton.cdiv(self.C, _GRID_Y_MAX)))
             self.BLOCK_R = max(1, min(tile // self.BLOCK_C, triton.next_power_of_2(max(self.M, 1))))
+            # A tile's element offsets reach (BLOCK_R - 1) * C + BLOCK_C - 1: int32.
+            while self.BLOCK_R > 1 and (self.BLOCK_R - 1) * self.C + self.BLOCK_C > _INT32_MAX:
+                self.BLOCK_R //= 2
             self.NBB = 1
             self.n_segs = triton.cdiv(self.M, self.BLOCK_R)
         else:
-            self.M, self.C, self.B = x.shape
+            self.M, self.C, self.B = shape
             self.BLOCK_R = min(triton.next_power_of_2(max(self.B, 1)), tile)
             self.BLOCK_C = max(1, min(triton.next_power_of_2(max(self.C, 1)), tile // self.BLOCK_R))
+            need_c = triton.next_power_of_2(triton.cdiv(self.C, _GRID_Y_MAX))
+            if self.BLOCK_C < need_c:  # many channels of large planes: wider, shorter tiles
+                self.BLOCK_C = need_c
+                self.BLOCK_R = max(1, min(self.BLOCK_R, tile // need_c))
             self.NBB = triton.cdiv(self.B, self.BLOCK_R)
             self.n_segs = self.M * self.NBB
         self.n_cblocks = triton.cdiv(self.C, self.BLOCK_C)
         self.warps = 8 if gpu and self.BLOCK_R * self.BLOCK_C >= 4096 else 4
         self.emulate = not gpu
+
+    @classmethod
+    def of(cls, x):
+        if x.dim() not in (2, 3) or not x.is_contiguous():
+            raise ValueError("syncbn kernels take a contiguous [M, C] (channels last) or "
+                             f"[N, C, B] (channels first) view; got shape {tuple(x.shape)} with "
+                             f"strides {x.stride()}")
+        return cls(tuple(x.shape), x.device.type == "cuda")
 
     def chunks(self, device):
         """(number of chunks, tiles per chunk) splitting the reduced dimension."""
@@ -488,7 +519,7 @@ def syncbn_stats(x):
     ``[P, 2C + 1]`` of ``(mean[C] - shift, m2[C], count)`` and ``shift`` fp32 ``[C]`` (or
     None: absolute means). Merge them with :func:`syncbn_combine` or
     :func:`syncbn_finalize`, passing ``shift`` along."""
-    geo = _Geometry(x)
+    geo = _Geometry.of(x)
     if not use_triton(x):
         return syncbn_stats_cpu(x)
     if x.numel() == 0:
@@ -585,7 +616,7 @@ def syncbn_forward(x, mean, invstd, weight=None, bias=None, z=None, relu=False, 
         raise ValueError(f"syncbn_forward: out must be {x.dtype}, got {out.dtype}")
     if not use_triton(x):
         return syncbn_forward_cpu(x, mean, invstd, weight, bias, z, relu, out)
-    geo = _Geometry(x)
+    geo = _Geometry.of(x)
     y = torch.empty_like(x) if out is None else out
     if x.numel() == 0:
         return y
@@ -609,7 +640,7 @@ def syncbn_backward_reduce(dy, x, mean, invstd, weight=None, bias=None, z=None, 
     if not use_triton(x):
         return syncbn_backward_reduce_cpu(dy, x, mean, invstd, weight, bias, z, relu,
                                           need_weight_grad, need_bias_grad)
-    geo = _Geometry(x)
+    geo = _Geometry.of(x)
     has_gw = weight is not None and need_weight_grad
     has_gb = weight is not None and need_bias_grad
     gw = torch.empty_like(weight) if has_gw else None
@@ -650,7 +681,7 @@ def syncbn_backward_input(dy, x, mean, invstd, weight=None, sums=None, count=Non
     if not use_triton(x):
         return syncbn_backward_input_cpu(dy, x, mean, invstd, weight, sums, count, bias, z,
                                          relu, need_dz)
-    geo = _Geometry(x)
+    geo = _Geometry.of(x)
     dx = torch.empty_like(x)
     dz = torch.empty_like(z if z is not None else x) if need_dz else None
     if x.numel() == 0:
