@@ -129,6 +129,18 @@ def _err(sweep, kind, msg):
     return kind(f"{sweep.name}: {msg}")
 
 
+def sparse_error(op, where, t):
+    """The error for a sparse tensor (any layout but torch.strided) in a list: no sweep can
+    walk one, and amp never scaled one (Apex's neither). A RuntimeError, as torch's
+    optimizers raise for sparse gradients."""
+    layout = str(t.layout).replace("torch.", "")
+    return RuntimeError(
+        f"{op} does not support sparse gradients: {where} is a {layout} "
+        f"tensor of shape {tuple(t.shape)}. tritamp's loss scaling and fused optimizers take "
+        "dense gradients only (Apex's amp never supported sparse ones); please use dense "
+        "gradients, e.g. nn.Embedding(..., sparse=False)")
+
+
 def _validate(sweep, lists):
     """The checks of the module docstring. Returns the row count; replaces gradients that
     need it by dense copies in ``lists`` (recording write-backs in ``lists['_writeback']``)."""
@@ -164,6 +176,8 @@ def _validate(sweep, lists):
         if not isinstance(p, torch.Tensor):
             raise _err(sweep, TypeError, f"{anchor.name}[{i}] is a {type(p).__name__}, expected "
                        "a tensor")
+        if p.layout != torch.strided:
+            raise sparse_error(sweep.name, f"{anchor.name}[{i}]", p)
         if p.device != device:
             raise _err(sweep, ValueError, f"{anchor.name}[{i}] is on {p.device} but "
                        f"{anchor.name}[0] is on {device}; call it once per device")
@@ -188,6 +202,8 @@ def _validate(sweep, lists):
                 continue
             if not isinstance(t, torch.Tensor):
                 raise _err(sweep, TypeError, f"{where} is a {type(t).__name__}, expected a tensor")
+            if t.layout != torch.strided:
+                raise sparse_error(sweep.name, f"{where} (for {anchor.name}[{i}])", t)
             if t.device != device:
                 raise _err(sweep, ValueError, f"{where} is on {t.device} but {anchor.name}[{i}] is "
                            f"on {device}; move it to {device}")
@@ -579,15 +595,23 @@ class StagedPrepared:
         self.prepared.release(name)
 
 
-def layout_key(tensors):
+def layout_key(tensors, op="tritamp", name="gradient"):
     """(addresses, strides) of ``tensors`` (None entries allowed): the cheap key under
     which a caller keeps a prepared sweep. For a ``.grad``, torch itself keeps dtype,
-    shape and device equal to its parameter's, so these two say what can change."""
+    shape and device equal to its parameter's, so these two say what can change.
+    A sparse tensor (no address) raises :func:`sparse_error`, naming ``name`` and its
+    index (``op`` says who refuses it)."""
     try:
         return tuple(map(_data_ptr, tensors)), tuple(map(_stride, tensors))
     except TypeError:  # a None among them
-        return (tuple([0 if t is None else t.data_ptr() for t in tensors]),
-                tuple([None if t is None else t.stride() for t in tensors]))
+        pass
+    except RuntimeError:  # a tensor without storage: sparse, said below
+        pass
+    for i, t in enumerate(tensors):
+        if t is not None and t.layout != torch.strided:
+            raise sparse_error(op, f"{name} {i}", t)
+    return (tuple([0 if t is None else t.data_ptr() for t in tensors]),
+            tuple([None if t is None else t.stride() for t in tensors]))
 
 
 def borrowed(tensors):

@@ -43,7 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._multi_tensor import HALF_OR_FLOAT, Column, Sweep, _dense, device_constants, same_layout
+from ._multi_tensor import (HALF_OR_FLOAT, Column, Sweep, _dense, device_constants, same_layout,
+                            sparse_error)
 from ._tl_utils import column, inv_scale, load_f32, store_cast, sweep_block
 
 CHECK_UNSCALE = Sweep("check_unscale", [
@@ -134,6 +135,8 @@ def check_lists(op, lists, dtypes=HALF_OR_FLOAT):
         for i, t in enumerate(col):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{op}: {name}[{i}] is a {type(t).__name__}, expected a tensor")
+            if t.layout != torch.strided:
+                raise sparse_error(op, f"{name}[{i}]", t)
             if t.dtype not in dtypes:
                 raise TypeError(f"{op}: {name}[{i}] is {str(t.dtype).replace('torch.', '')}, "
                                 "expected float32, float16 or bfloat16")
