@@ -115,6 +115,44 @@ def test_syncbn_tile_offsets_of_a_huge_input_do_not_wrap(shape, gpu):
         assert want.max() < np.prod(shape, dtype=np.int64)
 
 
+@pytest.mark.parametrize("shape,limits", [
+    ((40, 5), dict(_INT32_MAX=20)),        # channels last: BLOCK_R halved from 64 to 2
+    ((40, 300), dict(_GRID_Y_MAX=1)),      # channels last: one block of 512 channels
+    ((2, 6, 3000), dict(_GRID_Y_MAX=1)),   # channels first: 8 channels x 2048, ragged planes
+], ids=["cl-int32", "cl-grid", "cf-grid"])
+def test_syncbn_kernels_are_right_on_the_geometry_a_huge_input_gets(monkeypatch, shape,
+                                                                    limits):
+    # The limits lowered: a small input takes the geometry a huge one takes, and the
+    # kernels launched on it agree with the references.
+    from tritamp.kernels import syncbn as S
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 2.0 + 1.0
+    default = _Geometry.of(x)
+    for name, value in limits.items():
+        monkeypatch.setattr(S, name, value)
+    geo = _Geometry.of(x)
+    assert (geo.BLOCK_R, geo.BLOCK_C) != (default.BLOCK_R, default.BLOCK_C)
+    c = shape[1]
+    w, b = torch.linspace(0.5, 1.5, c), torch.linspace(-1.0, 1.0, c)
+    dy = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    rows, shift = S.syncbn_stats(x)
+    mean, invstd, count = S.syncbn_finalize(rows, 1e-5, shift=shift)
+    want_mean, want_invstd, want_count = S.syncbn_finalize_ref(S.syncbn_stats_ref(x)[0], 1e-5)
+    assert count.item() == want_count.item() == x.numel() // c
+    torch.testing.assert_close(mean, want_mean, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(invstd, want_invstd, rtol=2e-6, atol=0)
+    tol = dict(rtol=1.3e-6, atol=1e-5)
+    torch.testing.assert_close(S.syncbn_forward(x, mean, invstd, w, b),
+                               S.syncbn_forward_ref(x, mean, invstd, w, b), **tol)
+    sums, gw, gb = S.syncbn_backward_reduce(dy, x, mean, invstd, w, b)
+    want_sums, want_gw, want_gb = S.syncbn_backward_reduce_ref(dy, x, mean, invstd, w, b)
+    for got, want in ((sums, want_sums), (gw, want_gw), (gb, want_gb)):
+        # sums of thousands of terms, taken in another order: four fp32 ulps of the largest
+        torch.testing.assert_close(got, want, rtol=0, atol=4 * 2**-23 * want.abs().max().item())
+    dx, _ = S.syncbn_backward_input(dy, x, mean, invstd, w, sums, count)
+    torch.testing.assert_close(dx, S.syncbn_backward_input_ref(dy, x, mean, invstd, w, sums,
+                                                               count)[0], **tol)
+
+
 def test_syncbn_geometry_of_a_tensor_refuses_a_non_canonical_view():
     with pytest.raises(ValueError, match=r"contiguous \[M, C\].*\[N, C, B\].*strides"):
         _Geometry.of(torch.zeros(4, 3).t())
