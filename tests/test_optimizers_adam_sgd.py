@@ -668,14 +668,15 @@ def _round_trip(sd):
 
 
 def test_fused_adam_state_dict_loads_into_torch_adamw():
-    # weight_decay=0: torch.optim.AdamW's load_state_dict takes the hyperparameters from the
-    # saved groups, and a FusedAdam group has no "decoupled_weight_decay" key (Apex's neither)
+    # torch.optim.AdamW's load_state_dict takes the hyperparameters from the saved groups; a
+    # FusedAdam group says decoupled_weight_decay (adam_w_mode), so the decay carries over
     grads = make_grads()
     ours, theirs = make_params(), make_params()
-    opt = FusedAdam(ours, lr=1e-2)
-    ref = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.0)
+    opt = FusedAdam(ours, lr=1e-2, weight_decay=0.05)
+    ref = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.05)
     _run(ours, opt, grads[:2])
     sd = _round_trip(opt.state_dict())
+    assert all(g["decoupled_weight_decay"] is True for g in sd["param_groups"])
     assert all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in sd["state"].values())
     with torch.no_grad():
         for p, q in zip(ours, theirs):
