@@ -1,5 +1,6 @@
 """tritamp.amp: Apex's ``amp`` API (``from tritamp import amp``)."""
-from .frontend import initialize, load_state_dict, state_dict
+from .checkpoint import load_state_dict, state_dict
+from .frontend import initialize
 from .handle import disable_casts, master_params, scale_loss
 from .lists import (float_function, half_function, promote_function, register_float_function,
                     register_half_function, register_promote_function)
