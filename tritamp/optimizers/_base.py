@@ -639,13 +639,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._bump()
         links = self._group_links(gi, group)
         grads = self._group_grads(links, grad_scale)
-        try:
-            ptrs, strides = layout_key(grads)
-        except RuntimeError:  # a sparse gradient has no data_ptr or strides
-            if any(g is not None and g.is_sparse for g in grads):
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients, "
-                                   "please consider SparseAdam instead") from None
-            raise
+        # a sparse gradient is refused here, named (group, index) in torch's words
+        ptrs, strides = layout_key(grads, op=type(self).__name__,
+                                   name=f"param_groups[{gi}] gradient")
         rest = (strides, tuple(map(_data_ptr, links.written)), self._generation,
                 self.state.epoch.value, self._plan_depends_on(group))
         key = (ptrs, rest)
