@@ -183,7 +183,10 @@ def _validate(sweep, lists):
                        f"{anchor.name}[0] is on {device}; call it once per device")
         if p.dtype not in anchor.dtypes:
             raise _err(sweep, TypeError, f"{anchor.name}[{i}] is {_dtype_name(p.dtype)}, expected "
-                       f"one of {[_dtype_name(d) for d in anchor.dtypes]}")
+                       f"one of {[_dtype_name(d) for d in anchor.dtypes]}: the kernels compute "
+                       "in float32; convert it (.float())"
+                       + (", or use torch.optim's optimizer to compute in float64"
+                          if p.dtype == torch.float64 else ""))
         if not _dense(p):
             raise _err(sweep, ValueError,
                        f"{anchor.name}[{i}] of shape {tuple(p.shape)} has strides {p.stride()}: "

@@ -139,7 +139,8 @@ def check_lists(op, lists, dtypes=HALF_OR_FLOAT):
                 raise sparse_error(op, f"{name}[{i}]", t)
             if t.dtype not in dtypes:
                 raise TypeError(f"{op}: {name}[{i}] is {str(t.dtype).replace('torch.', '')}, "
-                                "expected float32, float16 or bfloat16")
+                                "expected float32, float16 or bfloat16: the check computes in "
+                                "float32; convert it (.float()) or keep the model in float32")
             if device is None:
                 device = t.device
             elif t.device != device:
