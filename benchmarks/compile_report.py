@@ -12,7 +12,9 @@ No GPU needed. Two parts:
    CUDA code path, with Triton specialising every argument for a stand-in sm_90 device.
    Twice per configuration: a model whose every parameter numel is a multiple of 8 (the
    aligned, vectorised path ``VEC`` > 1 is taken) and the same model with one odd-sized
-   parameter (its dtype group takes the masked path, ``VEC = 1``). Then
+   parameter (its dtype group takes the masked path, ``VEC = 1``). Each optimizer also
+   steps fp32 parameters under ``torch.amp.GradScaler``, whose steps write the unscaled
+   gradients back (the kernels' ``WRITE_GRAD`` variants). Then
    ``multi_tensor_l2norm``, ``multi_tensor_scale``, ``multi_tensor_axpby``,
    ``check_unscale`` and the template ``adam_step`` directly, on both kinds of lists.
    Each kernel-cache miss is one specialisation: the kernel, its argument dtypes, the
@@ -102,6 +104,24 @@ def _amp_steps(opt_name, level, dtype_name, odd, steps=2):
         opt.zero_grad()
 
 
+def _grad_scaler_steps(opt_name, odd, steps=2):
+    """torch.amp.GradScaler driving the optimizer (fp32 parameters): its step writes the
+    unscaled gradients back (the ``WRITE_GRAD`` variants of the kernels)."""
+    torch.manual_seed(0)
+    model = _Model(odd)
+    opt = _optimizer(opt_name, model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [torch.full_like(p, 1e-3) for p in params]
+    for _ in range(steps):
+        scaler.scale(torch.zeros(()))  # what a backward of the scaled loss would start with
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+
 def _lists(dtype, odd):
     numels = [2048, 32, 512, 16] + ([7] if odd else [])
     return [torch.full((n,), 0.5, dtype=dtype) for n in numels]
@@ -169,6 +189,9 @@ def record_specialisations(optimizers=OPTIMIZERS, log=None):
                 for odd in (False, True):
                     scenarios[f"{opt_name} {level} {dname}{' +odd' if odd else ''}"] = (
                         lambda o=opt_name, lv=level, d=dname, od=odd: _amp_steps(o, lv, d, od))
+        for odd in (False, True):
+            scenarios[f"{opt_name} GradScaler fp32{' +odd' if odd else ''}"] = (
+                lambda o=opt_name, od=odd: _grad_scaler_steps(o, od))
     scenarios.update(_direct_calls())
     specs, sources, errors = [], {}, {}
     with record_launches() as rec:

@@ -1,6 +1,7 @@
 """The multi-tensor sweeps compile to what the engine promises on an H100 (sm_90).
 
-benchmarks/compile_report.py runs every fused optimizer (O1/O2, fp16/bf16) and the
+benchmarks/compile_report.py runs every fused optimizer (O1/O2, fp16/bf16, and fp32 under
+torch.amp.GradScaler, whose steps write the unscaled gradients back) and the
 multi-tensor helpers under the launch recorder, so the variants checked here are the ones
 the launchers really use, specialised by Triton as on the GPU, then compiles each for
 sm_90 and reads the SASS. It runs once per session, in the child process that compiles
@@ -129,6 +130,18 @@ def test_aligned_path_has_no_spills_and_fits_its_register_budget(report, family)
             bad.append(f"{_where(r)}: {r['reg']} registers > {BUDGET[family]}")
         assert r["constexprs"]["BLOCK"] == 1024 and r["num_warps"] == 4, _where(r)
     assert bad == []
+
+
+@pytest.mark.parametrize("family", ["adagrad", "adam", "lamb", "novograd", "sgd"])
+def test_gradient_writing_variants_are_compiled_and_checked(report, family):
+    # torch.amp.GradScaler's steps write the unscaled gradients back (WRITE_GRAD): those
+    # variants are launched by the report's GradScaler scenarios, so the load-width,
+    # spill and register checks above cover them too
+    rows = [r for r in _sweeps(report, family) if r["constexprs"].get("WRITE_GRAD") is True]
+    assert rows, f"no {family} variant with WRITE_GRAD=True was recorded"
+    assert any((r.get("vec") or 1) > 1 and "reg" in r for r in rows), \
+        f"no aligned {family} WRITE_GRAD variant compiled"
+    assert all(any("GradScaler" in s for s in r["sources"]) for r in rows)
 
 
 def test_report_finishes_quickly(report):
