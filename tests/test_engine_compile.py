@@ -72,7 +72,7 @@ def test_sweep_is_recorded_and_on_the_engine_signature(report, family):
     assert rows, (f"no {family} sweep was launched; scenarios that failed: "
                   f"{_summary(report['errors'])}")
     legacy = sorted({r["kernel"] for r in rows if not r["engine"]})
-    assert legacy == [], f"not on the engine signature (meta_ptr, blocks_ptr, counters_ptr, ...)"
+    assert legacy == [], "not on the engine signature (meta_ptr, blocks_ptr, counters_ptr, ...)"
     no_vec = sorted({r["kernel"] for r in rows if "VEC" not in r["constexprs"]})
     assert no_vec == [], "no VEC constexpr"
 
