@@ -818,3 +818,17 @@ def test_zero_grad_defaults_follow_apex():
     a[0].grad = torch.ones_like(a[0])
     opt_n.zero_grad()
     assert torch.equal(a[0].grad, torch.zeros_like(a[0]))
+
+
+def test_fused_sgd_accepts_apex_materialize_master_grads_keyword():
+    # Apex's keyword stays accepted (either value) and changes nothing on the fused path
+    runs = []
+    for flag in (True, False):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(6))
+        opt = FusedSGD([p], lr=0.1, momentum=0.9, materialize_master_grads=flag)
+        for k in range(2):
+            p.grad = torch.full_like(p, 0.5 + k)
+            opt.step()
+        runs.append(p.detach().clone())
+    assert torch.equal(runs[0], runs[1])

@@ -35,7 +35,7 @@ class FusedSGD(FusedOptimizer):
                         weight_decay=weight_decay, nesterov=nesterov)
         super().__init__(params, defaults, set_grad_none=set_grad_none)
         self.wd_after_momentum = wd_after_momentum
-        self.materialize_master_grads = materialize_master_grads
+        del materialize_master_grads  # Apex's keyword: accepted, nothing to materialise
 
     _TORCH_ALTERNATIVE = "torch.optim.SGD (fused=True or foreach=True)"
 
