@@ -29,6 +29,7 @@ import torch
 from torch.optim.optimizer import required
 
 from tritamp.amp._model import MODEL_ATTR
+from tritamp.contract import StepHandoff
 from tritamp.kernels._cpu_optim import GradWrites, check_grads_writable
 from tritamp.kernels._multi_tensor import (SweepCache, borrowed, layout_key, restride_like,
                                            zero_grads_)
@@ -226,6 +227,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._generation = 0
         self._links_cache = {}
         self._plans = {}
+        self.step_handoff = StepHandoff()  # what a driver hands each step (tritamp.contract)
         self._track_state()
 
     def _track_state(self):
@@ -363,6 +365,8 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        if not isinstance(getattr(self, "step_handoff", None), StepHandoff):
+            self.step_handoff = StepHandoff()
         self._track_state()
         self._bump()
 
@@ -706,14 +710,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
-        write_grads = self._writes_unscaled_grads(grad_scale)
+        handoff = self.step_handoff
+        _, grad_scale, found_inf, write_grads = handoff.take(self)
+        write_grads = write_grads and self._writes_unscaled_grads(grad_scale)
         fresh = []
         try:
             plans = [self._group_plan(gi, group, grad_scale, write_grads, fresh)
                      for gi, group in enumerate(self.param_groups)]
         except Exception:
+            handoff.reset()
             if fresh:  # a refused step leaves no state behind, in any group
                 for p in fresh:
                     dict.pop(self.state, p, None)
@@ -722,15 +727,20 @@ class FusedOptimizer(torch.optim.Optimizer):
         launched = plans
         if write_grads:
             launched = [None if p is None else GradWrites(p) for p in plans]
-        extra = self._before_groups(plans, grad_scale)
-        for gi, (group, prepared) in enumerate(zip(self.param_groups, plans)):
-            if prepared is not None:
-                self._launch(group, launched[gi], grad_scale, found_inf, **extra)
-                if prepared.rebindable:
-                    # A kept CPU sweep holds this step's gradients only while it runs.
-                    prepared.release("grads")
-                    cache = self._plans[gi]
-                    cache.key = (None, cache.key[1])
+        try:
+            extra = self._before_groups(plans, grad_scale)
+            for gi, (group, prepared) in enumerate(zip(self.param_groups, plans)):
+                if prepared is not None:
+                    self._launch(group, launched[gi], grad_scale, found_inf, **extra)
+                    if prepared.rebindable:
+                        # A kept CPU sweep holds this step's gradients only while it runs.
+                        prepared.release("grads")
+                        cache = self._plans[gi]
+                        cache.key = (None, cache.key[1])
+        except BaseException:
+            handoff.reset()  # no stale handoff for the next step
+            raise
+        handoff.stepped()
         return loss
 
     def _writes_unscaled_grads(self, grad_scale):

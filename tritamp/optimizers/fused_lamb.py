@@ -253,7 +253,7 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         loss = super().step(closure)
         # Apex's group counts: +1 per step taken, +0 on a skipped one, on the device.
         steps = [group["step"] for group in self.param_groups]
-        found_inf = getattr(self, "found_inf", None)
+        found_inf = self.step_handoff.skipped
         if found_inf is None:
             torch._foreach_add_(steps, 1)
         else:
