@@ -29,13 +29,28 @@ def check_models(models):
 
 
 def check_params_fp32(models):
-    for model in models:
+    """Apex's check: the models come in fp32, amp casts them. Names the first tensor
+    that is not (and how many others), its dtype and the fix."""
+    found = []
+    for m, model in enumerate(models):
+        where = f" (in models[{m}])" if len(models) > 1 else ""
         for kind, named in (("param", model.named_parameters()), ("buffer", model.named_buffers())):
             for name, t in named:
                 if t.is_floating_point() and t.dtype != torch.float32:
-                    warn_or_err(f"Found {kind} {name} with type {t.dtype}, expected torch.float32.\n"
-                                "When using amp.initialize, you do not need to call .half() on your "
-                                "model\nbefore passing it, no matter what optimization level you choose.")
+                    found.append((kind, name + where, t.dtype))
+    if not found:
+        return
+    kind, name, dtype = found[0]
+    others = ""
+    if len(found) > 1:
+        listed = ", ".join(f"{n} ({d})" for _, n, d in found[1:4])
+        more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+        others = f" Also not torch.float32: {listed}{more}."
+    warn_or_err(f"Found {kind} {name} with type {dtype}, expected torch.float32.\n"
+                "When using amp.initialize, you do not need to call .half() on your "
+                "model\nbefore passing it, no matter what optimization level you choose. "
+                "Pass the model in float32 (call model.float() before amp.initialize); "
+                f"amp casts it as the opt level asks.{others}")
 
 
 def _convert_module(module, dtype):
@@ -51,11 +66,28 @@ def _convert_module(module, dtype):
             module._buffers[name] = buf.to(dtype)
 
 
-def convert_network(network, dtype, keep_batchnorm_fp32):
-    """Cast ``network`` to ``dtype`` in place, affine BatchNorm left fp32 if asked."""
+def _modules_to_convert(network, keep_batchnorm_fp32):
     for module in network.modules():
         if keep_batchnorm_fp32 and isinstance(module, _BatchNorm) and module.affine:
             continue
+        yield module
+
+
+def planned_param_dtypes(networks, dtype, keep_batchnorm_fp32):
+    """{parameter: the dtype convert_network(network, dtype, ...) gives it}, changing
+    nothing: the floating parameters the cast reaches."""
+    planned = {}
+    for network in networks:
+        for module in _modules_to_convert(network, keep_batchnorm_fp32):
+            for param in module.parameters(recurse=False):
+                if param.is_floating_point():
+                    planned[param] = dtype
+    return planned
+
+
+def convert_network(network, dtype, keep_batchnorm_fp32):
+    """Cast ``network`` to ``dtype`` in place, affine BatchNorm left fp32 if asked."""
+    for module in _modules_to_convert(network, keep_batchnorm_fp32):
         _convert_module(module, dtype)
         if isinstance(module, torch.nn.RNNBase):
             module.flatten_parameters()

@@ -1,26 +1,44 @@
-"""``initialize``."""
+"""``initialize``: every argument, model and optimizer is checked before anything changes;
+then the models are cast and patched, the optimizers get their master weights (taken from
+the fp32 values the models came with), and the global amp state is replaced."""
+import numbers
+
 import torch
 
 from ._model import (check_models, check_params_fp32, convert_network, patch_forward,
-                     register_fp32_state_dict)
+                     planned_param_dtypes, register_fp32_state_dict)
 from ._optimizer import process_optimizer
 from ._state import _amp_state, maybe_print
-from .properties import Properties, check_half_dtype, check_opt_level, opt_levels
+from .properties import (HALF_DTYPES, Properties, check_dtype_arg, check_half_dtype,
+                         check_opt_level, opt_levels)
 from .scaler import LossScaler
+
+
+def _type_name(value):
+    return type(value).__name__
 
 
 def _as_models(models):
     if isinstance(models, torch.nn.Module):
         return [models], False
-    if isinstance(models, list) and all(isinstance(m, torch.nn.Module) for m in models):
+    if isinstance(models, list):
+        for i, m in enumerate(models):
+            if not isinstance(m, torch.nn.Module):
+                raise TypeError("models must be either a single model or a list of models; "
+                                f"models[{i}] is a {_type_name(m)}, not a torch.nn.Module.")
         return list(models), True
-    raise TypeError("models must be either a single model or a list of models.")
+    raise TypeError("models must be either a single model or a list of models; got a "
+                    f"{_type_name(models)}. Pass a torch.nn.Module or a list of them.")
+
+
+def _is_larc(o):
+    # tritamp.parallel.LARC wraps an optimizer without subclassing one, as in Apex.
+    from ..parallel.LARC import LARC
+    return isinstance(o, LARC)
 
 
 def _is_optimizer(o):
-    # tritamp.parallel.LARC wraps an optimizer without subclassing one, as in Apex.
-    from ..parallel.LARC import LARC
-    return isinstance(o, (torch.optim.Optimizer, LARC))
+    return isinstance(o, torch.optim.Optimizer) or _is_larc(o)
 
 
 def _as_optimizers(optimizers):
@@ -28,15 +46,79 @@ def _as_optimizers(optimizers):
         return [], False
     if _is_optimizer(optimizers):
         return [optimizers], False
-    if isinstance(optimizers, list) and all(_is_optimizer(o) for o in optimizers):
+    kinds = "torch.optim.Optimizer or tritamp.parallel.LARC instances"
+    if isinstance(optimizers, list):
+        for i, o in enumerate(optimizers):
+            if not _is_optimizer(o):
+                raise TypeError("optimizers must be either a single optimizer or a list of "
+                                f"optimizers ({kinds}); optimizers[{i}] is a {_type_name(o)}.")
         return list(optimizers), True
     raise TypeError("optimizers must be either a single optimizer or a list of optimizers "
-                    "(torch.optim.Optimizer or tritamp.parallel.LARC instances).")
+                    f"({kinds}); got a {_type_name(optimizers)}.")
 
 
-def _print_options(props):
-    for k, v in props.options.items():
-        maybe_print("{:22} : {}".format(k, v), True)
+def _check_num_losses(num_losses):
+    if isinstance(num_losses, bool) or not isinstance(num_losses, numbers.Integral):
+        raise TypeError(f"num_losses must be an int >= 1 (how many losses scale_loss will be "
+                        f"given, by loss_id), got {num_losses!r} of type "
+                        f"{_type_name(num_losses)}")
+    if num_losses < 1:
+        raise ValueError(f"num_losses must be an int >= 1, got {num_losses!r}; pass "
+                         "num_losses=1 for a single loss")
+    return int(num_losses)
+
+
+def _check_verbosity(verbosity):
+    if not isinstance(verbosity, numbers.Real):
+        raise TypeError(f"verbosity must be an int (0 silences amp's messages, 1 logs them), "
+                        f"got {verbosity!r} of type {_type_name(verbosity)}")
+
+
+def _check_optimizers(optimizers, models, props):
+    """What ``process_optimizer`` refuses, checked before anything changes, with each
+    parameter's dtype as it will be after the models are cast."""
+    seen = {}
+    for i, opt in enumerate(optimizers):
+        inner = opt.optim if _is_larc(opt) else opt
+        if hasattr(opt, "_amp_stash") or hasattr(inner, "_amp_stash"):
+            raise RuntimeError("A given optimizer should only be passed through amp.initialize "
+                               f"once; optimizers[{i}] already was. Create a fresh optimizer "
+                               "over the model returned by initialize.")
+        if id(inner) in seen:
+            raise RuntimeError("A given optimizer should only be passed through amp.initialize "
+                               f"once; optimizers[{seen[id(inner)]}] and optimizers[{i}] are "
+                               "the same optimizer. Pass each optimizer once.")
+        seen[id(inner)] = i
+    cast = props.cast_model_type
+    planned = planned_param_dtypes(models, cast, bool(props.keep_batchnorm_fp32)) if cast else {}
+    for i, opt in enumerate(optimizers):
+        for g, group in enumerate(opt.param_groups):
+            for j, p in enumerate(group["params"]):
+                where = f"optimizers[{i}].param_groups[{g}]['params'][{j}]"
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"Optimizer's parameters must be floating point tensors; "
+                                    f"{where} is a {_type_name(p)}")
+                if not p.is_floating_point():
+                    raise TypeError(f"Optimizer's parameters must be floating point tensors; "
+                                    f"received {p.dtype} at {where} (shape "
+                                    f"{tuple(p.shape)}). Leave integer tensors out of the "
+                                    "optimizer, e.g. [p for p in model.parameters() if "
+                                    "p.is_floating_point()].")
+                dtype = planned.get(p, p.dtype)
+                if props.master_weights and p.requires_grad \
+                        and dtype not in (torch.float32, *HALF_DTYPES):
+                    cast_note = "" if dtype == p.dtype else \
+                        f" (a {p.dtype} model parameter cast to cast_model_type={cast})"
+                    raise TypeError(
+                        f"Optimizer's parameters must be torch.float32 or a half dtype "
+                        f"(torch.float16, torch.bfloat16) with master_weights=True; received "
+                        f"{dtype} at {where}{cast_note}. Master weights are fp32, so a "
+                        f"{dtype} parameter would train through a less precise copy: convert "
+                        "it to float32, or pass master_weights=False.")
+
+
+def _options_lines(props):
+    return ["{:22} : {}".format(k, v) for k, v in props.options.items()]
 
 
 def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model_type=None,
@@ -53,6 +135,13 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     overrides the opt level's default; argparse strings ("True", "128.0", "dynamic")
     are accepted.
 
+    Every argument, model and optimizer is checked before anything changes: a call that
+    raises leaves the models, the optimizers and amp's global state (verbosity,
+    properties, loss scalers) as they were. ``opt_level`` of a type other than ``str``
+    raises a TypeError; an unknown string Apex's RuntimeError. With master weights (O2)
+    the masters are the fp32 values the model came with, not values rounded through the
+    half dtype.
+
     Beyond Apex: ``half_dtype`` (torch.float16 or torch.bfloat16; with bf16 the default
     loss scale is 1.0), and keyword-only scaler settings ``init_scale``,
     ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``hysteresis``
@@ -62,25 +151,24 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     parallel) skip the same steps. Data parallel needs none: its gradients are already
     all-reduced, so every rank sees the same inf/NaN.
     """
+    # -- checks: nothing below changes anything until the line that says so -----------
     check_half_dtype(half_dtype)
     model_list, models_was_list = _as_models(models)
     opt_list, optimizers_was_list = _as_optimizers(optimizers)
-    if not isinstance(num_losses, int) or num_losses < 1:
-        raise ValueError(f"num_losses must be an int >= 1, got {num_losses!r}")
+    num_losses = _check_num_losses(num_losses)
+    _check_verbosity(verbosity)
 
-    props = Properties()
-    _amp_state.verbosity = verbosity
     if not enabled:
-        _amp_state.opt_properties = props
+        _amp_state.verbosity = verbosity
+        _amp_state.opt_properties = Properties()
         _amp_state.loss_scalers = []
         return _shape(model_list, models_was_list, opt_list, optimizers_was_list)
 
     check_opt_level(opt_level)
-    props = opt_levels[opt_level](props, half_dtype)
-    maybe_print("Selected optimization level {}".format(opt_levels[opt_level].brief), True)
-    maybe_print("Defaults for this optimization level are:", True)
-    _print_options(props)
-    maybe_print("Processing user overrides (additional kwargs that are not None)...", True)
+    props = opt_levels[opt_level](Properties(), half_dtype)
+    messages = ["Selected optimization level {}".format(opt_levels[opt_level].brief),
+                "Defaults for this optimization level are:", *_options_lines(props),
+                "Processing user overrides (additional kwargs that are not None)..."]
     if cast_model_type is not None:
         props.cast_model_type = cast_model_type
     if patch_torch_functions is not None:
@@ -91,27 +179,16 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         props.master_weights = master_weights
     if loss_scale is not None:
         props.loss_scale = loss_scale
-    if cast_model_outputs is not None and not (isinstance(cast_model_outputs, torch.dtype)
-                                               and cast_model_outputs.is_floating_point):
-        raise ValueError(f"cast_model_outputs must be a floating torch.dtype or None, got "
-                         f"{cast_model_outputs!r}")
-    maybe_print("After processing overrides, optimization options are:", True)
-    _print_options(props)
+    if cast_model_outputs is not None:
+        check_dtype_arg("cast_model_outputs", cast_model_outputs)
+    messages += ["After processing overrides, optimization options are:", *_options_lines(props)]
 
-    # Validate everything before touching anything: a refused call changes nothing.
     check_models(model_list)
     check_params_fp32(model_list)
-    if len({id(o) for o in opt_list}) != len(opt_list):
-        raise RuntimeError("A given optimizer should only be passed through amp.initialize "
-                           "once; the same optimizer appears more than once in the list.")
     if len({id(m) for m in model_list}) != len(model_list):
         raise RuntimeError("The same model appears more than once in the list passed to "
                            "amp.initialize; pass each model once.")
-    for opt in opt_list:
-        if hasattr(opt, "_amp_stash"):
-            raise RuntimeError("A given optimizer should only be passed through amp.initialize "
-                               "once. Create a fresh optimizer over the model returned by "
-                               "initialize.")
+    _check_optimizers(opt_list, model_list, props)
     if overflow_process_group is not None:
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()):
@@ -123,6 +200,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
             raise TypeError("overflow_process_group must be a torch.distributed process group "
                             "(e.g. torch.distributed.new_group(ranks) or "
                             f"torch.distributed.group.WORLD), got {overflow_process_group!r}")
+    # The scalers check their settings as they are built, before anything is changed.
     scalers = [LossScaler(props.loss_scale, init_scale=init_scale, scale_factor=growth_factor,
                           scale_window=growth_interval, min_loss_scale=min_loss_scale,
                           max_loss_scale=max_loss_scale, backoff_factor=backoff_factor,
@@ -130,13 +208,22 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                           overflow_process_group=overflow_process_group)
                for i in range(num_losses)]
 
+    # -- everything checked: from here on, change things ----------------------------
+    _amp_state.verbosity = verbosity
+    for line in messages:
+        maybe_print(line, True)
+
     cast = props.cast_model_type
+    # The values the models came with (the tensors themselves, no copy): the casts below
+    # give each parameter new storage, and the master weights are taken from these.
+    before_cast = {}
+    if cast and props.master_weights:
+        for model in model_list:
+            for p in model.parameters():
+                before_cast.setdefault(p, p.data)
     for model in model_list:
         if cast:
-            if props.keep_batchnorm_fp32:
-                convert_network(model, cast, keep_batchnorm_fp32=True)
-            else:
-                convert_network(model, cast, keep_batchnorm_fp32=False)
+            convert_network(model, cast, keep_batchnorm_fp32=bool(props.keep_batchnorm_fp32))
             patch_forward(model, input_dtype=cast,
                           output_dtype=cast_model_outputs or torch.float32)
             register_fp32_state_dict(model)
@@ -152,10 +239,28 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
 
     for opt in opt_list:
         process_optimizer(opt, props)
+    if before_cast:
+        _masters_from(opt_list, before_cast)
+    del before_cast
 
     _amp_state.opt_properties = props
     _amp_state.loss_scalers = scalers
     return _shape(model_list, models_was_list, opt_list, optimizers_was_list)
+
+
+@torch.no_grad()
+def _masters_from(optimizers, before_cast):
+    """Set every master weight to its model parameter's value from before the cast.
+
+    ``process_optimizer`` copies the masters from the cast (half) parameters; an fp32
+    checkpoint loaded before ``initialize`` would lose every bit below half precision.
+    The half model keeps the value the cast rounded to: the same as rounding the master."""
+    for opt in optimizers:
+        stash = opt._amp_stash
+        for p, master in zip(stash.model_params, stash.masters):
+            value = before_cast.get(p)
+            if value is not None:
+                master.copy_(value)
 
 
 def _shape(models, models_was_list, optimizers, optimizers_was_list):

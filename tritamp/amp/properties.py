@@ -1,4 +1,7 @@
 """Opt levels O0-O3 and their properties, with Apex's names, defaults and checks."""
+import math
+import numbers
+
 import torch
 
 from ._state import _amp_state, warn_or_err
@@ -6,15 +9,66 @@ from ._state import _amp_state, warn_or_err
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
+_DTYPE_NAMES = {
+    "fp16": "torch.float16", "float16": "torch.float16", "half": "torch.float16",
+    "torch.float16": "torch.float16", "torch.half": "torch.float16",
+    "bf16": "torch.bfloat16", "bfloat16": "torch.bfloat16", "torch.bfloat16": "torch.bfloat16",
+    "fp32": "torch.float32", "float32": "torch.float32", "float": "torch.float32",
+    "torch.float32": "torch.float32", "torch.float": "torch.float32",
+}
+
+
+def _dtype_hint(name, value):
+    """For a dtype spelled as a string: which torch.dtype to pass instead."""
+    spelled = _DTYPE_NAMES.get(value.strip().lower())
+    if spelled is None:
+        return f"pass a torch.dtype such as {name}=torch.float16, not a string"
+    return f"pass {name}={spelled} (a torch.dtype, not a string)"
+
+
 def _parse_bool(name, value):
-    if value == "True":
-        return True
-    if value == "False":
-        return False
-    if value is True or value is False or value is None:
+    """Apex's rule: True, False, None, or the argparse strings 'True' / 'False'."""
+    if value is None or isinstance(value, bool):
         return value
-    raise ValueError(f"{name} must be a boolean, the string 'True' or 'False', or None, "
-                     f"found {name}={value!r}")
+    expected = f"{name} must be a boolean, the string 'True' or 'False', or None"
+    if isinstance(value, str):
+        if value == "True":
+            return True
+        if value == "False":
+            return False
+        hint = ""
+        if value.strip().lower() in ("true", "false"):
+            hint = f" Did you mean '{value.strip().capitalize()}'?"
+        raise ValueError(f"{expected}, found {name}={value!r}.{hint}")
+    raise TypeError(f"{expected}, found {name}={value!r} of type {type(value).__name__}; "
+                    f"pass {name}=True or {name}=False")
+
+
+def _parse_loss_scale(value):
+    """'dynamic', or a finite number > 0 (a number or a string such as '128.0')."""
+    expected = "loss_scale must be 'dynamic' or a number (e.g. 128.0 or '128.0')"
+    if isinstance(value, str):
+        if value == "dynamic":
+            return value
+        try:
+            number = float(value)
+        except ValueError:
+            hint = ""
+            if value.strip().lower().startswith("dyn"):
+                hint = " Did you mean 'dynamic'?"
+            raise ValueError(f"{expected}, got {value!r}.{hint}") from None
+    elif isinstance(value, bool):
+        raise TypeError(f"{expected}, got {value!r} (a bool); pass loss_scale='dynamic' for a "
+                        "dynamic scale or a number such as loss_scale=128.0 for a static one")
+    elif isinstance(value, numbers.Real) or (isinstance(value, torch.Tensor)
+                                             and value.numel() == 1
+                                             and value.is_floating_point()):
+        number = float(value)
+    else:
+        raise TypeError(f"{expected}, got {value!r} of type {type(value).__name__}")
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(f"loss_scale must be a finite number > 0, got {value!r}")
+    return number
 
 
 class Properties:
@@ -50,10 +104,8 @@ class Properties:
                             "with O1, the model weights themselves should remain FP32. If you wish "
                             "to cast the model to a different type, use opt_level='O2' or 'O3'. "
                             f"cast_model_type was {value}")
-            if value not in (None, False) and not (isinstance(value, torch.dtype)
-                                                   and value.is_floating_point):
-                raise ValueError(f"cast_model_type must be a floating torch.dtype (torch.float16, "
-                                 f"torch.bfloat16, torch.float32) or None, got {value!r}")
+            if value is not None and value is not False:
+                check_dtype_arg("cast_model_type", value)
         elif name == "patch_torch_functions":
             value = _parse_bool(name, value)
             if self.opt_level != "O1" and value:
@@ -71,14 +123,7 @@ class Properties:
                             "model weights themselves should be FP32.")
             value = _parse_bool(name, value)
         elif name == "loss_scale":
-            if value != "dynamic":
-                try:
-                    value = float(value)
-                except (TypeError, ValueError):
-                    raise ValueError(f"loss_scale must be 'dynamic' or a number (e.g. 128.0 or "
-                                     f"'128.0'), got {value!r}") from None
-                if not value > 0 or value != value or value == float("inf"):
-                    raise ValueError(f"loss_scale must be a finite number > 0, got {value!r}")
+            value = _parse_loss_scale(value)
         options[name] = value
 
 
@@ -114,23 +159,53 @@ opt_levels = {
 }
 
 
+_LEVELS_TEXT = "'O0', 'O1', 'O2', 'O3'"
+
+
 def check_opt_level(opt_level):
-    if opt_level in opt_levels:
-        return
-    hint = ""
+    """A valid level passes; a string that is not one raises Apex's RuntimeError, any
+    other type a TypeError (Apex's ``in`` test failed with 'unhashable type' on a list)."""
     if isinstance(opt_level, str):
-        fixed = opt_level.strip().upper().replace("0", "O", 1) if opt_level.strip()[:1] == "0" \
-            else opt_level.strip().upper()
+        if opt_level in opt_levels:
+            return
+        hint = ""
+        stripped = opt_level.strip().upper()
+        fixed = "O" + stripped[1:] if stripped[:1] == "0" else stripped
         if fixed in opt_levels:
             hint = f" Did you mean {fixed}?"
-    raise RuntimeError(
-        f"Unexpected optimization level {opt_level}. Options are 'O0', 'O1', 'O2', 'O3'.  Note "
-        "that in `O0`, `O1`, etc., the prefix O is the letter O, not the number zero." + hint)
+        raise RuntimeError(
+            f"Unexpected optimization level {opt_level}. Options are {_LEVELS_TEXT}.  Note "
+            "that in `O0`, `O1`, etc., the prefix O is the letter O, not the number zero." + hint)
+    hint = ""
+    if isinstance(opt_level, int) and not isinstance(opt_level, bool) and 0 <= opt_level <= 3:
+        hint = f" Did you mean opt_level='O{opt_level}'?"
+    raise TypeError(f"Unexpected optimization level {opt_level!r} of type "
+                    f"{type(opt_level).__name__}: opt_level must be one of the strings "
+                    f"{_LEVELS_TEXT} (the letter O, then a digit)." + hint)
 
 
-def check_half_dtype(half_dtype):
-    if half_dtype not in HALF_DTYPES:
-        raise ValueError(f"half_dtype must be torch.float16 or torch.bfloat16, got {half_dtype!r}")
+def check_dtype_arg(name, value, allowed=None):
+    """``value`` must be a floating torch.dtype (one of ``allowed`` if given).
+
+    A string (an argparse value, say) is a ValueError that names the dtype to pass; any
+    other non-dtype a TypeError; a dtype outside the allowed ones a ValueError."""
+    if allowed is None:
+        expected = f"{name} must be a floating torch.dtype (torch.float16, torch.bfloat16, " \
+                   "torch.float32)"
+    else:
+        expected = f"{name} must be " + " or ".join(str(d) for d in allowed)
+    if isinstance(value, torch.dtype):
+        if (allowed is None and value.is_floating_point) or (allowed and value in allowed):
+            return
+        raise ValueError(f"{expected}, got {value}")
+    if isinstance(value, str):
+        raise ValueError(f"{expected}, got the string {value!r}; {_dtype_hint(name, value)}")
+    raise TypeError(f"{expected}, got {value!r} of type {type(value).__name__}")
 
 
-__all__ = ["Properties", "opt_levels", "check_opt_level", "check_half_dtype", "_amp_state"]
+def check_half_dtype(half_dtype, name="half_dtype"):
+    check_dtype_arg(name, half_dtype, allowed=HALF_DTYPES)
+
+
+__all__ = ["Properties", "opt_levels", "check_opt_level", "check_half_dtype", "check_dtype_arg",
+           "_amp_state"]
