@@ -173,7 +173,7 @@ def test_relative_links_resolve():
                 broken.append(f"{page.relative_to(ROOT)} -> {href}")
             elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
                 broken.append(f"{page.relative_to(ROOT)} -> {href} (no such heading)")
-    assert not broken, broken
+    assert not broken, sorted(set(broken))
 
 
 def _anchors(path):
