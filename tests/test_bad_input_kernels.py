@@ -372,10 +372,6 @@ def test_amp_refuses_a_sparse_gradient_by_name_and_changes_nothing(level, half, 
     assert amp_after == amp_sd and groups_after == groups
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "tritamp/amp/_optimizer.py AmpStash._check_unscale builds its cache key with "
-    "t.data_ptr() before the lists reach check_unscale's validation, so a sparse gradient "
-    "of a non-fused optimizer fails there with torch's 'Cannot access data pointer'"))
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_amp_refuses_a_sparse_gradient_of_a_torch_optimizer_by_name(level):
     model = _EmbeddingNet(sparse=True)

@@ -12,11 +12,15 @@ scaler), so the returned objects train like any tritamp model and optimizer:
     "naive"  model.half(), fp32 masters, dynamic scaler  O2: half model (BatchNorm too), fp32
              with hysteresis (2), growth every 1000      masters, hysteresis 2, growth 1000
 """
+import math
+import numbers
+
 import torch
 import torch.nn as nn
 
 from . import amp
 from .amp._state import _amp_state
+from .amp.scaler import check_scaler_args
 from .optimizers.clip import clip_grad_norm_
 
 __all__ = ["convert_to_amp", "AmpOptimizer", "AutocastLoss"]
@@ -65,9 +69,19 @@ def _naive_kwargs(config):
     config = dict(config)
     if "initial_scale" in config and "init_scale" in config:
         raise TypeError("convert_to_amp(mode='naive'): pass initial_scale or init_scale, not both")
-    init_scale = float(config.pop("initial_scale", config.pop("init_scale", 2.**16)))
+    init_name = "init_scale" if "init_scale" in config else "initial_scale"
+    init_scale = config.pop("initial_scale", config.pop("init_scale", 2.**16))
     dynamic = config.pop("dynamic_grad_scale", True)
-    hysteresis = int(config.pop("hysteresis", 2))
+    if not isinstance(dynamic, bool):
+        raise TypeError(f"convert_to_amp(mode='naive'): dynamic_grad_scale must be True or "
+                        f"False, got {type(dynamic).__name__} {dynamic!r}")
+    hysteresis = config.pop("hysteresis", 2)
+    if isinstance(hysteresis, bool) or not isinstance(hysteresis, numbers.Integral):
+        raise TypeError(f"convert_to_amp(mode='naive'): hysteresis must be an int >= 0, got "
+                        f"{type(hysteresis).__name__} {hysteresis!r}; pass e.g. 2 (the default)")
+    if hysteresis < 0:
+        raise ValueError(f"convert_to_amp(mode='naive'): hysteresis must be an int >= 0, got "
+                         f"{hysteresis}; pass e.g. 2 (the default)")
     kwargs = dict(
         opt_level="O2",
         # NaiveAMPModel runs model.half(): BatchNorm in half too, unless asked otherwise
@@ -78,14 +92,28 @@ def _naive_kwargs(config):
         backoff_factor=config.pop("backoff_factor", 0.5),
         growth_interval=config.pop("growth_interval", 1000),
         # ColossalAI backs off once hysteresis overflows are counted; 0 behaves as 1
-        hysteresis=max(1, hysteresis),
+        hysteresis=max(1, int(hysteresis)),
         min_loss_scale=config.pop("min_scale", None),
         max_loss_scale=config.pop("max_scale", None),
         verbosity=1 if config.pop("verbose", False) else 0,
         half_dtype=config.pop("half_dtype", torch.float16),
     )
-    clip = float(config.pop("clip_grad_norm", 0.0))
-    return kwargs, clip
+    # The scale settings under ColossalAI's names, checked before anything is built.
+    check_scaler_args(kwargs["loss_scale"], init_scale, kwargs["growth_factor"],
+                      kwargs["growth_interval"], kwargs["min_loss_scale"],
+                      kwargs["max_loss_scale"], kwargs["backoff_factor"], kwargs["hysteresis"],
+                      arg_names={"loss_scale": init_name, "init_scale": init_name,
+                                 "scale_factor": "growth_factor",
+                                 "scale_window": "growth_interval",
+                                 "min_loss_scale": "min_scale", "max_loss_scale": "max_scale"})
+    clip = config.pop("clip_grad_norm", 0.0)
+    if isinstance(clip, bool) or not isinstance(clip, numbers.Real):
+        raise TypeError(f"convert_to_amp(mode='naive'): clip_grad_norm must be a number >= 0 "
+                        f"(0 disables clipping), got {type(clip).__name__} {clip!r}")
+    if not (math.isfinite(clip) and clip >= 0.0):
+        raise ValueError(f"convert_to_amp(mode='naive'): clip_grad_norm must be a finite number "
+                         f">= 0 (0 disables clipping), got {clip!r}")
+    return kwargs, float(clip)
 
 
 _MODE_TABLE = {

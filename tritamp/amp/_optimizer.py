@@ -22,12 +22,20 @@ import types
 import torch
 
 from tritamp import kernels as K
+from tritamp.contract import handoff_of
 from tritamp.kernels._multi_tensor import SweepCache, borrowed, layout_key, zero_grads_
 
 _grad_of = operator.attrgetter("grad")
+_shape_of = operator.attrgetter("shape")
+_dtype_of = operator.attrgetter("dtype")
 _is_none = functools.partial(operator.is_, None)
 _is_not_none = functools.partial(operator.is_not, None)
 _no_grads = itertools.repeat(None)
+
+
+# torch optimizers whose fused step, skipped on the device, leaves the state a first step
+# starts from (tests/test_bad_input_amp.py holds them to it, bit for bit).
+_SKIP_SAFE_TORCH_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
 
 
 def _clear_grads(params):
@@ -73,8 +81,10 @@ class AmpStash:
         if not srcs:
             return
         if key is None:
-            key = tuple((t.data_ptr(), t.stride(), t.shape, t.dtype)
-                        for t in (*srcs, *(dsts or ()), *(adds or ())))
+            tensors = (*srcs, *(dsts or ()), *(adds or ()))
+            # layout_key refuses a sparse gradient by name (it has no address to key on)
+            key = (layout_key(tensors, op="amp"), tuple(map(_shape_of, tensors)),
+                   tuple(map(_dtype_of, tensors)))
         if rebind_on is None:
             key = (key, None, len(srcs), dsts is None, adds is None, write)
         else:
@@ -202,7 +212,7 @@ class AmpStash:
                     grads = [g for g in grads if g is not None]
                 self._check_unscale("check", grads, None, check, write=False, key=key,
                                     rebind_on=key[1])
-            self._pending(scaler, carried, check)
+            self._pending(carried)
             return
         master_fresh = []  # (index, half gradient) of masters without a gradient yet
         acc = []  # (gradient, destination, addend): a second loss into the same step
@@ -246,31 +256,68 @@ class AmpStash:
             self._check_unscale("accumulate", list(acc_srcs), scale, found,
                                 dsts=list(acc_dsts), adds=list(acc_adds))
         if not self.pending:
-            self._pending(scaler, carried if lazy else None, found)
-        elif found is not None:
-            self.found_inf = found if self.found_inf is None else torch.maximum(self.found_inf,
-                                                                                found)
-            if self.scaler is None:
-                self._alias(scaler)
+            self._pending(carried if lazy else None)
 
-    def _pending(self, scaler, grad_scale, found_inf):
-        """PENDING: the step reads the scaler's overflow slot (dynamic scale) and, for
-        gradients left scaled, the scale they carry, on the device."""
+    def _pending(self, grad_scale):
+        """PENDING: for gradients left scaled, the step reads the scale they carry on the
+        device (and the overflow flag, once :meth:`take_overflow` has given it)."""
         self.pending = True
-        self.found_inf = found_inf
-        if found_inf is not None:
-            self._alias(scaler)
         self.grad_scale = grad_scale
+
+    def take_overflow(self, scaler):
+        """The step's overflow flag, taken once every gradient of the backward was checked:
+        those of every optimizer passed to the same ``scale_loss`` (Apex skips them all
+        when any overflowed) and, with ``overflow_process_group``, the all-reduce. A flag
+        from an earlier loss of the same step is combined with it (MAX on the device)."""
+        if not scaler.dynamic:
+            return  # a static scale is not checked
+        found = scaler.found_inf
+        if self.found_inf is None:
+            self.found_inf = found  # the slot itself: it sees every check of this backward
+            self._alias(scaler)
+        elif self.scaler is not scaler:
+            self.found_inf = torch.maximum(self.found_inf, found)
+            self._drop_alias()  # an own tensor now, no longer a view of a scaler's slot
 
     def _alias(self, scaler):
         self.scaler = scaler
         scaler._aliases.append(self)
 
-    def merge_overflow(self, scaler):
-        """After ``scaler``'s overflow slot was all-reduced: a flag that aliases the slot
-        already sees it; one merged from an earlier loss takes it in (MAX is idempotent)."""
-        if self.found_inf is not None and self.scaler is not scaler:
-            self.found_inf = torch.maximum(self.found_inf, scaler.found_inf)
+    # -- state created by a skipped step --------------------------------------------------
+    def state_guarded(self, optimizer):
+        """``optimizer.state`` when a step skipped on the device may leave state behind
+        that it created and that a first step would not have left; None when nothing can:
+        no overflow flag, a tritamp fused optimizer (it creates its state as a first step
+        would and counts its steps on the device), or torch's fused Adam / AdamW (zeroed
+        moments, and the step count taken back on the device when ``found_inf`` is set)."""
+        if self.found_inf is None or handoff_of(optimizer) is not None \
+                or type(optimizer) in _SKIP_SAFE_TORCH_OPTIMIZERS:
+            return None
+        state = getattr(optimizer, "state", None)
+        return state if isinstance(state, dict) else None
+
+    def drop_state_of_a_skipped_step(self, state, before):
+        """After a step of a torch optimizer that reads ``found_inf`` on the device
+        (``fused=True``): if the step created state (``before`` holds each entry's length
+        as it was), it may have been skipped, and what it created is not what a first step
+        leaves: torch's fused SGD allocates the momentum buffers with ``empty_like`` and
+        the skipped kernel never writes them, so the next step would read garbage. Then,
+        and only then (normally the first step), one host read says whether it was
+        skipped; if so the entries and keys it created are dropped, so the next step is a
+        first step again. Steps that create nothing read nothing. (torch's fused SGD
+        decides on the host whether a step is its first, from buffers being None: no
+        value written on the device could stand for "not yet".)"""
+        after = list(map(len, state.values()))
+        if after == before or not bool(self.found_inf):
+            return
+        params = list(state)
+        for p in params[len(before):]:   # dict order: the entries this step created
+            del state[p]
+        for p, n in zip(params, before):
+            entry = state[p]
+            if len(entry) > n:           # keys this step added to an existing entry
+                for k in list(entry)[n:]:
+                    del entry[k]
 
     # -- after the update ---------------------------------------------------------------
     def master_to_model(self):
@@ -308,6 +355,8 @@ def _new_step(old_step):
             return retval
         if stash.supports_amp_scaling:
             # The step reads grad_scale/found_inf on the device: no host sync.
+            state = stash.state_guarded(self)
+            before = None if state is None else list(map(len, state.values()))
             self.grad_scale = stash.grad_scale
             self.found_inf = stash.found_inf
             try:
@@ -315,6 +364,8 @@ def _new_step(old_step):
             finally:
                 del self.grad_scale
                 del self.found_inf
+            if before is not None:
+                stash.drop_state_of_a_skipped_step(state, before)
             stash.master_to_model()  # masters unchanged on a skip: the copy is idempotent
         elif bool(stash.found_inf):  # one sync per step decides the skip, as in Apex
             retval = None

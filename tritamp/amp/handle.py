@@ -1,5 +1,6 @@
 """``scale_loss``, ``disable_casts`` and ``master_params``."""
 import contextlib
+import numbers
 
 import torch
 
@@ -43,13 +44,17 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
             raise RuntimeError(f"scale_loss got an optimizer ({type(opt).__name__}) that did not go "
                                "through amp.initialize. Pass the optimizer(s) returned by "
                                "amp.initialize(model, optimizer, ...).")
-    if not isinstance(loss_id, int) or not 0 <= loss_id < len(_amp_state.loss_scalers):
+    nb = len(_amp_state.loss_scalers)
+    if isinstance(loss_id, bool) or not isinstance(loss_id, numbers.Integral):
+        raise TypeError(f"loss_id must be an int (0 <= loss_id < num_losses={nb}), got "
+                        f"{type(loss_id).__name__} {loss_id!r}")
+    if not 0 <= loss_id < nb:
         raise ValueError(f"loss_id={loss_id!r} but initialize was called with "
-                         f"num_losses={len(_amp_state.loss_scalers)}; pass num_losses=N to "
+                         f"num_losses={nb}; pass num_losses=N to "
                          "amp.initialize and 0 <= loss_id < N.")
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"scale_loss expects the loss as a torch.Tensor, got {type(loss).__name__}")
-    scaler = _amp_state.loss_scalers[loss_id]
+    scaler = _amp_state.loss_scalers[int(loss_id)]
 
     if not props.master_weights and scaler.static_one:
         yield loss.float()
@@ -75,8 +80,10 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
         opt._amp_stash.params_have_scaled_gradients = False
     if scaler.dynamic and scaler.overflow_process_group is not None:
         scaler.reduce_overflow()
-        for opt in optimizers:
-            opt._amp_stash.merge_overflow(scaler)
+    # Only now is the overflow flag final: every optimizer of this scale_loss skips when
+    # any gradient of the backward overflowed, whichever optimizer it belongs to.
+    for opt in optimizers:
+        opt._amp_stash.take_overflow(scaler)
     if not delay_overflow_check:
         scaler.update_scale()
 

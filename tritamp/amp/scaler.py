@@ -9,7 +9,9 @@ device.
 """
 import collections
 import math
+import numbers
 import warnings
+from collections.abc import Mapping
 
 import torch
 
@@ -26,6 +28,175 @@ DeepSpeed's default): a scale that keeps halving on non-finite gradients would r
 in fp32 and turn every gradient into NaN."""
 
 _MAX_COUNT = 2 ** 24  # counters are exact fp32 integers below this
+
+
+# -- argument checks ---------------------------------------------------------------------
+# The names amp.initialize gives the scaler's arguments; LossScaler's own (Apex's) names
+# follow in brackets where they differ. Callers with other names pass ``arg_names``.
+_DEFAULT_NAMES = {
+    "loss_scale": "loss_scale",
+    "init_scale": "init_scale",
+    "scale_factor": "growth_factor (scale_factor)",
+    "scale_window": "growth_interval (scale_window)",
+    "min_loss_scale": "min_loss_scale",
+    "max_loss_scale": "max_loss_scale",
+    "backoff_factor": "backoff_factor",
+    "hysteresis": "hysteresis",
+}
+
+
+def _is_real(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _real(label, value, fix):
+    """``value`` as a float: a Python (or numpy) real number, or a one-element real
+    tensor; bools are refused (``True`` is not a scale)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 \
+            and not (value.is_complex() or value.dtype == torch.bool):
+        value = value.item()
+    if not _is_real(value):
+        raise TypeError(f"{label} must be a real number, got {type(value).__name__} "
+                        f"{value!r}; {fix}")
+    return float(value)
+
+
+def _count(label, value, low, fix):
+    """``value`` as an int in ``[low, 2**24)`` (the device counters are exact fp32
+    integers below 2**24); bools and floats are refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{label} must be an int, got {type(value).__name__} {value!r}; {fix}")
+    value = int(value)
+    if not low <= value < _MAX_COUNT:
+        raise ValueError(f"{label} must be an int in [{low}, 2**24), got {value}; {fix}")
+    return value
+
+
+class ScalerArgs:
+    """The checked settings of a :class:`LossScaler` (see :func:`check_scaler_args`)."""
+    __slots__ = ("dynamic", "start", "growth_factor", "backoff_factor", "growth_interval",
+                 "hysteresis", "min_scale", "max_scale")
+
+
+def check_scaler_args(loss_scale="dynamic", init_scale=2.**16, scale_factor=2.,
+                      scale_window=2000, min_loss_scale=None, max_loss_scale=2.**24,
+                      backoff_factor=None, hysteresis=1, arg_names=None):
+    """Check a loss scaler's arguments (LossScaler's signature) without building one.
+
+    Returns a :class:`ScalerArgs`; raises ``TypeError`` for a value of the wrong type
+    (bools included) and ``ValueError`` for one out of range, naming the argument (by
+    ``arg_names`` where given), the value and the fix. The valid values:
+
+    - ``loss_scale``: ``"dynamic"``, or a finite number > 0 (a static scale);
+    - ``init_scale``: a finite number > 0, not below the floor (``min_loss_scale``, 1.0
+      when None) when the scale is dynamic; above ``max_loss_scale`` it starts there;
+    - ``scale_factor`` (growth factor): a finite number > 1;
+    - ``backoff_factor``: None (``1 / scale_factor``) or a number in (0, 1);
+    - ``scale_window`` (growth interval), ``hysteresis``: ints in [1, 2**24);
+    - ``min_loss_scale``: None (a floor of 1.0) or a finite number > 0 (``arg_names``
+      may map it to None: a floor the caller's user cannot set);
+    - ``max_loss_scale``: None (no ceiling) or a number >= the floor (inf allowed).
+    """
+    names = dict(_DEFAULT_NAMES, **(arg_names or {}))
+    n = names.__getitem__
+    if isinstance(loss_scale, str):
+        if loss_scale != "dynamic":
+            raise ValueError(f"{n('loss_scale')} must be 'dynamic' or a number, got "
+                             f"{loss_scale!r}; pass 'dynamic' for a dynamic scale or a finite "
+                             "number > 0 such as 128.0 for a static one")
+        dynamic, static = True, None
+    else:
+        dynamic = False
+        static = _real(n("loss_scale"), loss_scale,
+                       "pass 'dynamic' or a finite number > 0 such as 128.0")
+        if not (math.isfinite(static) and static > 0.0):
+            raise ValueError(f"{n('loss_scale')} must be a finite number > 0, got {loss_scale!r}; "
+                             "a static scale multiplies the loss: pass e.g. 128.0, or 'dynamic'")
+    init = _real(n("init_scale"), init_scale, "pass e.g. 2.**16 (the default)")
+    if not (math.isfinite(init) and init > 0.0):
+        raise ValueError(f"{n('init_scale')} must be a finite number > 0, got {init_scale!r}; "
+                         "the dynamic scale starts there: pass e.g. 2.**16 (the default)")
+    growth = _real(n("scale_factor"), scale_factor, "pass e.g. 2.0 (the default)")
+    if not (math.isfinite(growth) and growth > 1.0):
+        raise ValueError(f"{n('scale_factor')} must be a finite number > 1, got {scale_factor!r}; "
+                         "the scale is multiplied by it after the growth interval's clean "
+                         "steps: pass e.g. 2.0 (the default)")
+    if backoff_factor is None:
+        backoff = 1.0 / growth
+    else:
+        backoff = _real(n("backoff_factor"), backoff_factor, "pass e.g. 0.5 (the default)")
+        if not 0.0 < backoff < 1.0:
+            raise ValueError(f"{n('backoff_factor')} must be in (0, 1), got {backoff_factor!r}; "
+                             "the scale is multiplied by it on an overflow: pass e.g. 0.5")
+    interval = _count(n("scale_window"), scale_window, 1, "pass e.g. 2000 (the default)")
+    hyst = _count(n("hysteresis"), hysteresis, 1,
+                  "pass 1 (back off on every overflow, the default) or more")
+    if min_loss_scale is None:
+        min_scale = DEFAULT_MIN_LOSS_SCALE
+    else:
+        min_scale = _real(n("min_loss_scale"), min_loss_scale,
+                          "pass None for the default floor of 1.0, or a number > 0")
+        if not (math.isfinite(min_scale) and min_scale > 0.0):
+            raise ValueError(f"{n('min_loss_scale')} must be a finite number > 0, got "
+                             f"{min_loss_scale!r}; a scale of 0 makes every unscaled gradient "
+                             "inf/NaN: pass None for the default floor of 1.0, or a smaller "
+                             "positive number")
+    if max_loss_scale is None:
+        max_scale = math.inf
+    else:
+        max_scale = _real(n("max_loss_scale"), max_loss_scale,
+                          "pass None for no ceiling, or a number > 0")
+        if not max_scale > 0.0:  # NaN included
+            raise ValueError(f"{n('max_loss_scale')} must be a number > 0 (or None for no "
+                             f"ceiling), got {max_loss_scale!r}")
+    if not max_scale >= min_scale:
+        floor = "" if min_loss_scale is not None else " (the default floor when it is None)"
+        raise ValueError(f"{n('max_loss_scale')} ({max_loss_scale!r}) must be >= "
+                         f"{n('min_loss_scale')} ({min_scale!r}{floor}); pass a larger "
+                         f"{n('max_loss_scale')} or a smaller {n('min_loss_scale')}")
+    if dynamic and init < min_scale:
+        if names["min_loss_scale"] is None:  # a fixed floor, not an argument of the caller
+            floor, fix = f"the floor ({min_scale!r})", ""
+        else:
+            floor = f"{n('min_loss_scale')} ({min_scale!r}" + (
+                ")" if min_loss_scale is not None else ", the default floor when it is None)")
+            fix = f", or a smaller {n('min_loss_scale')}"
+        raise ValueError(f"{n('init_scale')} ({init_scale!r}) is below {floor}; the dynamic "
+                         f"scale never goes below its floor: pass {n('init_scale')} >= "
+                         f"{min_scale!r}{fix}")
+    args = ScalerArgs()
+    args.dynamic = dynamic
+    args.start = min(max_scale, init) if dynamic else static
+    args.growth_factor = growth
+    args.backoff_factor = backoff
+    args.growth_interval = interval
+    args.hysteresis = hyst
+    args.min_scale = min_scale
+    args.max_scale = max_scale
+    return args
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+_REQUIRED_KEYS = ("loss_scale", "unskipped")  # Apex's
+_OPTIONAL_KEYS = ("hysteresis", "dynamic", "skipped", "floor_streak", "floor_warned")
+
+
+def _saved_count(where, key, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where}: {key!r} must be an int, got {type(value).__name__} "
+                        f"{value!r}; pass the dict amp.state_dict() saved")
+    value = int(value)
+    if value < 0:
+        raise ValueError(f"{where}: {key!r} must be an int >= 0, got {value}; it counts "
+                         "steps: pass the dict amp.state_dict() saved")
+    return min(value, _MAX_COUNT)  # the device counters saturate there
+
+
+def _saved_flag(where, key, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{where}: {key!r} must be a bool, got {type(value).__name__} "
+                        f"{value!r}; pass the dict amp.state_dict() saved")
+    return value
 
 
 class _HostSnapshot:
@@ -48,50 +219,39 @@ class LossScaler:
     """Apex's ``LossScaler`` with its state on the device.
 
     ``loss_scale`` is ``"dynamic"`` or a number (static scale). Dynamic scaling starts
-    at ``min(init_scale, max_loss_scale)``, multiplies by ``backoff_factor`` on overflow
-    (after ``hysteresis`` overflows) and by ``growth_factor`` after ``growth_interval``
-    clean steps, within ``[min_loss_scale, max_loss_scale]``.
+    at ``init_scale`` (``max_loss_scale`` if that is lower, as in Apex), multiplies by
+    ``backoff_factor`` on overflow (after ``hysteresis`` overflows) and by
+    ``scale_factor`` after ``scale_window`` clean steps, within
+    ``[min_loss_scale, max_loss_scale]``. ``amp.initialize`` calls the last two
+    ``growth_factor`` and ``growth_interval``.
+
+    Every argument is checked before anything is built (:func:`check_scaler_args`); a
+    refused value raises ``TypeError`` (not a number / not an int) or ``ValueError`` (out
+    of range) naming the argument, the value and what to pass instead. ``arg_names``
+    maps this signature's names to the caller's, for those messages.
     """
 
     def __init__(self, loss_scale="dynamic", init_scale=2.**16, scale_factor=2.,
                  scale_window=2000, min_loss_scale=None, max_loss_scale=2.**24,
-                 backoff_factor=None, hysteresis=1, loss_id=0, overflow_process_group=None):
-        self.dynamic = loss_scale == "dynamic"
-        growth_factor = float(scale_factor)
-        backoff_factor = 1.0 / growth_factor if backoff_factor is None else float(backoff_factor)
-        if not growth_factor > 1.0:
-            raise ValueError(f"growth_factor (scale_factor) must be > 1, got {growth_factor}")
-        if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
-        if not (isinstance(scale_window, int) and 0 < scale_window < _MAX_COUNT):
-            raise ValueError(f"growth_interval (scale_window) must be an int in [1, 2**24), got {scale_window!r}")
-        if not (isinstance(hysteresis, int) and 0 < hysteresis < _MAX_COUNT):
-            raise ValueError(f"hysteresis must be an int in [1, 2**24), got {hysteresis!r}")
-        min_scale = DEFAULT_MIN_LOSS_SCALE if min_loss_scale is None else float(min_loss_scale)
-        max_scale = math.inf if max_loss_scale is None else float(max_loss_scale)
-        if not min_scale > 0.0:
-            raise ValueError(f"min_loss_scale must be > 0, got {min_loss_scale}; a scale of 0 "
-                             "makes every unscaled gradient inf/NaN")
-        if not max_scale >= min_scale:
-            raise ValueError(f"max_loss_scale ({max_loss_scale}) must be >= min_loss_scale ({min_scale})")
-        if self.dynamic:
-            start = min(max_scale, float(init_scale))
-        else:
-            start = float(loss_scale)
-            if not (math.isfinite(start) and start > 0.0):
-                raise ValueError(f"a static loss_scale must be a finite number > 0, got {loss_scale!r}")
-        self.growth_factor = growth_factor
-        self.backoff_factor = backoff_factor
-        self.growth_interval = scale_window
-        self.hysteresis = hysteresis
-        self.min_loss_scale = min_scale
-        self.max_loss_scale = max_scale
+                 backoff_factor=None, hysteresis=1, loss_id=0, overflow_process_group=None,
+                 *, arg_names=None):
+        args = check_scaler_args(loss_scale, init_scale, scale_factor, scale_window,
+                                 min_loss_scale, max_loss_scale, backoff_factor, hysteresis,
+                                 arg_names)
+        self.dynamic = args.dynamic
+        self.growth_factor = args.growth_factor
+        self.backoff_factor = args.backoff_factor
+        self.growth_interval = args.growth_interval
+        self.hysteresis = args.hysteresis
+        self.min_loss_scale = args.min_scale
+        self.max_loss_scale = args.max_scale
         self.loss_id = loss_id
         self.overflow_process_group = overflow_process_group
+        start = args.start
         state = torch.zeros(K.STATE_SIZE, dtype=torch.float32)
         state[K.SCALE] = start
         state[K.USED_SCALE] = start
-        state[K.HYSTERESIS] = hysteresis
+        state[K.HYSTERESIS] = self.hysteresis
         self._state = state
         self._static_scale = start
         self._pending_reports = collections.deque()
@@ -238,21 +398,91 @@ class LossScaler:
             self._floor_warned = False
 
     # -- checkpoints ------------------------------------------------------------------
+    def _drain_reports(self):
+        """Log every pending report, waiting for the copies still in flight (a
+        checkpoint reads the device anyway): the host's warning state is then current."""
+        while self._pending_reports:
+            snap, event = self._pending_reports.popleft()
+            event.synchronize()
+            self._report(snap)
+
     def state_dict(self):
-        s = self._state.cpu()
-        return {"loss_scale": float(s[K.SCALE]), "unskipped": int(s[K.UNSKIPPED]),
-                "hysteresis": int(s[K.HYSTERESIS]), "dynamic": self.dynamic}
+        """Apex's keys (``loss_scale``, ``unskipped``) and tritamp's: ``hysteresis``
+        (overflows still tolerated), ``dynamic``, ``skipped`` (skipped steps so far),
+        ``floor_streak`` (consecutive overflowing steps at the floor) and
+        ``floor_warned`` (whether that streak was already warned about). Reads the
+        device (a checkpoint is not on the hot path)."""
+        self._drain_reports()
+        s = self._state.cpu().tolist()
+        return {"loss_scale": s[K.SCALE], "unskipped": int(s[K.UNSKIPPED]),
+                "hysteresis": int(s[K.HYSTERESIS]), "dynamic": self.dynamic,
+                "skipped": int(s[K.SKIPPED]), "floor_streak": int(s[K.FLOOR_STREAK]),
+                "floor_warned": self._floor_warned}
+
+    def check_state_dict(self, sd, where="the loss scaler's state dict"):
+        """Check a :meth:`state_dict` (or an Apex ``loss_scalerN`` entry) without loading
+        it; returns the values :meth:`load_state_dict` would load. ``loss_scale`` and
+        ``unskipped`` are required, the other keys of :meth:`state_dict` optional, no
+        other key is accepted. A dynamic scale outside ``[min_loss_scale,
+        max_loss_scale]`` is brought inside (as ``init_scale`` is)."""
+        if not isinstance(sd, Mapping):
+            raise TypeError(f"{where} must be a dict such as {{'loss_scale': 65536.0, "
+                            f"'unskipped': 0}}, got {type(sd).__name__}")
+        missing = [k for k in _REQUIRED_KEYS if k not in sd]
+        unexpected = [k for k in sd if k not in _REQUIRED_KEYS + _OPTIONAL_KEYS]
+        if missing or unexpected:
+            msgs = []
+            if missing:
+                msgs.append("Missing key(s): {}.".format(", ".join(f'"{k}"' for k in missing)))
+            if unexpected:
+                msgs.append("Unexpected key(s): {}.".format(
+                    ", ".join(f'"{k}"' for k in unexpected)))
+            raise RuntimeError(
+                f"Error(s) in loading {where}: {' '.join(msgs)} A loss scaler's state holds "
+                f"{', '.join(_REQUIRED_KEYS)} (Apex's) and optionally "
+                f"{', '.join(_OPTIONAL_KEYS)}; pass the dict amp.state_dict() saved")
+        raw = sd["loss_scale"]
+        if not _is_real(raw):
+            raise TypeError(f"{where}: 'loss_scale' must be a number, got {type(raw).__name__} "
+                            f"{raw!r}; pass the dict amp.state_dict() saved")
+        scale = float(raw)
+        if not (math.isfinite(scale) and scale > 0.0):
+            raise ValueError(f"{where}: 'loss_scale' must be a finite number > 0, got {raw!r}; "
+                             "the checkpoint is damaged: load another, or leave the scaler as "
+                             "initialize set it")
+        if self.dynamic:
+            scale = min(max(scale, self.min_loss_scale), self.max_loss_scale)
+        values = {"loss_scale": scale,
+                  "unskipped": _saved_count(where, "unskipped", sd["unskipped"])}
+        for key in ("hysteresis", "skipped", "floor_streak"):
+            if key in sd:
+                values[key] = _saved_count(where, key, sd[key])
+        for key in ("dynamic", "floor_warned"):
+            if key in sd:
+                values[key] = _saved_flag(where, key, sd[key])
+        return values
 
     def load_state_dict(self, sd):
-        scale = float(sd["loss_scale"])
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"loss_scale in the checkpoint must be a finite number > 0, got {scale}")
-        unskipped = int(sd["unskipped"])
-        hyst = int(sd.get("hysteresis", self.hysteresis))
+        """Restore a :meth:`state_dict` (or Apex's ``{"loss_scale", "unskipped"}``):
+        checked first (:meth:`check_state_dict`), nothing changes on a refusal. Absent
+        optional keys take a fresh scaler's values (full hysteresis, no floor streak);
+        the skipped-step count then stays as it is."""
+        self._load_checked(self.check_state_dict(sd))
+
+    def _load_checked(self, values):
+        """Write values returned by :meth:`check_state_dict` (cannot fail)."""
+        scale = values["loss_scale"]
+        host = self._state.cpu().tolist()
+        host[K.SCALE] = scale
+        host[K.USED_SCALE] = scale
+        host[K.UNSKIPPED] = values["unskipped"]
+        host[K.HYSTERESIS] = values.get("hysteresis", self.hysteresis)
+        host[K.SKIPPED] = values.get("skipped", host[K.SKIPPED])
+        host[K.FLOOR_STREAK] = streak = values.get("floor_streak", 0)
+        self._state.copy_(torch.tensor(host, dtype=torch.float32))
         if not self.dynamic:
             self._static_scale = scale
-        self._state[K.SCALE] = scale
-        self._state[K.USED_SCALE] = scale
-        self._state[K.UNSKIPPED] = unskipped
-        self._state[K.HYSTERESIS] = hyst
-        self._state[K.FLOOR_STREAK] = 0.0
+        # Reports queued before the load describe the state it replaced.
+        self._pending_reports.clear()
+        self._seen_skipped = float(host[K.SKIPPED])
+        self._floor_warned = values.get("floor_warned", streak >= FLOOR_WARN_STEPS)

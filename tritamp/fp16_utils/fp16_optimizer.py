@@ -34,6 +34,11 @@ logger = logging.getLogger("tritamp.fp16_utils")
 _PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _DYNAMIC_LOSS_ARGS = ("init_scale", "scale_factor", "scale_window", "min_loss_scale",
                       "max_loss_scale", "backoff_factor", "hysteresis")
+# The scaler's argument names as a refusal names them to FP16_Optimizer's caller.
+_DYNAMIC_NAMES = {k: f"dynamic_loss_args[{k!r}]" for k in _DYNAMIC_LOSS_ARGS}
+_DYNAMIC_NAMES["scale_factor"] += " (the growth_factor)"
+_DYNAMIC_NAMES["scale_window"] += " (the growth_interval)"
+_STATIC_NAMES = {"loss_scale": "static_loss_scale"}
 
 
 class FP16_Optimizer:
@@ -68,9 +73,9 @@ class FP16_Optimizer:
         self.verbose = verbose
         self.dynamic_loss_scale = bool(dynamic_loss_scale)
         if self.dynamic_loss_scale:
-            self.loss_scaler = OptimizerLossScaler("dynamic", **self._dynamic_loss_args)
+            self.loss_scaler = self._dynamic_scaler()
         else:
-            self.loss_scaler = OptimizerLossScaler(static_loss_scale)
+            self.loss_scaler = OptimizerLossScaler(static_loss_scale, arg_names=_STATIC_NAMES)
 
         self.optimizer = init_optimizer
         stash = AmpStash(init_optimizer, master_weights=True)
@@ -108,6 +113,9 @@ class FP16_Optimizer:
         self._backward_pending = False    # scaled gradients not yet moved to the masters
         self.first_closure_call_this_step = True
         self.clip_grad_norm = clip_grad_norm
+
+    def _dynamic_scaler(self):
+        return OptimizerLossScaler("dynamic", arg_names=_DYNAMIC_NAMES, **self._dynamic_loss_args)
 
     @staticmethod
     def _check_dynamic_args(args):
@@ -171,6 +179,7 @@ class FP16_Optimizer:
         if scaler.dynamic:
             scaler.clear_overflow_state()
         stash.post_backward(scaler)
+        stash.take_overflow(scaler)
         self._backward_pending = False
         # Own copy: the scaler's slot is reused by the next backward. A static scale is
         # not checked (Apex's static LossScaler never reports an overflow).
@@ -319,13 +328,17 @@ class FP16_Optimizer:
                              "optimizer's param groups; build the model and optimizer as they "
                              "were when the checkpoint was saved")
         dynamic = bool(state_dict.get("dynamic_loss_scale", self.dynamic_loss_scale))
-        scaler_state = _scaler_state(state_dict["loss_scaler"])
-        if dynamic != self.loss_scaler.dynamic:
-            self.loss_scaler = (OptimizerLossScaler("dynamic", **self._dynamic_loss_args) if dynamic
-                                else OptimizerLossScaler(scaler_state["loss_scale"]))
-        self.dynamic_loss_scale = dynamic
-        self.loss_scaler.load_state_dict(scaler_state)
+        scaler = self.loss_scaler
+        if dynamic != scaler.dynamic:  # the checkpoint's mode wins, as in Apex
+            scaler = (self._dynamic_scaler() if dynamic
+                      else OptimizerLossScaler(1.0, arg_names=_STATIC_NAMES))
+        # Checked before anything changes; torch's load_state_dict checks before it loads.
+        scaler_values = scaler.check_state_dict(_scaler_state(state_dict["loss_scaler"]),
+                                                where="state_dict['loss_scaler']")
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
+        self.loss_scaler = scaler
+        self.dynamic_loss_scale = dynamic
+        scaler._load_checked(scaler_values)
         with torch.no_grad():
             for current_group, saved_group in zip(self.fp32_from_fp16_groups, saved_masters):
                 for current, saved in zip(current_group, saved_group):

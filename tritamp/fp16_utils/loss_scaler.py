@@ -17,6 +17,7 @@ import torch
 
 from tritamp import kernels as K
 from tritamp.amp.scaler import LossScaler as _DeviceLossScaler
+from tritamp.amp.scaler import _real
 
 from .fp16util import to_python_float
 
@@ -39,9 +40,10 @@ class OptimizerLossScaler(_DeviceLossScaler):
 
     def set_scale(self, value):
         """Replace the current scale (a Python number > 0)."""
-        value = float(value)
+        value = _real("loss_scale", value, "pass a finite number > 0 such as 128.0")
         if not (math.isfinite(value) and value > 0.0):
-            raise ValueError(f"the loss scale must be a finite number > 0, got {value!r}")
+            raise ValueError(f"loss_scale must be a finite number > 0, got {value!r}; the loss "
+                             "is multiplied by it: pass e.g. 128.0")
         if not self.dynamic:
             self._static_scale = value
         self._state[K.SCALE] = value
@@ -122,7 +124,9 @@ class LossScaler(_LegacyScaler):
     on overflow skips with a static scale too; ``update_scale`` keeps the scale."""
 
     def __init__(self, scale=1):
-        super().__init__(OptimizerLossScaler(float(scale), report=False))
+        scale = _real("scale", scale, "pass a finite number > 0 such as 128.0")
+        super().__init__(OptimizerLossScaler(scale, report=False,
+                                             arg_names={"loss_scale": "scale"}))
 
     def update_scale(self, overflow):
         pass
@@ -137,7 +141,10 @@ class DynamicLossScaler(_LegacyScaler):
     def __init__(self, init_scale=2**32, scale_factor=2., scale_window=1000):
         super().__init__(OptimizerLossScaler("dynamic", report=False, init_scale=init_scale,
                                              scale_factor=scale_factor, scale_window=scale_window,
-                                             min_loss_scale=1.0, max_loss_scale=None))
+                                             min_loss_scale=1.0, max_loss_scale=None,
+                                             arg_names={"scale_factor": "scale_factor",
+                                                        "scale_window": "scale_window",
+                                                        "min_loss_scale": None}))
         self.scale_factor = scale_factor
         self.scale_window = scale_window
         self.cur_iter = 0
