@@ -49,7 +49,7 @@ def _is_real(value):
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _real(label, value, fix):
+def check_number(label, value, fix):
     """``value`` as a float: a Python (or numpy) real number, or a one-element real
     tensor; bools are refused (``True`` is not a scale)."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 \
@@ -107,16 +107,16 @@ def check_scaler_args(loss_scale="dynamic", init_scale=2.**16, scale_factor=2.,
         dynamic, static = True, None
     else:
         dynamic = False
-        static = _real(n("loss_scale"), loss_scale,
+        static = check_number(n("loss_scale"), loss_scale,
                        "pass 'dynamic' or a finite number > 0 such as 128.0")
         if not (math.isfinite(static) and static > 0.0):
             raise ValueError(f"{n('loss_scale')} must be a finite number > 0, got {loss_scale!r}; "
                              "a static scale multiplies the loss: pass e.g. 128.0, or 'dynamic'")
-    init = _real(n("init_scale"), init_scale, "pass e.g. 2.**16 (the default)")
+    init = check_number(n("init_scale"), init_scale, "pass e.g. 2.**16 (the default)")
     if not (math.isfinite(init) and init > 0.0):
         raise ValueError(f"{n('init_scale')} must be a finite number > 0, got {init_scale!r}; "
                          "the dynamic scale starts there: pass e.g. 2.**16 (the default)")
-    growth = _real(n("scale_factor"), scale_factor, "pass e.g. 2.0 (the default)")
+    growth = check_number(n("scale_factor"), scale_factor, "pass e.g. 2.0 (the default)")
     if not (math.isfinite(growth) and growth > 1.0):
         raise ValueError(f"{n('scale_factor')} must be a finite number > 1, got {scale_factor!r}; "
                          "the scale is multiplied by it after the growth interval's clean "
@@ -124,7 +124,7 @@ def check_scaler_args(loss_scale="dynamic", init_scale=2.**16, scale_factor=2.,
     if backoff_factor is None:
         backoff = 1.0 / growth
     else:
-        backoff = _real(n("backoff_factor"), backoff_factor, "pass e.g. 0.5 (the default)")
+        backoff = check_number(n("backoff_factor"), backoff_factor, "pass e.g. 0.5 (the default)")
         if not 0.0 < backoff < 1.0:
             raise ValueError(f"{n('backoff_factor')} must be in (0, 1), got {backoff_factor!r}; "
                              "the scale is multiplied by it on an overflow: pass e.g. 0.5")
@@ -134,7 +134,7 @@ def check_scaler_args(loss_scale="dynamic", init_scale=2.**16, scale_factor=2.,
     if min_loss_scale is None:
         min_scale = DEFAULT_MIN_LOSS_SCALE
     else:
-        min_scale = _real(n("min_loss_scale"), min_loss_scale,
+        min_scale = check_number(n("min_loss_scale"), min_loss_scale,
                           "pass None for the default floor of 1.0, or a number > 0")
         if not (math.isfinite(min_scale) and min_scale > 0.0):
             raise ValueError(f"{n('min_loss_scale')} must be a finite number > 0, got "
@@ -144,11 +144,12 @@ def check_scaler_args(loss_scale="dynamic", init_scale=2.**16, scale_factor=2.,
     if max_loss_scale is None:
         max_scale = math.inf
     else:
-        max_scale = _real(n("max_loss_scale"), max_loss_scale,
+        max_scale = check_number(n("max_loss_scale"), max_loss_scale,
                           "pass None for no ceiling, or a number > 0")
         if not max_scale > 0.0:  # NaN included
-            raise ValueError(f"{n('max_loss_scale')} must be a number > 0 (or None for no "
-                             f"ceiling), got {max_loss_scale!r}")
+            raise ValueError(f"{n('max_loss_scale')} must be a number > 0, got "
+                             f"{max_loss_scale!r}; pass None for no ceiling, or a number >= "
+                             "the floor such as 2.**24 (the default)")
     if not max_scale >= min_scale:
         floor = "" if min_loss_scale is not None else " (the default floor when it is None)"
         raise ValueError(f"{n('max_loss_scale')} ({max_loss_scale!r}) must be >= "

@@ -25,6 +25,7 @@ import torch
 from tritamp import kernels as K
 from tritamp.amp._model import MODEL_ATTR
 from tritamp.amp._optimizer import AmpStash, _new_step
+from tritamp.amp.scaler import check_number
 
 from .fp16util import clip_grad_norm
 from .loss_scaler import OptimizerLossScaler
@@ -75,7 +76,11 @@ class FP16_Optimizer:
         if self.dynamic_loss_scale:
             self.loss_scaler = self._dynamic_scaler()
         else:
-            self.loss_scaler = OptimizerLossScaler(static_loss_scale, arg_names=_STATIC_NAMES)
+            # a number: the string "dynamic" would make the static scale a dynamic one
+            self.loss_scaler = OptimizerLossScaler(
+                check_number("static_loss_scale", static_loss_scale,
+                      "pass a finite number > 0, or dynamic_loss_scale=True"),
+                arg_names=_STATIC_NAMES)
 
         self.optimizer = init_optimizer
         stash = AmpStash(init_optimizer, master_weights=True)

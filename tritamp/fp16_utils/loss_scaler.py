@@ -17,7 +17,7 @@ import torch
 
 from tritamp import kernels as K
 from tritamp.amp.scaler import LossScaler as _DeviceLossScaler
-from tritamp.amp.scaler import _real
+from tritamp.amp.scaler import check_number
 
 from .fp16util import to_python_float
 
@@ -40,7 +40,7 @@ class OptimizerLossScaler(_DeviceLossScaler):
 
     def set_scale(self, value):
         """Replace the current scale (a Python number > 0)."""
-        value = _real("loss_scale", value, "pass a finite number > 0 such as 128.0")
+        value = check_number("loss_scale", value, "pass a finite number > 0 such as 128.0")
         if not (math.isfinite(value) and value > 0.0):
             raise ValueError(f"loss_scale must be a finite number > 0, got {value!r}; the loss "
                              "is multiplied by it: pass e.g. 128.0")
@@ -124,7 +124,7 @@ class LossScaler(_LegacyScaler):
     on overflow skips with a static scale too; ``update_scale`` keeps the scale."""
 
     def __init__(self, scale=1):
-        scale = _real("scale", scale, "pass a finite number > 0 such as 128.0")
+        scale = check_number("scale", scale, "pass a finite number > 0 such as 128.0")
         super().__init__(OptimizerLossScaler(scale, report=False,
                                              arg_names={"loss_scale": "scale"}))
 
