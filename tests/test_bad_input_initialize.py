@@ -503,9 +503,13 @@ def _fp32_checkpoint():
     return state
 
 
+def _larc_sgd(params, lr):
+    return LARC(torch.optim.SGD(params, lr=lr))
+
+
 @pytest.mark.parametrize("half", HALVES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, FusedSGD, FusedAdam],
-                         ids=["sgd", "fused_sgd", "fused_adam"])
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, FusedSGD, FusedAdam, _larc_sgd],
+                         ids=["sgd", "fused_sgd", "fused_adam", "larc"])
 def test_o2_masters_are_the_fp32_values(half, opt_cls):
     checkpoint = _fp32_checkpoint()
     model = net()
