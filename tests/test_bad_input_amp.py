@@ -379,6 +379,30 @@ def test_fp16_optimizer_refuses_a_bad_scaler_state_before_loading_anything():
         assert_bits_equal(a, b.detach())
 
 
+def test_convert_to_amp_optimizer_refuses_a_bad_amp_entry_before_loading_its_own_state():
+    model = tiny()
+    model, opt, _ = convert_to_amp(model, torch.optim.SGD(model.parameters(), lr=0.1,
+                                                          momentum=0.9),
+                                   mode="apex", opt_level="O0", loss_scale="dynamic",
+                                   verbosity=0)
+    x = torch.randn(4, 3)
+
+    def step():
+        opt.zero_grad()
+        opt.backward(model(x).sum())
+        opt.step()
+
+    step()
+    saved = copy.deepcopy(opt.state_dict())
+    step()
+    before, scalers = snapshot(model, opt.optim), scaler_bits()
+    saved["amp"]["loss_scaler0"]["unskipped"] = -1
+    with pytest.raises(ValueError, match="'unskipped' must be an int >= 0, got -1"):
+        opt.load_state_dict(saved)
+    assert_unchanged(before, snapshot(model, opt.optim))  # step 2's momentum, not step 1's
+    assert_scalers_unchanged(scalers)
+
+
 # -- the floor streak survives a checkpoint -------------------------------------------------
 
 def _floor_run(steps, save_at=None, resume=None):

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from . import amp
 from .amp._state import _amp_state
+from .amp.checkpoint import check_state_dict as check_amp_state_dict
 from .amp.scaler import check_scaler_args
 from .optimizers.clip import clip_grad_norm_
 
@@ -202,9 +203,12 @@ class AmpOptimizer:
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         amp_state = state_dict.pop("amp", None)
-        self.optim.load_state_dict(state_dict)
+        load_amp = None
         if amp_state is not None and _amp_state.loss_scalers:
-            amp.load_state_dict(amp_state)
+            load_amp = check_amp_state_dict(amp_state)  # refused before anything loads
+        self.optim.load_state_dict(state_dict)
+        if load_amp is not None:
+            load_amp()
 
     # -- mixed precision ---------------------------------------------------------------------
     def backward(self, loss, retain_graph=False):

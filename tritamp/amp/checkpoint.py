@@ -29,13 +29,20 @@ def load_state_dict(state_dict):
     scaler without an entry keeps its state, and a key that is not ``loss_scalerN``
     raises. Apex's checkpoints (``loss_scale`` and ``unskipped`` only) load; the keys
     tritamp adds are optional."""
+    check_state_dict(state_dict)()
+
+
+def check_state_dict(state_dict):
+    """Everything :func:`load_state_dict` checks, without changing anything; returns the
+    function that then loads the checked values (it cannot fail). For a caller that loads
+    amp's state together with other state and must refuse all of it or load all of it."""
     if _amp_state.opt_properties is None:
         raise RuntimeError("amp.load_state_dict was called before amp.initialize. Call "
                            "amp.initialize(model, optimizer, ...) first, then load the state.")
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"amp.load_state_dict expects the dict amp.state_dict() returned, "
                         f"{{'loss_scaler0': {{...}}, ...}}, got {type(state_dict).__name__}")
-    scalers = _amp_state.loss_scalers
+    scalers = list(_amp_state.loss_scalers)
     nb = len(scalers)
     unexpected = [k for k in state_dict if not (isinstance(k, str) and _ENTRY.match(k))]
     if unexpected:
@@ -52,11 +59,14 @@ def load_state_dict(state_dict):
             continue
         where = f"amp.load_state_dict: state_dict[{key!r}]"
         checked.append((scalers[idx], scalers[idx].check_state_dict(entry, where=where)))
-    # Everything is valid: from here on nothing can fail halfway.
-    if len(state_dict) != nb:
-        maybe_print("Warning: state_dict contains {} entries, while {} loss_scalers are "
-                    "used".format(len(state_dict), nb))
-    for idx in sorted(skipped):
-        maybe_print("Skipping loss_scaler[{}], since num_losses was set to {}".format(idx, nb))
-    for scaler, values in checked:
-        scaler._load_checked(values)
+    count = len(state_dict)
+
+    def load():
+        if count != nb:
+            maybe_print("Warning: state_dict contains {} entries, while {} loss_scalers are "
+                        "used".format(count, nb))
+        for idx in sorted(skipped):
+            maybe_print("Skipping loss_scaler[{}], since num_losses was set to {}".format(idx, nb))
+        for scaler, values in checked:
+            scaler._load_checked(values)
+    return load
