@@ -670,6 +670,43 @@ def test_scale_loss_refuses_a_bad_loss_id_and_changes_nothing(loss_id, error):
     assert_scalers_unchanged(scalers)
 
 
+class _SparseNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(5, 3, sparse=True)
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, idx):
+        return self.lin(self.emb(idx))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_sparse_gradient_of_a_torch_optimizer_is_refused_before_anything_changes(level):
+    model = _SparseNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    idx = torch.tensor([1, 3])
+    model.emb.weight.requires_grad_(False)
+    with amp.scale_loss(model(idx).float().sum(), opt) as scaled:  # a dense step first
+        scaled.backward()
+    opt.step()
+    model.emb.weight.requires_grad_(True)
+    opt.zero_grad()
+    before, scalers = snapshot(model, opt), scaler_bits()
+    masters = [m.detach().clone() for m in amp.master_params(opt)]
+    with pytest.raises(RuntimeError, match="amp does not support sparse gradients"):
+        with amp.scale_loss(model(idx).float().sum(), opt) as scaled:
+            scaled.backward()
+    assert_unchanged(before, snapshot(model, opt))
+    assert_scalers_unchanged(scalers)
+    for a, m in zip(masters, amp.master_params(opt)):
+        assert_bits_equal(a, m.detach())
+        if level == "O2":  # the fp32 masters: no gradient buffer handed out
+            assert m.grad is None
+
+
 def test_every_order_of_three_optimizers_skips_together():
     # itertools over the orders of three fused optimizers, one loss
     for perm in itertools.permutations(range(3)):

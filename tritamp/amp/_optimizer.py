@@ -225,23 +225,28 @@ class AmpStash:
             else:
                 acc.append((g, m.grad, m.grad))
         plain_fresh = []
+        restore = []  # (parameter, stashed gradient) of parameters this backward missed
         for i, p in enumerate(self.plain_params):
             g, s = p.grad, self.plain_stash[i]
-            self.plain_stash[i] = None
             if g is None:
                 if s is not None:
-                    p.grad = s
+                    restore.append((p, s))
             elif s is None:
                 plain_fresh.append(g)
             else:
                 acc.append((g, g, s))
+        srcs = [g for _, g in master_fresh]
+        # A sparse gradient is refused by name before anything below changes.
+        layout_key(srcs + plain_fresh + [a[0] for a in acc], op="amp")
+        self.plain_stash = [None] * len(self.plain_params)
+        for p, s in restore:
+            p.grad = s
         # Leave the gradients scaled for the fused step only when they are all this
         # backward's, so one grad_scale describes every one of them; with masters only
         # if the optimizer reads the half gradients and writes the half copies itself.
         lazy = (self.supports_amp_scaling and not acc and not self.pending
                 and (not self.masters or self.writes_model_copies))
         found, scale = check, scaler.scale
-        srcs = [g for _, g in master_fresh]
         if lazy:
             self._check_unscale("check_some", srcs + plain_fresh, None, found, write=False)
         else:
