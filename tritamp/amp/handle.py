@@ -19,8 +19,9 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
     """Yield ``loss.float() * scale``; on exit check (and unscale) the gradients.
 
     The scale is a device tensor, the overflow check and the scale update run on the
-    device: nothing here waits for the GPU. With a dynamic scale ``optimizer.step()``
-    then skips the update when the gradients held inf/NaN (no sync for optimizers that
+    device: nothing here waits for the GPU. With a dynamic scale the ``step()`` of every
+    optimizer passed here then skips the update when any gradient of the backward held
+    inf/NaN, whichever optimizer owns it (Apex's rule; no sync for optimizers that
     declare ``_step_supports_amp_scaling``, one sync for others, as in Apex). A static
     scale is not checked and never skips a step, as in Apex (nothing could act on an
     overflow); with a static scale of 1.0 and no master weights the exit does nothing.
