@@ -6,7 +6,10 @@ Fences:
   everywhere in the tests), each in a fresh namespace holding PREAMBLE below, with a fresh
   temporary folder as the working directory. Tracebacks name the page and its line.
 - ```bash blocks run with ``bash -e -o pipefail`` at the repository root, without
-  TRITON_INTERPRET (the production CPU path, as a user's shell would run them).
+  TRITON_INTERPRET (the production CPU path, as a user's shell would run them), with
+  TMPDIR a fresh temporary folder: a block writes its outputs under ``$(mktemp -d)`` (or
+  the ignored ``benchmarks/out/``), never into tracked files or a fixed path such as
+  /tmp/x that another run could share.
 - Anything else (```text for signatures and listings, ```diff) is prose and does not run.
   The near-misses ```py, ```python3, ```sh, ```shell and ```console are refused, so a
   block cannot drop out of CI by its spelling.
@@ -17,8 +20,8 @@ Markers, an HTML comment on the line right before the fence (invisible on GitHub
   (``<!-- requires: cuda, torchrun -->``): the block needs a CUDA device or a
   multi-process launch. A cuda block runs where CUDA is present (the preamble's batches
   are then on the GPU); a torchrun block never runs here. Either must sit next to a
-  CPU variant: the code block right after it (or, failing that, right before it) has the
-  same language and no marker, and so runs.
+  CPU variant: the code block right after or right before it has the same language and
+  no marker, and so runs (the same code on CPU tensors, or in a one-process gloo world).
 - ``<!-- ci: skip (reason) -->``: bash only, for commands that take minutes (the full
   benchmark, the whole test suite) or install packages. The reason is required and the
   number of such blocks is capped by MAX_SKIPPED.
@@ -26,7 +29,10 @@ Markers, an HTML comment on the line right before the fence (invisible on GitHub
 PREAMBLE stands for the user's own model, data and loss in the snippets that use them
 (``build_model()``, ``loader``, ``criterion``, ``local_rank``): a small CNN with a
 BatchNorm, two batches of four 3x8x8 images with labels from 10 classes, and
-cross-entropy.
+cross-entropy. Everything else a block uses it imports or defines itself.
+
+Relative links between the pages (and to files of the repository), with their #anchors,
+must resolve.
 """
 import os
 import pathlib
@@ -122,13 +128,14 @@ def test_python_block_runs(block, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("block", _params("bash"))
-def test_bash_block_runs(block):
+def test_bash_block_runs(block, tmp_path):
     unmet = _unmet(block)
     if unmet:
         pytest.skip(f"needs {', '.join(sorted(unmet))}; its CPU variant runs instead")
     if block.kind == "ci":
         pytest.skip(block.arg)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TMPDIR"] = str(tmp_path)                      # mktemp -d: a folder of this test's own
     proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block.code], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
