@@ -31,8 +31,8 @@ PREAMBLE stands for the user's own model, data and loss in the snippets that use
 BatchNorm, two batches of four 3x8x8 images with labels from 10 classes, and
 cross-entropy. Everything else a block uses it imports or defines itself.
 
-Relative links between the pages (and to files of the repository), with their #anchors,
-must resolve.
+README.md links every docs page; relative links between the pages (and to files of the
+repository), with their #anchors, must resolve.
 """
 import os
 import pathlib
@@ -186,3 +186,10 @@ def test_relative_links_resolve():
 def _anchors(path):
     heads = re.findall(r"^#+\s+(.*)$", FENCE.sub("", path.read_text()), re.M)
     return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_readme_links_every_docs_page():
+    readme = (ROOT / "README.md").read_text()
+    missing = [p.name for p in sorted((ROOT / "docs").glob("*.md"))
+               if f"](docs/{p.name})" not in readme]
+    assert not missing, f"README.md's Documentation list lacks {missing}"
