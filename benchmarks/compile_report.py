@@ -14,9 +14,10 @@ No GPU needed. Two parts:
    aligned, vectorised path ``VEC`` > 1 is taken) and the same model with one odd-sized
    parameter (its dtype group takes the masked path, ``VEC = 1``). Each optimizer also
    steps fp32 parameters under ``torch.amp.GradScaler``, whose steps write the unscaled
-   gradients back (the kernels' ``WRITE_GRAD`` variants). Then
-   ``multi_tensor_l2norm``, ``multi_tensor_scale``, ``multi_tensor_axpby``,
-   ``check_unscale`` and the template ``adam_step`` directly, on both kinds of lists.
+   gradients back (the kernels' ``WRITE_GRAD`` variants). Then every multi-tensor op
+   of the op registry (``tritamp.kernels.registry``: check/unscale, l2norm, scale, axpby
+   and the optimizer steps) directly, on the registry's samples of each dtype, with both
+   kinds of lists.
    Each kernel-cache miss is one specialisation: the kernel, its argument dtypes, the
    alignment Triton proved (``tt.divisibility``), the constexprs and ``num_warps``,
    exactly as a GPU run would compile it.
@@ -122,58 +123,29 @@ def _grad_scaler_steps(opt_name, odd, steps=2):
         opt.zero_grad()
 
 
-def _lists(dtype, odd):
-    numels = [2048, 32, 512, 16] + ([7] if odd else [])
-    return [torch.full((n,), 0.5, dtype=dtype) for n in numels]
+def _shapes(odd):
+    """Every numel a multiple of 8 (the aligned, vectorised path), or with one 7-element
+    tensor (its dtype group takes the masked path)."""
+    return [(n,) for n in [2048, 32, 512, 16] + ([7] if odd else [])]
 
 
 def _direct_calls():
-    """The multi-tensor helpers called directly: name -> callable."""
-    from tritamp import kernels as K
+    """Every multi-tensor op of the registry (tritamp.kernels.registry) called directly on
+    its samples: name -> callable. One scenario per op, dtype (fp32, fp16, bf16) and kind
+    of list (aligned, or ``+odd``), running every sample of that dtype."""
+    from tritamp.kernels import registry
     calls = {}
-    for dname, dt in (("fp32", torch.float32), ("fp16", torch.float16),
-                      ("bf16", torch.bfloat16)):
-        for odd in (False, True):
-            tag = f"{dname}{' +odd' if odd else ''}"
+    for op in registry.OPS:
+        if not op.multi_tensor:
+            continue
+        for dt in op.dtypes:
+            for odd in (False, True):
+                def run(op=op, dt=dt, odd=odd):
+                    for sample in op.sample_inputs("cpu", _shapes(odd)):
+                        if sample.dtype == dt:
+                            sample.call(op.launcher)
 
-            def l2norm(dt=dt, odd=odd):
-                xs = _lists(dt, odd)
-                K.multi_tensor_l2norm(xs, per_tensor=False)
-                K.multi_tensor_l2norm(xs, per_tensor=True)
-
-            def scale(dt=dt, odd=odd):
-                xs = _lists(dt, odd)
-                K.multi_tensor_scale(xs, _lists(torch.float32, odd), 0.5,
-                                     torch.zeros(1, dtype=torch.int32))
-
-            def axpby(dt=dt, odd=odd):
-                xs = _lists(dt, odd)
-                K.multi_tensor_axpby(xs, _lists(torch.float32, odd), _lists(dt, odd), 0.5, 2.0,
-                                     torch.zeros(1, dtype=torch.int32), -1)
-
-            def check(dt=dt, odd=odd):
-                xs = _lists(dt, odd)
-                found = torch.zeros(())
-                scale_t = torch.full((), 1024.0)
-                K.check_unscale(xs, scale_t, found, write=False)
-                K.check_unscale(xs, scale_t, found, dsts=_lists(torch.float32, odd))
-
-            def adam(dt=dt, odd=odd):
-                # The template launcher directly (independent of amp): fp32 masters with
-                # ``dt`` gradients and copies (O2's layout; O1's when dt is fp32).
-                from tritamp.kernels.adam import adam_step
-                ps = _lists(torch.float32, odd)
-                copies = None if dt == torch.float32 else _lists(dt, odd)
-                adam_step(ps, _lists(dt, odd), _lists(torch.float32, odd),
-                          _lists(torch.float32, odd), [torch.zeros(()) for _ in ps], copies,
-                          lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                          grad_scale=torch.full((), 1024.0), found_inf=torch.zeros(()))
-
-            calls[f"adam_step {tag}"] = adam
-            calls[f"multi_tensor_l2norm {tag}"] = l2norm
-            calls[f"multi_tensor_scale {tag}"] = scale
-            calls[f"multi_tensor_axpby {tag}"] = axpby
-            calls[f"check_unscale {tag}"] = check
+                calls[f"{op.name} {registry.DTYPE_NAMES[dt]}{' +odd' if odd else ''}"] = run
     return calls
 
 

@@ -4,10 +4,11 @@
     python benchmarks/kernels.py --sizes 25M --layouts resnet50
     python benchmarks/kernels.py --device cpu      # a small CPU smoke run
 
-Rows: amp's end-of-backward kernels (the overflow check alone, and check + unscale of
-fp16 gradients into fp32 master gradients) against torch's
-``_amp_foreach_non_finite_check_and_unscale_`` (what GradScaler runs), the multi-tensor
-l2-norm against ``torch._foreach_norm``, LayerNorm / RMSNorm forward and forward+backward
+Rows: the benchmark rows of the op registry (``tritamp.kernels.registry``; each op's
+``benchmarks``), each against its torch baseline here: amp's end-of-backward kernels (the
+overflow check alone, and check + unscale of fp16 gradients into fp32 master gradients)
+against torch's ``_amp_foreach_non_finite_check_and_unscale_`` (what GradScaler runs), the
+multi-tensor l2-norm against ``torch._foreach_norm``; then LayerNorm / RMSNorm forward and forward+backward
 against torch's (benchmarks/norms.py), SyncBatchNorm forward+backward at ResNet-50 shapes
 against torch's SyncBatchNorm and cudnn (benchmarks/syncbn.py), then every fused optimizer step from
 benchmarks/optimizers.py. Each row: time (median, p20-p80), bytes moved, GB/s, the
@@ -23,7 +24,7 @@ import torch
 if __name__ == "__main__" and not __package__:
     sys.exit("run it as a module from the repository root: python3 -m benchmarks.kernels")
 
-from tritamp.kernels import check_unscale, multi_tensor_l2norm  # noqa: E402
+from tritamp.kernels import registry  # noqa: E402
 
 from . import norms as nb  # noqa: E402  (the norm benchmark)
 from . import optimizers as ob  # noqa: E402  (the optimizer benchmark: layouts, timer, table)
@@ -37,45 +38,45 @@ def _grads(shapes, device, dtype=torch.float16):
             for s in shapes]
 
 
+def _torch_unscale(shapes, device):
+    grads = _grads(shapes, device)
+    inv = torch.ones((), device=device)  # 1.0: repeated runs leave the gradients as they are
+    fi = torch.zeros(1, device=device)
+    return (lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, fi, inv)), \
+        sum(g.numel() * (2 + 2) for g in grads), grads
+
+
+def _torch_norm(shapes, device):
+    grads = _grads(shapes, device, torch.float32)
+    return (lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))), \
+        sum(g.numel() * 4 for g in grads), grads
+
+
+# The torch baseline of each registry benchmark row: make(shapes, device) -> (step
+# function, bytes moved, tensors to keep).
+TORCH_BASELINES = {
+    "amp check": _torch_unscale,            # what GradScaler runs
+    "amp unscale->fp32": _torch_unscale,
+    "l2norm": _torch_norm,
+}
+
+
 def kernel_cases(shapes, device):
-    """(kernel, impl, make) with make() -> (step function, bytes moved, tensors to keep)."""
-    scale = torch.tensor(65536.0, device=device)
-    found = torch.zeros((), device=device)
+    """(kernel, impl, make) with make() -> (step function, bytes moved, tensors to keep):
+    every benchmark row of the op registry (tritamp.kernels.registry), each followed by
+    its torch baseline."""
+    cases = []
+    for op in registry.OPS:
+        for row, make_sample in op.benchmarks.items():
+            def ours(op=op, make_sample=make_sample):
+                sample, nbytes = make_sample(shapes, device)
+                return (lambda: sample.call(op.launcher)), nbytes, sample
 
-    def check_only():
-        grads = _grads(shapes, device)
-        return (lambda: check_unscale(grads, None, found, write=False)), \
-            sum(g.numel() * 2 for g in grads), grads
-
-    def check_unscale_to_fp32():
-        grads = _grads(shapes, device)
-        masters = [torch.empty(g.shape, device=device) for g in grads]
-        return (lambda: check_unscale(grads, scale, found, dsts=masters)), \
-            sum(g.numel() * (2 + 4) for g in grads), (grads, masters)
-
-    def torch_unscale():
-        grads = _grads(shapes, device)
-        inv = torch.ones((), device=device)  # 1.0: repeated runs leave the gradients as they are
-        fi = torch.zeros(1, device=device)
-        return (lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, fi, inv)), \
-            sum(g.numel() * (2 + 2) for g in grads), grads
-
-    def l2norm():
-        grads = _grads(shapes, device, torch.float32)
-        return (lambda: multi_tensor_l2norm(grads, per_tensor=True)), \
-            sum(g.numel() * 4 for g in grads), grads
-
-    def torch_norm():
-        grads = _grads(shapes, device, torch.float32)
-        return (lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))), \
-            sum(g.numel() * 4 for g in grads), grads
-
-    return [("amp check", "tritamp", check_only),
-            ("amp check", "torch fused", torch_unscale),
-            ("amp unscale->fp32", "tritamp", check_unscale_to_fp32),
-            ("amp unscale->fp32", "torch fused", torch_unscale),
-            ("l2norm", "tritamp", l2norm),
-            ("l2norm", "torch fused", torch_norm)]
+            cases.append((row, "tritamp", ours))
+            if row in TORCH_BASELINES:
+                cases.append((row, "torch fused",
+                              lambda row=row: TORCH_BASELINES[row](shapes, device)))
+    return cases
 
 
 def run_kernel(name, impl, make, layout, n, device, timed, copy_gbps, meta):

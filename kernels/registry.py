@@ -211,6 +211,15 @@ def _scalar(value, device, dtype=torch.float32, shape=()):
     return torch.full(shape, value, dtype=dtype, device=device)
 
 
+def _scaler_slots(device, found=0.0):
+    """(scale, found_inf) as amp's loss scaler hands them to a sweep: 0-d views of its
+    state vector (tritamp.kernels.scale_update), the overflow slot 12 bytes into it."""
+    state = torch.zeros(_su.STATE_SIZE, device=device)
+    state[_su.USED_SCALE] = GRAD_SCALE
+    state[_su.FOUND_INF] = found
+    return state[_su.USED_SCALE], state[_su.FOUND_INF]
+
+
 def _plant_inf(tensors):
     tensors[-1].view(-1)[0] = math.inf
     return tensors
@@ -231,7 +240,8 @@ def _check_unscale_samples(device="cpu", shapes=SHAPES):
             return [_randn(s, dt, device, g, GRAD_SCALE) for s in shapes]
 
         def amp():
-            return dict(scale=_scalar(GRAD_SCALE, device), found_inf=_scalar(0.0, device))
+            scale, found = _scaler_slots(device)
+            return dict(scale=scale, found_inf=found)
 
         out.append(Sample(f"check {n}", dt, (_plant_inf(grads()),), dict(amp(), write=False)))
         out.append(Sample(f"unscale {n}", dt, (grads(),), amp()))
@@ -268,8 +278,8 @@ def _l2norm_samples(device="cpu", shapes=SHAPES):
                           dict(per_tensor=True)))
         out.append(Sample(f"unscaled {n}", dt,
                           ([_randn(s, dt, device, g, GRAD_SCALE) for s in shapes],),
-                          dict(per_tensor=True, scale=_scalar(GRAD_SCALE, device),
-                               found_inf=_scalar(0.0, device))))
+                          dict(zip(("scale", "found_inf"), _scaler_slots(device)),
+                               per_tensor=True)))
     return out
 
 
@@ -363,8 +373,8 @@ def _steps(shapes, device):
 
 
 def _amp_kw(device, skipped=False):
-    return dict(grad_scale=_scalar(GRAD_SCALE, device),
-                found_inf=_scalar(1.0 if skipped else 0.0, device))
+    scale, found = _scaler_slots(device, 1.0 if skipped else 0.0)
+    return dict(grad_scale=scale, found_inf=found)
 
 
 def _optim_samples(make, seed):
