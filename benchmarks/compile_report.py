@@ -49,14 +49,17 @@ os.environ["TRITON_INTERPRET"] = "0"  # before tritamp is imported: compiled-mod
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from tritamp.kernels import registry  # noqa: E402  (the op registry: samples, budgets)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "out", "compile_report.json")
 OPTIMIZERS = ("FusedAdam", "FusedSGD", "FusedLAMB", "FusedAdagrad", "FusedNovoGrad")
 LEVELS = ("O1", "O2")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-# Register budgets on the aligned path (BLOCK=1024, num_warps=4).
-REGISTER_BUDGET = {"adam": 72, "lamb": 72, "novograd": 72, "adagrad": 72,
-                   "sgd": 48, "check_unscale": 48, "l2norm": 48, "axpby": 48}
+# Register budgets on the aligned path (BLOCK=1024, num_warps=4), per kernel family: the
+# op registry's.
+REGISTER_BUDGET = {op.kernel_family: op.register_budget for op in registry.OPS
+                   if op.register_budget is not None}
 
 
 def family(kernel_name):
@@ -133,7 +136,6 @@ def _direct_calls():
     """Every multi-tensor op of the registry (tritamp.kernels.registry) called directly on
     its samples: name -> callable. One scenario per op, dtype (fp32, fp16, bf16) and kind
     of list (aligned, or ``+odd``), running every sample of that dtype."""
-    from tritamp.kernels import registry
     calls = {}
     for op in registry.OPS:
         if not op.multi_tensor:

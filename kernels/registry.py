@@ -149,6 +149,11 @@ class OpInfo:
     prepare: Optional[Callable] = None
     launch: Optional[Callable] = None
     multi_tensor: bool = False  # lists of tensors through the multi-tensor engine
+    # Multi-tensor ops: the prefix of their Triton kernels' names (the compile report's
+    # family) and the registers per thread their sweeps may use on the aligned path
+    # (BLOCK=1024, num_warps=4) compiled for sm_90.
+    kernel_family: Optional[str] = None
+    register_budget: Optional[int] = None
     dtypes: tuple = DTYPES      # the dtypes its samples cover
     # Names of the launcher's return values, or a function of the result returning
     # {name: tensor} (a result the kernel and the oracle give in different forms).
@@ -660,7 +665,7 @@ OPS = (
            # one fp32 multiply and one rounding, as torch's own unscale: bit for bit
            tol={"kernel": ALL_EXACT, "cpu": ALL_EXACT}, cpu=_cu.check_unscale_cpu,
            prepare=_cu.check_unscale_prepare, launch=_cu.check_unscale_launch,
-           multi_tensor=True,
+           multi_tensor=True, kernel_family="check_unscale", register_budget=48,
            benchmarks={"amp check": _bench_check, "amp unscale->fp32": _bench_unscale}),
     OpInfo("multi_tensor_l2norm", _l2norm.multi_tensor_l2norm, _l2norm.multi_tensor_l2norm_ref,
            _l2norm_samples,
@@ -669,18 +674,21 @@ OPS = (
                 "cpu": {torch.float32: Tol(1e-6, 0.0)}},
            cpu=_l2norm.multi_tensor_l2norm_cpu, prepare=_l2norm.multi_tensor_l2norm_prepare,
            launch=_l2norm.multi_tensor_l2norm_launch, multi_tensor=True,
+           kernel_family="l2norm", register_budget=48,
            results=("total", "per_tensor"),
            output_tol={"found_inf": {"kernel": ALL_EXACT, "cpu": ALL_EXACT}},
            benchmarks={"l2norm": _bench_l2norm}),
     OpInfo("multi_tensor_scale", _axpby.multi_tensor_scale, _axpby.multi_tensor_scale_ref,
            _scale_samples, tol={"kernel": ALL_EXACT, "cpu": ALL_EXACT},
            cpu=_axpby.multi_tensor_scale_cpu, prepare=_axpby.multi_tensor_scale_prepare,
-           launch=_axpby.multi_tensor_scale_launch, multi_tensor=True),
+           launch=_axpby.multi_tensor_scale_launch, multi_tensor=True,
+           kernel_family="axpby", register_budget=48),  # axpby without y
     OpInfo("multi_tensor_axpby", _axpby.multi_tensor_axpby, _axpby.multi_tensor_axpby_ref,
            # fp32 products and sum, one rounding; the interpreter never contracts an FMA
            _axpby_samples, tol={"kernel": ALL_EXACT, "cpu": ALL_EXACT},
            cpu=_axpby.multi_tensor_axpby_cpu, prepare=_axpby.multi_tensor_axpby_prepare,
-           launch=_axpby.multi_tensor_axpby_launch, multi_tensor=True),
+           launch=_axpby.multi_tensor_axpby_launch, multi_tensor=True,
+           kernel_family="axpby", register_budget=48),
     OpInfo("scale_update", _su.scale_update, _su.scale_update_ref, _scale_update_samples,
            # the scaler's state is one fp32 vector
            tol={"kernel": ALL_EXACT, "cpu": ALL_EXACT}, cpu=_su.scale_update_cpu,
@@ -689,25 +697,30 @@ OPS = (
            # the kernel runs the oracle's fp32 operations in its order: bit for bit
            tol={"kernel": ALL_EXACT, "cpu": CPU_OPTIM_TOL}, cpu=_adam.adam_step_cpu,
            prepare=_adam.adam_prepare, launch=_adam.adam_launch, multi_tensor=True,
+           kernel_family="adam", register_budget=72,
            output_tol=_OPTIM_EXACT),
     OpInfo("sgd_step", _sgd.sgd_step, _sgd.sgd_step_ref, _optim_samples(_sgd_args, 6),
            tol={"kernel": ALL_EXACT, "cpu": CPU_OPTIM_TOL}, cpu=_sgd.sgd_step_cpu,
            prepare=_sgd.sgd_prepare, launch=_sgd.sgd_launch, multi_tensor=True,
+           kernel_family="sgd", register_budget=48,
            output_tol=_OPTIM_EXACT),
     OpInfo("adagrad_step", _adagrad.adagrad_step, _adagrad.adagrad_step_ref,
            _optim_samples(_adagrad_args, 7),
            tol={"kernel": ALL_EXACT, "cpu": CPU_OPTIM_TOL}, cpu=_adagrad.adagrad_step_cpu,
            prepare=_adagrad.adagrad_prepare, launch=_adagrad.adagrad_launch, multi_tensor=True,
+           kernel_family="adagrad", register_budget=72,
            output_tol=_OPTIM_EXACT),
     OpInfo("lamb_step", _lamb.lamb_step, _lamb.lamb_step_ref, _optim_samples(_lamb_args, 8),
            tol={"kernel": KERNEL_NORM_OPTIM_TOL, "cpu": CPU_OPTIM_TOL}, cpu=_lamb.lamb_step_cpu,
            prepare=_lamb.lamb_prepare, launch=_lamb.lamb_launch, multi_tensor=True,
+           kernel_family="lamb", register_budget=72,
            output_tol=_OPTIM_EXACT),
     OpInfo("novograd_step", _novograd.novograd_step, _novograd.novograd_step_ref,
            _optim_samples(_novograd_args, 9),
            tol={"kernel": KERNEL_NORM_OPTIM_TOL, "cpu": CPU_OPTIM_TOL},
            cpu=_novograd.novograd_step_cpu, prepare=_novograd.novograd_prepare,
-           launch=_novograd.novograd_launch, multi_tensor=True, output_tol=_OPTIM_EXACT),
+           launch=_novograd.novograd_launch, multi_tensor=True, output_tol=_OPTIM_EXACT,
+           kernel_family="novograd", register_budget=72),
     OpInfo("layer_norm_fwd", _ln.layer_norm_fwd, _ln.layer_norm_fwd_ref, _norm_fwd_samples(False),
            tol={"kernel": TORCH_TOL, "cpu": _LN_CPU_FWD}, cpu=_ln.layer_norm_fwd_cpu,
            results=("y", "mean", "rstd"),

@@ -6,6 +6,8 @@ process (tests/aot_compile_kernels.py) because this session interprets the kerne
 """
 import pytest
 
+from tritamp.kernels import registry
+
 
 @pytest.fixture(scope="module")
 def report(compiled_kernels):
@@ -14,9 +16,10 @@ def report(compiled_kernels):
 
 # The multi-tensor sweeps: the specialisations their launchers really use, recorded by
 # benchmarks/compile_report.py (every fused optimizer at O1/O2, fp16/bf16, aligned and
-# odd-sized lists; check/unscale, l2norm, scale/axpby called directly).
-SWEEP_FAMILIES = ("check_unscale", "adam", "sgd", "adagrad", "lamb", "novograd", "l2norm",
-                  "axpby")
+# odd-sized lists; every multi-tensor op of the op registry called directly), one family
+# per kernel-name prefix the registry names.
+SWEEP_FAMILIES = tuple(dict.fromkeys(op.kernel_family for op in registry.OPS
+                                     if op.multi_tensor))
 
 
 def _recorded(report, family):

@@ -15,12 +15,11 @@ import tritamp.kernels._multi_tensor as engine
 import tritamp.kernels.l2norm as l2norm_mod
 import tritamp.kernels.lamb as lamb_mod
 import tritamp.kernels.novograd as novograd_mod
-from tritamp.kernels import use_triton
+from tritamp.kernels import registry, use_triton
 from tritamp.kernels.l2norm import (multi_tensor_l2norm, multi_tensor_l2norm_launch,
                                     multi_tensor_l2norm_prepare)
-from tritamp.kernels.lamb import lamb_launch, lamb_prepare, lamb_step, lamb_step_ref
-from tritamp.kernels.novograd import (novograd_launch, novograd_prepare, novograd_step,
-                                      novograd_step_ref)
+from tritamp.kernels.lamb import lamb_step
+from tritamp.kernels.novograd import novograd_step
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if not use_triton(torch.empty(0, device=DEVICE)):
@@ -29,9 +28,12 @@ if not use_triton(torch.empty(0, device=DEVICE)):
 
 LAMB_KW = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, max_grad_norm=1.0)
 NOVOGRAD_KW = dict(lr=1e-2, beta1=0.95, beta2=0.98, eps=1e-8, weight_decay=0.01)
+# launcher, oracle and prepare / launch pair: the op registry's
+REGISTERED = {"lamb": registry.op("lamb_step"), "novograd": registry.op("novograd_step")}
 OPS = {
-    "lamb": (lamb_step, lamb_step_ref, LAMB_KW, False),
-    "novograd": (novograd_step, novograd_step_ref, NOVOGRAD_KW, True),
+    "lamb": (REGISTERED["lamb"].launcher, REGISTERED["lamb"].ref, LAMB_KW, False),
+    "novograd": (REGISTERED["novograd"].launcher, REGISTERED["novograd"].ref, NOVOGRAD_KW,
+                 True),
 }
 
 
@@ -175,17 +177,14 @@ def _aligned_case(which, unaligned, master):
         if not OPS[which][3]:
             v = [unaligned_copy(t) for t in v]
         copies = [unaligned_copy(t) for t in copies] if copies else None
-    prepare = lamb_prepare if which == "lamb" else novograd_prepare
-    prepared = prepare(params, grads, m, v, steps, copies)
+    prepared = REGISTERED[which].prepare(params, grads, m, v, steps, copies)
     vec = {g.constexprs["VEC"] for g in prepared.prepared.groups}
     assert vec == ({1} if unaligned else {8 if master else 4})
     scale = torch.tensor(1024.0, device=DEVICE)
     kw = dict(OPS[which][2], grad_scale=scale, found_inf=torch.zeros((), device=DEVICE))
     if which == "lamb":
         kw["global_grad_norm"] = multi_tensor_l2norm(grads, scale=scale)[0]
-        lamb_launch(prepared, **kw)
-    else:
-        novograd_launch(prepared, **kw)
+    REGISTERED[which].launch(prepared, **kw)
     return all_tensors(params, m, v, steps, copies)
 
 
@@ -258,8 +257,7 @@ def test_prepared_launch_uploads_nothing_and_matches_fresh_steps(which, steady):
             for _ in range(3):
                 _run(which, params, grads, m, v, steps, copies, **kw)
         else:
-            prepare, launch = ((lamb_prepare, lamb_launch) if which == "lamb"
-                               else (novograd_prepare, novograd_launch))
+            prepare, launch = REGISTERED[which].prepare, REGISTERED[which].launch
             prepared = prepare(params, grads, m, v, steps, copies)
             launch(prepared, **kw)  # the first launch may upload betas (cached per value)
             with steady():
@@ -293,8 +291,7 @@ def test_skipped_step_through_a_prepared_sweep_leaves_no_trace(which):
     m, v, steps = _state(which, params)
     tensors = all_tensors(params, grads, m, v, steps)
     before = snapshot(tensors)
-    prepare, launch = ((lamb_prepare, lamb_launch) if which == "lamb"
-                       else (novograd_prepare, novograd_launch))
+    prepare, launch = REGISTERED[which].prepare, REGISTERED[which].launch
     kw = dict(OPS[which][2], found_inf=torch.ones((), device=DEVICE))
     if which == "lamb":
         kw["global_grad_norm"] = multi_tensor_l2norm(grads)[0]

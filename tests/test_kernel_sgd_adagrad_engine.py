@@ -15,10 +15,8 @@ import pytest
 import torch
 from conftest import all_tensors, assert_bitwise_unchanged, snapshot, unaligned_copy
 
-from tritamp.kernels import use_triton
-from tritamp.kernels.adagrad import (adagrad_launch, adagrad_prepare, adagrad_step,
-                                     adagrad_step_ref)
-from tritamp.kernels.sgd import sgd_launch, sgd_prepare, sgd_step, sgd_step_ref
+from tritamp.kernels import registry, use_triton
+from tritamp.kernels.sgd import sgd_step
 
 sgd_mod = importlib.import_module("tritamp.kernels.sgd")
 adagrad_mod = importlib.import_module("tritamp.kernels.adagrad")
@@ -32,7 +30,9 @@ EXACT = DEVICE.type == "cpu"
 
 SGD_KW = dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)
 ADAGRAD_KW = dict(lr=0.1, eps=1e-10, weight_decay=0.01)
-OPS = ("sgd", "adagrad")
+# launcher, oracle, prepare / launch pair: the op registry's
+OPS = {"sgd": registry.op("sgd_step"), "adagrad": registry.op("adagrad_step")}
+KW = {"sgd": SGD_KW, "adagrad": ADAGRAD_KW}
 STATE_NAME = {"sgd": "momentum_buffers", "adagrad": "sums"}
 
 
@@ -50,30 +50,19 @@ def _steps(params, value=2.0):
 
 
 def _run(which, params, grads, state, copies=None, steps=None, **extra):
-    if which == "sgd":
-        sgd_step(params, grads, state, copies, steps=steps, **dict(SGD_KW, **extra))
-    else:
-        adagrad_step(params, grads, state, copies, steps=steps, **dict(ADAGRAD_KW, **extra))
+    OPS[which].launcher(params, grads, state, copies, steps=steps, **dict(KW[which], **extra))
 
 
 def _run_ref(which, params, grads, state, copies=None, steps=None, **extra):
-    if which == "sgd":
-        sgd_step_ref(params, grads, state, copies, steps=steps, **dict(SGD_KW, **extra))
-    else:
-        adagrad_step_ref(params, grads, state, copies, steps=steps,
-                         **dict(ADAGRAD_KW, **extra))
+    OPS[which].ref(params, grads, state, copies, steps=steps, **dict(KW[which], **extra))
 
 
 def _prepare(which, params, grads, state, copies=None, steps=None):
-    prepare = sgd_prepare if which == "sgd" else adagrad_prepare
-    return prepare(params, grads, state, copies, steps)
+    return OPS[which].prepare(params, grads, state, copies, steps)
 
 
 def _launch(which, prepared, **extra):
-    if which == "sgd":
-        sgd_launch(prepared, **dict(SGD_KW, **extra))
-    else:
-        adagrad_launch(prepared, **dict(ADAGRAD_KW, **extra))
+    OPS[which].launch(prepared, **dict(KW[which], **extra))
 
 
 

@@ -200,6 +200,11 @@ def test_entry_is_well_formed(op):
     assert {s.dtype for s in samples} == set(op.dtypes)
     assert len({s.name for s in samples}) == len(samples), "sample names repeat"
     if op.multi_tensor:
+        # its sweeps are found in the compile report by this prefix, held to this budget
+        module = sys.modules[op.launcher.__module__]
+        assert any(name.lstrip("_").startswith(op.kernel_family) and name.endswith("_kernel")
+                   for name in vars(module)), op.kernel_family
+        assert isinstance(op.register_budget, int) and op.register_budget > 0
         # odd shapes: one element, a partial block, a 2-D tensor
         for s in samples:
             shapes = {tuple(t.shape) for _, t in op.arguments(s) if t is not None}
