@@ -157,6 +157,36 @@ def compiled_kernels():
     return json.loads(proc.stdout)
 
 
+# The amp training step the amp tests share.
+def mse(out, y):
+    """Mean squared error in fp32 (``out`` may be half: amp's O2/O3 outputs)."""
+    return ((out.float() - y) ** 2).mean()
+
+
+def amp_step(model, opt, x, y=None, loss_fn=mse, factor=None, loss_id=0, zero_grad=True):
+    """One training step through amp's public API::
+
+        opt.zero_grad()                                  # unless zero_grad=False
+        loss = loss_fn(model(x), y)
+        with amp.scale_loss(loss * factor, opt, loss_id=loss_id) as scaled:
+            scaled.backward()
+        opt.step()
+
+    ``factor`` (None: the loss itself) scripts the gradients: ``float("inf")`` makes
+    every gradient non-finite, so a dynamic scaler backs off and the step is skipped.
+    Returns ``loss`` detached (without the factor). ``model`` and ``opt`` are what
+    ``amp.initialize`` returned."""
+    from tritamp import amp
+    if zero_grad:
+        opt.zero_grad()
+    loss = loss_fn(model(x), y)
+    with amp.scale_loss(loss if factor is None else loss * factor, opt,
+                        loss_id=loss_id) as scaled:
+        scaled.backward()
+    opt.step()
+    return loss.detach()
+
+
 # Helpers of the CPU-path tests: a tiny model and a few steps on either path.
 def tiny_mlp(dtype=torch.float32):
     torch.manual_seed(0)

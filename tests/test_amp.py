@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import amp_step, mse
 from tritamp import amp
 from tritamp.amp._state import _amp_state
 
@@ -36,10 +37,6 @@ def mlp():
 def mlp_batch(n=4):
     g = torch.Generator().manual_seed(1)
     return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
-
-
-def mse(out, y):
-    return ((out.float() - y) ** 2).mean()
 
 
 def sgd(model):
@@ -141,10 +138,7 @@ def test_state_dict_is_fp32_and_holds_the_masters(level, half):
                                 verbosity=0)
     x, y = conv_batch()
     for _ in range(2):
-        opt.zero_grad()
-        with amp.scale_loss(mse(model(x), y), opt) as scaled:
-            scaled.backward()
-        opt.step()
+        amp_step(model, opt, x, y)
     sd = model.state_dict()
     for key, value in sd.items():
         if value.is_floating_point():
@@ -179,9 +173,7 @@ def test_submodule_load_state_dict_reaches_the_masters():
     loaded = {"weight": torch.full((16, 8), 0.5), "bias": torch.full((16,), 0.25)}
     model[0].load_state_dict(loaded)
     x, y = mlp_batch()
-    with amp.scale_loss(mse(model(x), y), opt) as scaled:
-        scaled.backward()
-    opt.step()
+    amp_step(model, opt, x, y, zero_grad=False)
     # lr=1e-6: the loaded values move by far less than the fp16 spacing at 0.5
     assert torch.equal(model[0].weight, loaded["weight"].half())
     assert torch.equal(model[0].bias, loaded["bias"].half())
@@ -268,9 +260,7 @@ def test_reinitialize_fresh_objects_resets_scalers():
     model = mlp()
     model, opt = amp.initialize(model, sgd(model), opt_level="O2", verbosity=0)
     x, y = mlp_batch()
-    with amp.scale_loss(mse(model(x), y) * float("inf"), opt) as scaled:
-        scaled.backward()
-    opt.step()
+    amp_step(model, opt, x, y, factor=float("inf"), zero_grad=False)
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 32768.0
 
     model2 = mlp()
@@ -278,9 +268,7 @@ def test_reinitialize_fresh_objects_resets_scalers():
     state = amp.state_dict()["loss_scaler0"]
     assert state["loss_scale"] == 65536.0 and state["unskipped"] == 0
     before = [p.detach().clone() for p in model2.parameters()]
-    with amp.scale_loss(mse(model2(x), y), opt2) as scaled:
-        scaled.backward()
-    opt2.step()
+    amp_step(model2, opt2, x, y, zero_grad=False)
     assert all(not torch.equal(b, p) for b, p in zip(before, model2.parameters()))
     assert all(torch.isfinite(p).all() for p in model2.parameters())
 
@@ -418,9 +406,7 @@ def test_loss_scale_string_static():
     opt.step()
     # static, as in Apex: the gradients are not checked and the step is never skipped
     # (nothing could act on an overflow); the scale stays and the step counts as unskipped
-    with amp.scale_loss(mse(model(x), y) * float("inf"), opt) as scaled:
-        scaled.backward()
-    opt.step()
+    amp_step(model, opt, x, y, factor=float("inf"), zero_grad=False)
     assert not all(torch.isfinite(p).all() for p in model.parameters())
     state = amp.state_dict()["loss_scaler0"]
     assert state["loss_scale"] == 128.0 and state["unskipped"] == 2
@@ -432,9 +418,7 @@ def test_loss_scale_string_dynamic_at_o3():
                                 verbosity=0)
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 65536.0
     x, y = mlp_batch()
-    with amp.scale_loss(mse(model(x), y) * float("inf"), opt) as scaled:
-        scaled.backward()
-    opt.step()
+    amp_step(model, opt, x, y, factor=float("inf"), zero_grad=False)
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 32768.0
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
@@ -499,12 +483,7 @@ def test_add_param_group_after_initialize_gets_fp32_masters():
     before = [p.detach().clone() for p in new]
     losses = []
     for _ in range(3):
-        opt.zero_grad()
-        loss = mse(model(x), y)
-        losses.append(loss.item())
-        with amp.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-        opt.step()
+        losses.append(amp_step(model, opt, x, y).item())
     for b, p, m in zip(before, new, masters):
         assert not torch.equal(b, p)
         assert torch.equal(p, m.to(p.dtype))

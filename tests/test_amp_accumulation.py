@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conftest import amp_step
 from tritamp import amp
 
 
@@ -32,9 +33,7 @@ def test_existing_optimizer_state_is_recast_onto_the_new_parameters(opt_level, s
         buf = opt.state[p]["momentum_buffer"]
         assert buf.dtype == state_dtype
         assert torch.equal(buf, before.to(state_dtype))
-    with amp.scale_loss(nn.functional.mse_loss(model(x), y), opt) as scaled:
-        scaled.backward()
-    opt.step()
+    amp_step(model, opt, x, y, loss_fn=nn.functional.mse_loss, zero_grad=False)
     assert all(torch.isfinite(p).all() for p in amp.master_params(opt))
 
 
@@ -79,7 +78,6 @@ def test_delay_overflow_check_still_skips_but_keeps_the_scale():
     assert all(torch.equal(a, b) for a, b in zip(before, amp.master_params(opt)))
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 65536.0
     # a normal exit afterwards updates the scale again
-    with amp.scale_loss(nn.functional.mse_loss(model(x), y) * float("inf"), opt) as scaled:
-        scaled.backward()
-    opt.step()
+    amp_step(model, opt, x, y, loss_fn=nn.functional.mse_loss, factor=float("inf"),
+             zero_grad=False)
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 32768.0

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import TOL
+from conftest import TOL, amp_step, mse
 from tritamp import amp
 
 LEVELS = ["O0", "O1", "O2", "O3"]
@@ -37,23 +37,10 @@ def mlp_batches(n, rows=4):
             for _ in range(n)]
 
 
-def mse(out, y):
-    return ((out.float() - y) ** 2).mean()
-
-
 def make_opt(kind, model, lr=None):
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=lr or 0.05, momentum=0.9)
     return torch.optim.Adam(model.parameters(), lr=lr or 1e-2, fused=True)
-
-
-def step(model, opt, x, y, factor=1.0, loss_id=0):
-    opt.zero_grad()
-    loss = mse(model(x), y)
-    with amp.scale_loss(loss * factor, opt, loss_id=loss_id) as scaled:
-        scaled.backward()
-    opt.step()
-    return loss.detach()
 
 
 def clones(tensors):
@@ -72,7 +59,7 @@ def test_loss_goes_down(level, half, kind):
     model, opt = amp.initialize(model, make_opt(kind, model), opt_level=level,
                                 half_dtype=half, verbosity=0)
     (x, y), = conv_batches(1)
-    losses = [step(model, opt, x, y).item() for _ in range(5)]
+    losses = [amp_step(model, opt, x, y).item() for _ in range(5)]
     with torch.no_grad():
         final = mse(model(x), y).item()
     assert all(l == l for l in losses)
@@ -116,7 +103,7 @@ def test_checkpoint_resume_is_bitwise(level, half, kind):
         if i == save_at:
             saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
                      copy.deepcopy(amp.state_dict()))
-        step(model, opt, x, y, factors[i])
+        amp_step(model, opt, x, y, factor=factors[i])
     if checked and half == torch.float16:
         assert saved[2]["loss_scaler0"]["loss_scale"] < 65536.0
     want_params = clones(model.parameters())
@@ -129,7 +116,7 @@ def test_checkpoint_resume_is_bitwise(level, half, kind):
     opt.load_state_dict(saved[1])
     amp.load_state_dict(saved[2])
     for i in range(save_at, n_steps):
-        step(model, opt, *batches[i], factors[i])
+        amp_step(model, opt, *batches[i], factor=factors[i])
 
     for want, got in zip(want_params, model.parameters()):
         assert got.dtype == want.dtype and torch.equal(want, got)
@@ -245,9 +232,7 @@ def test_abandoned_backward_before_a_fused_step():
             with amp.scale_loss(mse(model(x), y), opt) as scaled:
                 scaled.backward()
             opt.zero_grad()
-        with amp.scale_loss(mse(model(x), y), opt) as scaled:
-            scaled.backward()
-        opt.step()
+        amp_step(model, opt, x, y, zero_grad=False)
         results.append(clones(model.parameters()))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, **TOL[torch.float32])

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import assert_bits_equal
+from conftest import amp_step, assert_bits_equal
 from tritamp import amp
 from tritamp.optimizers import FusedAdam, FusedSGD
 
@@ -39,14 +39,6 @@ OPTIMIZERS = {
     "FusedAdam": lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01),
     "FusedSGD": lambda ps: FusedSGD(ps, lr=0.05, momentum=0.9, nesterov=True),
 }
-
-
-def step(model, opt, x, y, factor):
-    opt.zero_grad()
-    loss = ((model(x).float() - y) ** 2).mean()
-    with amp.scale_loss(loss * factor, opt) as scaled:
-        scaled.backward()
-    opt.step()
 
 
 def state(model, opt):
@@ -80,7 +72,7 @@ def resume_case(level, half, opt_name, factors, **amp_kw):
             buf = io.BytesIO()
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
                         "amp": amp.state_dict()}, buf)
-        step(model, opt, x, y, factors[i])
+        amp_step(model, opt, x, y, factor=factors[i])
     want = state(model, opt)
 
     buf.seek(0)
@@ -90,7 +82,7 @@ def resume_case(level, half, opt_name, factors, **amp_kw):
     opt.load_state_dict(checkpoint["optimizer"])
     amp.load_state_dict(checkpoint["amp"])
     for i in range(SAVE_AT, STEPS):
-        step(model, opt, *data[i], factors[i])
+        amp_step(model, opt, *data[i], factor=factors[i])
     return want, state(model, opt), checkpoint["amp"]
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conftest import amp_step
 from tritamp import amp
 
 HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__,
@@ -33,11 +34,7 @@ def _model():
 
 
 def _step(model, opt, x, y):
-    loss = nn.functional.cross_entropy(model(x), y)
-    opt.zero_grad()
-    with amp.scale_loss(loss, opt) as scaled:
-        scaled.backward()
-    opt.step()
+    amp_step(model, opt, x, y, loss_fn=nn.functional.cross_entropy)
 
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
