@@ -20,7 +20,9 @@ Each :class:`OpInfo` in :data:`OPS` names
 Who iterates it: tests/test_ops_registry.py (every sample through the kernel and the CPU
 path against the oracle; every public launcher and ``*_ref`` of the package is here),
 benchmarks/compile_report.py (every multi-tensor op's samples, recorded and compiled for
-sm_90) and benchmarks/kernels.py (the ``benchmarks`` rows). A new op is one entry here.
+sm_90, held to the op's register budget), benchmarks/kernels.py (the ``benchmarks`` rows)
+and tests/test_kernel_compile.py (the kernel families). A new op is one entry here
+(docs/ops.md).
 
 Nothing here runs a kernel or touches CUDA at import time; samples are made on request.
 """
@@ -31,7 +33,6 @@ import math
 from typing import Callable, Mapping, Optional
 
 import torch
-
 
 
 def _module(name):

@@ -68,8 +68,8 @@ def mismatches(op, path, sample, before, ours, theirs):
         try:
             torch.testing.assert_close(a, e, rtol=tol.rtol, atol=tol.atol, equal_nan=True)
         except AssertionError as err:
-            bad.append(f"{name} ({tol}): {str(err).splitlines()[0]} "
-                       f"{' '.join(str(err).split(chr(10))[2:4])}")
+            bad.append(f"{name} ({tol}): " + " ".join(
+                line.strip() for line in str(err).splitlines() if line.strip()))
     return [f"{op.name} [{sample.name}] on the {path} path: {m}" for m in bad]
 
 
