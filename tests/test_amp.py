@@ -93,17 +93,19 @@ def test_param_and_buffer_dtypes(level, keep_bn, half):
 @pytest.mark.parametrize("level", LEVELS)
 def test_master_params(level, half):
     model = conv_net()
+    originals = [p.detach().clone() for p in model.parameters()]
     model, opt = amp.initialize(model, sgd(model), opt_level=level, half_dtype=half,
                                 verbosity=0)
     masters = list(amp.master_params(opt))
     params = list(model.parameters())
     assert len(masters) == len(params)
     if level == "O2":
-        for p, m in zip(params, masters):
+        for p, m, o in zip(params, masters, originals):
             assert m.dtype == torch.float32
             if p.dtype == half:
                 assert m is not p
-                assert torch.equal(m, p.float())
+                assert torch.equal(m, o)  # the fp32 values the model came with
+                assert torch.equal(m.to(half), p)
             else:  # BatchNorm: already fp32, updated directly
                 assert m is p
     else:

@@ -276,7 +276,8 @@ def test_resume_continues_bitwise_identically(o2_runs):
     assert first["epoch"] == 1
     assert not torch.equal(first["state_dict"]["fc.weight"], resumed["state_dict"]["fc.weight"])
     assert resumed["amp"]["loss_scaler0"] == {"loss_scale": 65536.0, "unskipped": 2 * ITERS,
-                                              "hysteresis": 1, "dynamic": True}
+                                              "hysteresis": 1, "dynamic": True, "skipped": 0,
+                                              "floor_streak": 0, "floor_warned": False}
 
 
 def test_deterministic_runs_are_bitwise_identical(o2_runs, data, tmp_path):

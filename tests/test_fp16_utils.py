@@ -95,6 +95,13 @@ def test_fp16_optimizer_matches_amp_O2_step_for_step(half, opt_name, path, devic
         pytest.skip("on a GPU every case runs the compiled kernels; the kernel cases cover it")
     make_opt = OPTIMIZERS[opt_name]
     ref = _net().to(device)
+    # FP16_Optimizer's masters come from the half weights FP16Model made; amp O2's come
+    # from the fp32 weights the model had. Start both from values the half dtype holds.
+    with torch.no_grad():
+        for m in ref.modules():
+            if isinstance(m, nn.Linear):
+                for p in m.parameters():
+                    p.copy_(p.to(half).float())
     ref_opt = make_opt(ref.parameters())
     ref, ref_opt = amp.initialize(ref, ref_opt, opt_level="O2", half_dtype=half,
                                   loss_scale="dynamic", verbosity=0)
