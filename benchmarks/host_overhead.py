@@ -84,7 +84,7 @@ class Case:
 
     def __init__(self, level, opt_name, dtype_name, regime):
         from tritamp import amp
-        from tritamp.amp._state import _amp_state
+        from tritamp.testing import amp_state
         self.level, self.opt_name, self.dtype_name = level, opt_name, dtype_name
         self.regime = regime
         self.name = f"{level} {'FusedAdam' if opt_name == 'adam' else 'FusedSGD'} {dtype_name}"
@@ -93,7 +93,7 @@ class Case:
         self.model, self.opt = amp.initialize(model, opt, opt_level=level,
                                               half_dtype=DTYPES[dtype_name],
                                               loss_scale="dynamic", verbosity=0)
-        self.amp_state = (_amp_state.opt_properties, list(_amp_state.loss_scalers))
+        self.amp_state = (amp_state().opt_properties, list(amp_state().loss_scalers))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.groups = len({p.dtype for p in self.params})
         self.grads = self._new_grads()
@@ -109,9 +109,9 @@ class Case:
         return [torch.full_like(p, 1e-3) for p in self.params]
 
     def activate(self):
-        from tritamp.amp._state import _amp_state
-        _amp_state.opt_properties, scalers = self.amp_state
-        _amp_state.loss_scalers = list(scalers)
+        from tritamp.testing import amp_state
+        amp_state().opt_properties, scalers = self.amp_state
+        amp_state().loss_scalers = list(scalers)
 
     def prepare_grads(self):
         if self.regime == "fresh" and self.steps > 0:

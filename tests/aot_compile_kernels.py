@@ -20,7 +20,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from tritamp.kernels.scale_update import _scale_update_kernel  # noqa: E402
+from tritamp.testing import jit_kernels  # noqa: E402
+
+JIT = jit_kernels()
 
 HOPPER = GPUTarget("cuda", 90, 32)
 from benchmarks import compile_report  # noqa: E402  (the repository root is on PYTHONPATH)
@@ -44,7 +46,7 @@ def main():
     sig = {"state_ptr": "*fp32", "config_ptr": "*fp64", "growth_interval": "i32",
            "hysteresis": "i32", "found_slot": "i32"}
     for dynamic in (True, False):
-        ptx = compile_one(_scale_update_kernel, sig, dict(DYNAMIC=dynamic), 1)
+        ptx = compile_one(JIT["scale_update_kernel"], sig, dict(DYNAMIC=dynamic), 1)
         report[f"scale_update/dynamic={dynamic}"] = dict(sm90=".target sm_90" in ptx)
     report.update(norm_variants())
     report.update(syncbn_variants())
@@ -73,9 +75,6 @@ def sweep_variants(sweeps):
 def norm_variants():
     """LayerNorm / RMSNorm forward, backward and the weight-gradient reduction: each dtype
     pairing, one-pass and chunked rows, from the input and from the output."""
-    from tritamp.kernels.layer_norm import (_layer_norm_bwd_kernel,
-                                            _layer_norm_bwd_reduce_kernel,
-                                            _layer_norm_fwd_kernel)
     out = {}
     for x, w, y in (("*fp32", "*fp32", "*fp32"), ("*fp16", "*fp16", "*fp16"),
                     ("*bf16", "*bf16", "*bf16"), ("*bf16", "*fp32", "*bf16"),
@@ -87,7 +86,7 @@ def norm_variants():
                 sig = {"x_ptr": x, "y_ptr": y, "w_ptr": w, "b_ptr": w, "mean_ptr": "*fp32",
                        "rstd_ptr": "*fp32", "x_stride": "i32", "N": "i32", "eps": "fp32"}
                 out[f"layer_norm_fwd/{x},{w},{y}/rms={rms}/one_pass={one_pass}"] = _ok(
-                    compile_one(_layer_norm_fwd_kernel, sig, mode, 8))
+                    compile_one(JIT["layer_norm_fwd_kernel"], sig, mode, 8))
                 for from_output in (False, True):
                     sig = {"dy_ptr": y, "v_ptr": y if from_output else x, "w_ptr": w,
                            "b_ptr": w, "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "dx_ptr": x,
@@ -95,11 +94,12 @@ def norm_variants():
                            "M": "i32", "N": "i32", "rows_per_program": "i32"}
                     out[f"layer_norm_bwd/{x},{w},{y}/rms={rms}/one_pass={one_pass}/"
                         f"from_output={from_output}"] = _ok(compile_one(
-                            _layer_norm_bwd_kernel, sig, dict(mode, FROM_OUTPUT=from_output), 8))
+                            JIT["layer_norm_bwd_kernel"], sig,
+                            dict(mode, FROM_OUTPUT=from_output), 8))
         sig = {"dw_part_ptr": "*fp32", "db_part_ptr": "*fp32", "dw_ptr": w, "db_ptr": w,
                "G": "i32", "N": "i32"}
         out[f"layer_norm_bwd_reduce/{w}"] = _ok(compile_one(
-            _layer_norm_bwd_reduce_kernel, sig, dict(HAS_WEIGHT=True, HAS_BIAS=True,
+            JIT["layer_norm_bwd_reduce_kernel"], sig, dict(HAS_WEIGHT=True, HAS_BIAS=True,
                                                      EMULATE_BF16_ROUNDING=False, BLOCK_G=32,
                                                      BLOCK_N=128), 4))
     return out
@@ -109,10 +109,6 @@ def syncbn_variants():
     """SyncBatchNorm: each kernel for fp32 / fp16 / bf16 input, both layouts, and the mode
     flags that change the code (residual, fused ReLU, shift, running-stat updates), spread
     over a few combinations rather than their product (each compile costs about 0.5 s)."""
-    from tritamp.kernels.syncbn import (_syncbn_backward_input_kernel,
-                                        _syncbn_backward_reduce_kernel, _syncbn_forward_kernel,
-                                        _syncbn_merge_kernel, _syncbn_reduce_merge_kernel,
-                                        _syncbn_stats_kernel)
     out = {}
     dims = {"M": "i32", "C": "i32", "B": "i32", "NBB": "i32"}
 
@@ -125,28 +121,30 @@ def syncbn_variants():
             sig = dict({"x_ptr": x, "part_ptr": "*fp32", "shift_ptr": "*fp32"}, **dims,
                        n_segs="i32", segs_per_chunk="i32")
             out[f"syncbn_stats/{x}/channels_last={cl}"] = _ok(compile_one(
-                _syncbn_stats_kernel, sig, tiles(cl), 8))
+                JIT["syncbn_stats_kernel"], sig, tiles(cl), 8))
     for x, w, cl, z in (("*fp32", "*fp32", False, False), ("*fp16", "*fp32", True, True),
                         ("*bf16", "*fp32", False, True), ("*bf16", "*bf16", True, False)):
         key = f"{x},{w}/channels_last={cl}/z_relu={z}"
         flags = dict(tiles(cl), HAS_WEIGHT=True, HAS_BIAS=True, HAS_Z=z, RELU=z)
         params = {"mean_ptr": "*fp32", "invstd_ptr": "*fp32", "w_ptr": w, "b_ptr": w}
         sig = dict({"x_ptr": x, "z_ptr": x, "y_ptr": x}, **params, **dims)
-        out[f"syncbn_forward/{key}"] = _ok(compile_one(_syncbn_forward_kernel, sig, flags, 8))
+        out[f"syncbn_forward/{key}"] = _ok(
+            compile_one(JIT["syncbn_forward_kernel"], sig, flags, 8))
         sig = dict({"dy_ptr": x, "x_ptr": x, "z_ptr": x, "part_ptr": "*fp32"}, **params, **dims,
                    n_segs="i32", segs_per_chunk="i32")
         out[f"syncbn_backward_reduce/{key}"] = _ok(compile_one(
-            _syncbn_backward_reduce_kernel, sig, flags, 8))
+            JIT["syncbn_backward_reduce_kernel"], sig, flags, 8))
         for sums in (True, False) if x == "*fp32" else (True,):
             sig = dict({"dy_ptr": x, "x_ptr": x, "z_ptr": x, "dx_ptr": x, "dz_ptr": x},
                        **params, sums_ptr="*fp32", count_ptr="*fp32", **dims)
             out[f"syncbn_backward_input/{key}/sums={sums}"] = _ok(compile_one(
-                _syncbn_backward_input_kernel, sig, dict(flags, HAS_DZ=z, HAS_SUMS=sums), 8))
+                JIT["syncbn_backward_input_kernel"], sig,
+                dict(flags, HAS_DZ=z, HAS_SUMS=sums), 8))
     for w in ("*fp32", "*bf16"):
         sig = {"part_ptr": "*fp32", "P": "i32", "C": "i32", "sums_ptr": "*fp32",
                "invstd_ptr": "*fp32", "gw_ptr": w, "gb_ptr": w}
         out[f"syncbn_reduce_merge/{w}"] = _ok(compile_one(
-            _syncbn_reduce_merge_kernel, sig, dict(HAS_GW=True, HAS_GB=True,
+            JIT["syncbn_reduce_merge_kernel"], sig, dict(HAS_GW=True, HAS_GB=True,
                                                    EMULATE_BF16_ROUNDING=False, BLOCK_P=32,
                                                    BLOCK_C=128), 4))
     for running, final, update, from_count, shift in (
@@ -159,7 +157,7 @@ def syncbn_variants():
                "nbt_ptr": "*i64", "eps": "fp32", "momentum": "fp32"}
         out[f"syncbn_merge/{running}/final={final}/update={update}/from_count={from_count}/"
             f"shift={shift}"] = _ok(compile_one(
-                _syncbn_merge_kernel, sig, dict(HAS_SHIFT=shift, FINAL=final,
+                JIT["syncbn_merge_kernel"], sig, dict(HAS_SHIFT=shift, FINAL=final,
                                                 UPDATE_RUNNING=update,
                                                 MOMENTUM_FROM_COUNT=from_count,
                                                 EMULATE_BF16_ROUNDING=False, BLOCK_P=32,

@@ -34,13 +34,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _fresh_amp_state():
     """Every test starts with amp uninitialised and verbosity at Apex's default."""
-    from tritamp.amp._state import _amp_state
-    _amp_state.opt_properties = None
-    _amp_state.loss_scalers = []
-    _amp_state.verbosity = 1
+    from tritamp.testing import reset_amp
+    reset_amp()
     yield
-    _amp_state.opt_properties = None
-    _amp_state.loss_scalers = []
+    reset_amp()
 
 
 # One tolerance table keyed by dtype (STYLE.md).
@@ -78,7 +75,7 @@ def count_launches(monkeypatch):
 def cpu_path():
     """The test runs the production CPU path (torch's multi-tensor CPU ops) instead of
     the interpreted kernels: every sweep prepared inside it takes that path."""
-    from tritamp.kernels._dispatch import force_cpu_path
+    from tritamp.testing import force_cpu_path
     with force_cpu_path():
         yield
 
@@ -90,7 +87,7 @@ def path(request):
     if request.param == "kernel":
         yield "kernel"
         return
-    from tritamp.kernels._dispatch import force_cpu_path
+    from tritamp.testing import force_cpu_path
     with force_cpu_path():
         yield "cpu"
 
@@ -197,7 +194,7 @@ def tiny_mlp(dtype=torch.float32):
 def train_steps(model, opt, cpu, steps=3, seed=5):
     """``steps`` optimizer steps on fixed random batches, on the production CPU path
     (``cpu=True``) or the interpreted kernels."""
-    from tritamp.kernels._dispatch import force_cpu_path
+    from tritamp.testing import force_cpu_path
     gen = torch.Generator().manual_seed(seed)
     dtype = next(model.parameters()).dtype
     for _ in range(steps):

@@ -12,7 +12,7 @@ from torch import nn
 
 from conftest import amp_step, mse
 from tritamp import amp
-from tritamp.amp._state import _amp_state
+from tritamp.testing import amp_state, master_of
 
 LEVELS = ["O0", "O1", "O2", "O3"]
 HALVES = [torch.float16, torch.bfloat16]
@@ -150,7 +150,7 @@ def test_state_dict_is_fp32_and_holds_the_masters(level, half):
         finer = 0
         for key, p in named.items():
             if p.dtype == half:
-                master = getattr(p, "_tritamp_master")
+                master = master_of(p)
                 assert torch.equal(sd[key], master), key
                 finer += not torch.equal(sd[key], p.float())
         # the checkpoint keeps the fp32 bits, not the rounded half copy
@@ -391,7 +391,7 @@ def test_keep_batchnorm_fp32_strings(level, keep, bn_dtype):
     assert model[1].weight.dtype == bn_dtype
     assert model[1].running_var.dtype == bn_dtype
     assert model[0].weight.dtype == torch.float16
-    assert _amp_state.opt_properties.keep_batchnorm_fp32 is (keep == "True")
+    assert amp_state().opt_properties.keep_batchnorm_fp32 is (keep == "True")
 
 
 def test_loss_scale_string_static():

@@ -24,7 +24,7 @@ from torch import nn
 
 from conftest import assert_bits_equal
 from tritamp import amp, convert_to_amp
-from tritamp.amp._state import _amp_state
+from tritamp.testing import amp_state
 from tritamp.amp.scaler import FLOOR_WARN_STEPS, LossScaler
 from tritamp.fp16_utils import FP16_Optimizer
 from tritamp.fp16_utils.loss_scaler import DynamicLossScaler
@@ -59,11 +59,11 @@ def assert_unchanged(before, after):
 
 
 def amp_globals():
-    return (_amp_state.opt_properties, list(_amp_state.loss_scalers), _amp_state.verbosity)
+    return (amp_state().opt_properties, list(amp_state().loss_scalers), amp_state().verbosity)
 
 
 def scaler_bits():
-    return [s._state.clone() for s in _amp_state.loss_scalers], amp.state_dict()
+    return [s._state.clone() for s in amp_state().loss_scalers], amp.state_dict()
 
 
 def assert_scalers_unchanged(before):
@@ -253,7 +253,7 @@ def test_convert_to_amp_naive_keeps_colossalai_hysteresis_zero():
     model = tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     convert_to_amp(model, opt, mode="naive", hysteresis=0, half_dtype=torch.bfloat16)
-    assert _amp_state.loss_scalers[0].hysteresis == 1
+    assert amp_state().loss_scalers[0].hysteresis == 1
 
 
 # --------------------------------------------------------------------------------------
@@ -438,7 +438,7 @@ def test_a_resumed_run_warns_about_the_floor_at_the_same_step(save_at):
     want, saved, want_end = _floor_run(steps, save_at=save_at)
     assert len(want) == 1  # one warning, once the streak reaches FLOOR_WARN_STEPS
     assert saved["loss_scaler0"]["floor_streak"] == save_at - 1  # at the floor from step 1
-    _amp_state.opt_properties = None
+    amp_state().opt_properties = None
     got, _, got_end = _floor_run(steps, save_at=save_at, resume=saved)
     # before the save the warning belongs to the first run; after it, to both
     assert got == [i for i in want if i >= save_at]
@@ -492,7 +492,7 @@ def _run_torch_opt(make_opt, level, overflow_first):
 @pytest.mark.parametrize("name", list(TORCH_OPTS))
 def test_a_skipped_first_step_is_as_if_it_never_happened(name, level):
     got, got_state = _run_torch_opt(TORCH_OPTS[name], level, overflow_first=True)
-    _amp_state.opt_properties = None
+    amp_state().opt_properties = None
     want, want_state = _run_torch_opt(TORCH_OPTS[name], level, overflow_first=False)
     for a, b in zip(want, got):
         assert torch.isfinite(a).all()
@@ -653,7 +653,7 @@ def test_scale_loss_before_initialize_says_so_and_changes_nothing():
     assert ran == []
     assert all(p.grad is None for p in model.parameters())
     assert_unchanged(before, snapshot(model, opt))
-    assert _amp_state.opt_properties is None and _amp_state.loss_scalers == []
+    assert amp_state().opt_properties is None and amp_state().loss_scalers == []
 
 
 @pytest.mark.parametrize("loss_id,error", [(True, TypeError), (0.0, TypeError), ("0", TypeError),
@@ -710,7 +710,7 @@ def test_a_sparse_gradient_of_a_torch_optimizer_is_refused_before_anything_chang
 def test_every_order_of_three_optimizers_skips_together():
     # itertools over the orders of three fused optimizers, one loss
     for perm in itertools.permutations(range(3)):
-        _amp_state.opt_properties = None
+        amp_state().opt_properties = None
         models = [tiny(i) for i in range(3)]
         opts = [FusedSGD(m.parameters(), lr=0.1) for m in models]
         models, opts = amp.initialize(models, opts, opt_level="O0", loss_scale="dynamic",

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from tritamp import amp
-from tritamp.amp._model import MASTER_ATTR
-from tritamp.amp._state import _amp_state
+from tritamp.testing import master_of
+from tritamp.testing import amp_state
 from tritamp.optimizers import FusedAdam, FusedSGD
 from tritamp.parallel import LARC
 
@@ -86,11 +86,11 @@ def optimizer_snapshot(opt):
 
 
 def global_snapshot():
-    props = _amp_state.opt_properties
-    return (_amp_state.verbosity, _amp_state.hard_override, id(props),
+    props = amp_state().opt_properties
+    return (amp_state().verbosity, id(props),
             None if props is None else dict(props.options),
-            id(_amp_state.loss_scalers), [id(s) for s in _amp_state.loss_scalers],
-            [s.state_dict() for s in _amp_state.loss_scalers])
+            id(amp_state().loss_scalers), [id(s) for s in amp_state().loss_scalers],
+            [s.state_dict() for s in amp_state().loss_scalers])
 
 
 def snapshot(models, optimizers):
@@ -105,7 +105,7 @@ def earlier_initialize():
     model = net()
     amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1",
                    num_losses=2, verbosity=1)
-    assert _amp_state.verbosity == 1 and len(_amp_state.loss_scalers) == 2
+    assert amp_state().verbosity == 1 and len(amp_state().loss_scalers) == 2
 
 
 def assert_refused(models, optimizers, exc, match, **kwargs):
@@ -221,12 +221,12 @@ def test_argparse_strings_still_accepted(level):
     model, opt = amp.initialize(model, trained_sgd(model), opt_level=level, loss_scale="128.0",
                                 patch_torch_functions="True" if level == "O1" else "False",
                                 verbosity=False, num_losses=2, **extra)
-    props = _amp_state.opt_properties
+    props = amp_state().opt_properties
     assert props.loss_scale == 128.0
     assert props.patch_torch_functions is (level == "O1")
     if level != "O1":
         assert props.keep_batchnorm_fp32 is False and props.master_weights is True
-    assert len(_amp_state.loss_scalers) == 2 and _amp_state.verbosity is False
+    assert len(amp_state().loss_scalers) == 2 and amp_state().verbosity is False
 
 
 # --------------------------------------------------------------------------------------
@@ -401,14 +401,14 @@ def test_initialize_again_on_fresh_objects_replaces_the_global_state():
     first = net()
     first, first_opt = amp.initialize(first, trained_sgd(first), opt_level="O2",
                                       num_losses=2, verbosity=1)
-    old_props, old_scalers = _amp_state.opt_properties, list(_amp_state.loss_scalers)
+    old_props, old_scalers = amp_state().opt_properties, list(amp_state().loss_scalers)
     model = net()
     model, opt = amp.initialize(model, trained_sgd(model), opt_level="O1", loss_scale=8.0,
                                 verbosity=0)
-    assert _amp_state.verbosity == 0
-    assert _amp_state.opt_properties is not old_props
-    assert _amp_state.opt_properties.opt_level == "O1"
-    assert len(_amp_state.loss_scalers) == 1 and _amp_state.loss_scalers[0] not in old_scalers
+    assert amp_state().verbosity == 0
+    assert amp_state().opt_properties is not old_props
+    assert amp_state().opt_properties.opt_level == "O1"
+    assert len(amp_state().loss_scalers) == 1 and amp_state().loss_scalers[0] not in old_scalers
     saved = amp.state_dict()
     assert list(saved) == ["loss_scaler0"]
     assert (saved["loss_scaler0"]["loss_scale"], saved["loss_scaler0"]["unskipped"]) == (8.0, 0)
@@ -451,10 +451,10 @@ def test_frozen_unused_and_zero_size_parameters(level, fused):
     masters = list(amp.master_params(opt))
     assert len(masters) == 7
     if level == "O2":
-        with_master = {n for n, p in model.named_parameters() if hasattr(p, MASTER_ATTR)}
+        with_master = {n for n, p in model.named_parameters() if master_of(p) is not None}
         assert with_master == {"trained.weight", "trained.bias", "unused.weight",
                                "unused.bias", "empty"}  # frozen ones train nowhere
-        assert getattr(model.empty, MASTER_ATTR).shape == (0,)
+        assert master_of(model.empty).shape == (0,)
     x, y = batch()
     for _ in range(2):
         with amp.scale_loss(mse(model(x), y[:, :2]), opt) as scaled:
@@ -520,7 +520,7 @@ def test_o2_masters_are_the_fp32_values(half, opt_cls):
     for name in ("0.weight", "0.bias", "2.weight", "2.bias"):
         p = params[name]
         assert p.dtype == half
-        assert _bits(getattr(p, MASTER_ATTR)) == _bits(checkpoint[name]), name
+        assert _bits(master_of(p)) == _bits(checkpoint[name]), name
         assert _bits(p) == _bits(checkpoint[name].to(half)), name  # the master, rounded
     masters = list(amp.master_params(opt))
     assert _bits(masters[0]) == _bits(checkpoint["0.weight"])
@@ -550,7 +550,7 @@ def test_o2_first_step_trains_from_the_fp32_values(half):
         grad = p.grad.float() * (1.0 / scale)  # the scaled half gradient, unscaled exactly
         assert grad.abs().sum() > 0, name
         expected = checkpoint[name].clone().add_(grad, alpha=-lr)
-        assert _bits(getattr(p, MASTER_ATTR)) == _bits(expected), name
+        assert _bits(master_of(p)) == _bits(expected), name
         assert _bits(p) == _bits(expected.to(half)), name
         assert _bits(state[name]) == _bits(expected), name
 
@@ -564,6 +564,6 @@ def test_o2_state_dict_and_optimizer_state_before_initialize():
     momentum = {n: opt.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters()}
     model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
     for name, p in model.named_parameters():
-        master = getattr(p, MASTER_ATTR, p)
+        master = master_of(p) if master_of(p) is not None else p
         assert _bits(master) == _bits(fp32[name]), name
         assert _bits(opt.state[master]["momentum_buffer"]) == _bits(momentum[name]), name

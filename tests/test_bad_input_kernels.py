@@ -23,8 +23,9 @@ from torch import nn
 from conftest import assert_bits_unchanged
 from tritamp import amp
 from tritamp.kernels import check_unscale
-from tritamp.kernels._multi_tensor import layout_key
-from tritamp.kernels.syncbn import _Geometry, _syncbn_tile
+from tritamp.testing import layout_key
+from tritamp.testing import syncbn_geometry as _Geometry
+from tritamp.testing import syncbn_tile as _syncbn_tile
 from tritamp.optimizers import FusedAdam, FusedAdagrad, FusedLAMB, FusedNovoGrad, FusedSGD
 
 INT32_MAX = 2**31 - 1
@@ -296,7 +297,7 @@ def test_check_unscale_names_a_sparse_tensor_and_writes_nothing(where):
 
 
 def test_the_engine_names_a_sparse_gradient_and_its_parameter():
-    from tritamp.kernels._multi_tensor import Column, Sweep
+    from tritamp.testing import Column, Sweep
     sweep = Sweep("probe_step", [Column("params", "param"), Column("grads", "grad"),
                                  Column("exp_avgs", "state")])
     lists = dict(params=[torch.randn(4), torch.randn(5, 3)],
@@ -334,7 +335,8 @@ class _EmbeddingNet(nn.Module):
 def _amp_state(model, opt):
     """Everything a refused backward must leave as it was: weights, masters, optimizer
     state, the scalers' state and device tensors."""
-    from tritamp.amp._state import _amp_state as state
+    from tritamp.testing import amp_state
+    state = amp_state()
     tensors = [t.detach().clone() for t in model.state_dict().values()]
     tensors += [p.detach().clone() for p in amp.master_params(opt)]
     tensors += [t.clone() for st in opt.state.values() for t in st.values()

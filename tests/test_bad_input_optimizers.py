@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import assert_bits_equal, assert_close_to_ref
-from tritamp.kernels._dispatch import force_cpu_path
+from tritamp.testing import force_cpu_path
 from tritamp.kernels.adagrad import adagrad_step_ref
 from tritamp.kernels.adam import adam_step_ref
 from tritamp.kernels.lamb import lamb_step_ref

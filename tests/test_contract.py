@@ -87,3 +87,168 @@ def test_handoff_of():
     opt = FusedAdam([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     assert isinstance(handoff_of(opt), StepHandoff)
     assert handoff_of(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)) is None
+
+
+# -- both drivers through the contract ------------------------------------------------------
+
+def _recording(cls):
+    """``cls`` whose group launches record what the step handoff said at that moment."""
+    class Recording(cls):
+        def _launch(self, group, prepared, grad_scale, found_inf, **kw):
+            h = self.step_handoff
+            self.seen.append((h.state, h.grad_scale, h.found_inf, h.write_grads,
+                              grad_scale, found_inf))
+            return super()._launch(group, prepared, grad_scale, found_inf, **kw)
+    return Recording
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_amp_hands_each_step_over_and_takes_it_back(level, cpu_path):
+    from tritamp import amp
+    from tritamp.optimizers import FusedSGD
+    from tritamp.testing import amp_state, master_of, stash_of
+    model = _net()
+    opt = _recording(FusedSGD)(model.parameters(), lr=0.1, momentum=0.9)
+    opt.seen = []
+    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    pairs = opt.step_handoff.masters
+    if level == "O2":  # every half model parameter's master is registered, nothing else
+        halves = [p for p in model.parameters() if p.dtype == torch.bfloat16]
+        assert len(pairs) == len(halves) == 4
+        for p in halves:
+            assert pairs.model_of(master_of(p)) is p
+        assert list(pairs) == list(zip(stash_of(opt).masters, stash_of(opt).model_params))
+    else:
+        assert len(pairs) == 0
+    scaler = amp_state().loss_scalers[0]
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    for step in range(2):
+        opt.zero_grad()
+        with amp.scale_loss(torch.nn.functional.mse_loss(model(x).float(), y), opt) as s:
+            s.backward()
+        assert opt.step_handoff.state is StepState.READY  # handed only for the step
+        opt.step()
+        state, h_scale, h_found, write, scale, found = opt.seen[-1]
+        # left scaled for the step to unscale as it reads them, with the scale they carry
+        # and the overflow flag of this backward; .grad is not written back under amp
+        assert state is StepState.SCALED and write is False
+        assert h_scale is scale and h_found is found
+        assert found is not None and float(found) == 0.0
+        assert float(scale) == scaler.loss_scale() == 2.0**16
+        assert opt.step_handoff.state is StepState.READY  # the driver took it back
+        assert opt.step_handoff.found_inf is None and opt.step_handoff.grad_scale is None
+
+
+def test_amp_hands_unscaled_gradients_after_master_params(cpu_path):
+    """amp.master_params (clipping) unscales the pending gradients: the step is handed
+    UNSCALED with the overflow flag."""
+    from tritamp import amp
+    from tritamp.optimizers import FusedAdam
+    model = _net()
+    opt = _recording(FusedAdam)(model.parameters(), lr=1e-3)
+    opt.seen = []
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    with amp.scale_loss(torch.nn.functional.mse_loss(model(x).float(), y), opt) as s:
+        s.backward()
+    torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1.0)
+    opt.step()
+    state, h_scale, h_found, write, scale, found = opt.seen[-1]
+    assert (state, h_scale, scale, write) == (StepState.UNSCALED, None, None, False)
+    assert h_found is found and found is not None
+    assert opt.step_handoff.state is StepState.READY
+
+
+def test_a_refused_step_under_amp_leaves_the_handoff_ready(cpu_path):
+    from tritamp import amp
+    from tritamp.optimizers import FusedSGD
+    class Failing(FusedSGD):
+        def _launch(self, *args, **kwargs):
+            assert self.step_handoff.state is StepState.SCALED
+            raise RuntimeError("launch failed")
+
+    model = _net()
+    opt = Failing(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    with amp.scale_loss(torch.nn.functional.mse_loss(model(x), y), opt) as s:
+        s.backward()
+    with pytest.raises(RuntimeError, match="launch failed"):
+        opt.step()
+    assert opt.step_handoff.state is StepState.READY
+    assert opt.step_handoff.grad_scale is None and opt.step_handoff.found_inf is None
+
+
+def test_torchs_grad_scaler_drives_the_same_handoff(cpu_path):
+    from tritamp.optimizers import FusedAdam
+    model = _net()
+    opt = _recording(FusedAdam)(model.parameters(), lr=1e-3)
+    opt.seen = []
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    scaler.step(opt)
+    scaler.update()
+    state, h_scale, h_found, write, scale, found = opt.seen[-1]
+    # torch's protocol, taken by the optimizer: scaled, flag, .grad written unscaled
+    assert state is StepState.SCALED and write is True
+    assert h_scale is scale and float(scale) == 8.0 and h_found is found
+    assert opt.step_handoff.state is StepState.STEPPED
+    assert opt.step_handoff.skipped is found
+
+
+def test_amp_recognises_an_optimizer_wrapper_by_its_shape():
+    """amp does not import tritamp.parallel: LARC, or any wrapper of the same shape (an
+    optimizer as .optim, its param_groups, step and zero_grad forwarded), is accepted."""
+    from tritamp import amp
+
+    class Wrapper:
+        def __init__(self, optim):
+            self.optim = optim
+
+        @property
+        def param_groups(self):
+            return self.optim.param_groups
+
+        @property
+        def state(self):
+            return self.optim.state
+
+        def step(self, closure=None):
+            return self.optim.step()
+
+        def zero_grad(self, set_to_none=True):
+            self.optim.zero_grad(set_to_none=set_to_none)
+
+        def state_dict(self):
+            return self.optim.state_dict()
+
+        def load_state_dict(self, sd):
+            self.optim.load_state_dict(sd)
+
+        def add_param_group(self, group):
+            self.optim.add_param_group(group)
+
+    model = _net()
+    wrapped = Wrapper(torch.optim.SGD(model.parameters(), lr=0.1))
+    model, opt = amp.initialize(model, wrapped, opt_level="O1", verbosity=0)
+    assert opt is wrapped
+
+    class NotAWrapper:  # .optim but no forwarded param_groups
+        optim = torch.optim.SGD(_net().parameters(), lr=0.1)
+
+        def step(self):
+            pass
+
+        def zero_grad(self):
+            pass
+    with pytest.raises(TypeError, match="optimizers must be either a single optimizer"):
+        amp.initialize(_net(), NotAWrapper(), opt_level="O1", verbosity=0)

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import tritamp
 from tritamp import amp, convert_to_amp
-from tritamp.amp._state import _amp_state
+from tritamp.testing import amp_state
 from tritamp.convert import AmpOptimizer, AutocastLoss
 
 
@@ -74,7 +74,7 @@ def test_torch_mode_matches_autocast_and_grad_scaler_step_for_step():
     model, opt, crit = convert_to_amp(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                       nn.MSELoss(), mode="torch", half_dtype=torch.bfloat16, **cfg)
     assert isinstance(opt, AmpOptimizer) and isinstance(crit, AutocastLoss)
-    assert _amp_state.opt_properties.opt_level == "O1"
+    assert amp_state().opt_properties.opt_level == "O1"
     assert all(p.dtype == torch.float32 for p in model.parameters())
     for step, ((x, y), blowup) in enumerate(zip(batches, blowups)):
         _train(model, opt, crit, [(x, y)], [blowup])
@@ -104,11 +104,11 @@ def test_naive_mode_is_O2_with_a_half_batchnorm_fp32_masters_and_hysteresis():
     assert isinstance(crit, nn.MSELoss)
     assert all(p.dtype == torch.float16 for p in model.parameters())  # model.half(), as ColossalAI
     assert all(m.dtype == torch.float32 for m in amp.master_params(opt.optim))
-    scaler = _amp_state.loss_scalers[0]
+    scaler = amp_state().loss_scalers[0]
     assert (scaler.hysteresis, scaler.growth_interval, scaler.growth_factor,
             scaler.backoff_factor) == (2, 1000, 2.0, 0.5)
     assert scaler.max_loss_scale == float("inf")
-    assert _amp_state.verbosity == 0  # ColossalAI's naive optimizer logs only when verbose
+    assert amp_state().verbosity == 0  # ColossalAI's naive optimizer logs only when verbose
 
     batches = _batches(4)
     blowups = [1.0, float("inf"), float("inf"), 1.0]
@@ -128,7 +128,7 @@ def test_naive_mode_static_scale_and_batchnorm_override():
     model, opt, _ = convert_to_amp(model, torch.optim.SGD(model.parameters(), lr=0.1), None,
                                    mode="naive", dynamic_grad_scale=False, initial_scale=32.0,
                                    keep_batchnorm_fp32=True, half_dtype=torch.bfloat16)
-    assert not _amp_state.loss_scalers[0].dynamic and opt.loss_scale == 32.0
+    assert not amp_state().loss_scalers[0].dynamic and opt.loss_scale == 32.0
     assert [p.dtype for p in model[1].parameters()] == [torch.float32] * 2
     assert model[0].weight.dtype == torch.bfloat16
 
@@ -162,14 +162,14 @@ def test_naive_mode_clips_the_master_gradients_inside_step():
 def test_apex_mode_passes_amp_initialize_options_through():
     model = _net()
     m, o, c = convert_to_amp(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss())
-    assert _amp_state.opt_properties.opt_level == "O1"  # apex.amp.initialize's default
+    assert amp_state().opt_properties.opt_level == "O1"  # apex.amp.initialize's default
     assert all(p.dtype == torch.float32 for p in m.parameters())
 
     model = _net()
     m, o, c = convert_to_amp(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss(),
                              mode="apex", opt_level="O2", half_dtype=torch.bfloat16,
                              loss_scale=128.0, verbosity=0)
-    props = _amp_state.opt_properties
+    props = amp_state().opt_properties
     assert props.opt_level == "O2" and props.master_weights and props.keep_batchnorm_fp32
     assert m[0].weight.dtype == torch.bfloat16 and m[1].weight.dtype == torch.float32
     assert o.loss_scale == 128.0
@@ -190,7 +190,7 @@ def test_every_mode_trains_and_checkpoints_its_scaler(mode):
     # apex mode keeps amp's bf16 default (a static 1.0); the others scale dynamically and
     # grew once after two clean steps
     assert sd["amp"]["loss_scaler0"]["loss_scale"] == (1.0 if mode == "apex" else 2.**13)
-    _amp_state.loss_scalers[0].load_state_dict({"loss_scale": 4.0, "unskipped": 0})
+    amp_state().loss_scalers[0].load_state_dict({"loss_scale": 4.0, "unskipped": 0})
     opt.load_state_dict(sd)
     assert opt.loss_scale == sd["amp"]["loss_scaler0"]["loss_scale"]
 
@@ -201,8 +201,8 @@ def test_colossalai_calling_conventions():
     _, _, _ = convert_to_amp(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                              criterion=nn.MSELoss(), mode=AMP_TYPE.NAIVE,
                              amp_config=dict(initial_scale=2.**5, verbose=True))
-    assert _amp_state.opt_properties.opt_level == "O2" and _amp_state.verbosity == 1
-    assert float(_amp_state.loss_scalers[0].scale) == 2.**5
+    assert amp_state().opt_properties.opt_level == "O2" and amp_state().verbosity == 1
+    assert float(amp_state().loss_scalers[0].scale) == 2.**5
     # a config file's fp16 dict, mode included, passed as it is
     fp16 = dict(mode=AMP_TYPE.TORCH, init_scale=2.**7, growth_factor=2.0, backoff_factor=0.5,
                 growth_interval=100, hysteresis=2)
@@ -210,11 +210,11 @@ def test_colossalai_calling_conventions():
     _, opt, crit = convert_to_amp(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                   nn.MSELoss(), **fp16)
     assert isinstance(crit, AutocastLoss) and opt.loss_scale == 2.**7
-    assert _amp_state.loss_scalers[0].hysteresis == 2
+    assert amp_state().loss_scalers[0].hysteresis == 2
     model = _net()
     convert_to_amp(model, torch.optim.SGD(model.parameters(), lr=0.1),
                    amp_config=dict(mode="naive"), mode=AMP_TYPE.NAIVE)
-    assert _amp_state.opt_properties.opt_level == "O2"
+    assert amp_state().opt_properties.opt_level == "O2"
 
 
 def test_refusals_name_the_fix():

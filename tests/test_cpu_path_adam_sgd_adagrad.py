@@ -22,7 +22,7 @@ from conftest import (TOL, CountOps, all_tensors, assert_bits_unchanged, assert_
                       assert_close_to_ref, snapshot, tiny_mlp, train_steps)
 from conftest import clone_lists as clones
 from conftest import scaled_grads as scaled
-from tritamp.kernels._dispatch import force_cpu_path
+from tritamp.testing import force_cpu_path
 from tritamp.kernels.adagrad import adagrad_launch, adagrad_prepare, adagrad_step_ref
 from tritamp.kernels.adam import adam_launch, adam_prepare, adam_step_ref
 from tritamp.kernels.sgd import sgd_launch, sgd_prepare, sgd_step_ref

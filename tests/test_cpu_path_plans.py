@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from tritamp.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
+from tritamp.testing import stash_of
 
 
 def _model():
@@ -115,7 +116,7 @@ def test_amp_check_is_rebound_and_still_catches_an_overflow(cpu_path):
         after = list(amp.master_params(opt))
         changed = any(not torch.equal(b, a) for b, a in zip(before, after))
         assert changed == (factor == 1.0)
-    cache = opt._amp_stash._sweeps["check"]
+    cache = stash_of(opt)._sweeps["check"]
     assert cache.builds == 1
     opt.zero_grad(set_to_none=True)
     gc.collect()

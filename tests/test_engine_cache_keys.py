@@ -6,6 +6,7 @@ import torch.nn as nn
 
 from tritamp import amp
 from tritamp.optimizers import FusedAdam, FusedSGD
+from tritamp.testing import stash_of
 
 
 def _update_after_a_backoff(delay_overflow_check):
@@ -28,8 +29,8 @@ def _update_after_a_backoff(delay_overflow_check):
 
 def test_delay_overflow_check_unscales_by_the_scale_the_gradients_carry():
     plain = _update_after_a_backoff(False)
-    from tritamp.amp._state import _amp_state
-    _amp_state.loss_scalers = []
+    from tritamp.testing import amp_state
+    amp_state().loss_scalers = []
     delayed = _update_after_a_backoff(True)
     for a, b in zip(plain, delayed):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
@@ -68,7 +69,7 @@ def test_another_parameters_gradient_at_a_freed_address_is_checked_in_full():
     with amp.scale_loss(model(x, "a"), opt) as scaled:
         scaled.backward()
         land(model.a)
-    assert opt._amp_stash.found_inf.item() == 1.0
+    assert stash_of(opt).found_inf.item() == 1.0
     opt.step()
     assert torch.equal(model.a.detach(), before)  # skipped, nothing applied
 

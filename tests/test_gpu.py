@@ -11,6 +11,7 @@ import torch.nn as nn
 from conftest import run_without_sync
 from tritamp import amp
 from tritamp.kernels import check_unscale, check_unscale_ref, scale_update, scale_update_ref
+from tritamp.testing import amp_state
 
 pytestmark = pytest.mark.gpu
 
@@ -81,7 +82,7 @@ def test_skip_is_logged_once_the_device_catches_up(caplog):
             scaled.backward()
         opt.step()
         torch.cuda.synchronize()
-        amp._state._amp_state.loss_scalers[0].poll_reports()
+        amp_state().loss_scalers[0].poll_reports()
     assert torch.equal(model.weight, before)
     assert "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0" \
         in caplog.text

@@ -86,18 +86,16 @@ def test_steady_state_builds_no_new_launch_plan(monkeypatch):
     """After the first step the gradients' addresses repeat (CUDA's caching allocator
     hands the same blocks back), so no table is uploaded. CPU allocations move, which is
     why this is a GPU test."""
-    from tritamp.kernels import _multi_tensor
+    from tritamp.testing import recording_uploads
     model = _model().cuda()
     model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, fused=True),
                                 opt_level="O2", verbosity=0)
     x, y = torch.randn(2, 3, 6, 6, device="cuda"), torch.tensor([0, 2], device="cuda")
     _step(model, opt, x, y)
     _step(model, opt, x, y)
-    uploads = []
-    real = _multi_tensor._upload
-    monkeypatch.setattr(_multi_tensor, "_upload", lambda a, d: uploads.append(a) or real(a, d))
-    for _ in range(3):
-        _step(model, opt, x, y)
+    with recording_uploads() as uploads:
+        for _ in range(3):
+            _step(model, opt, x, y)
     assert uploads == []
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import all_tensors, assert_bitwise_unchanged, snapshot, unaligned_copy
 
-import tritamp.kernels._multi_tensor as engine
+from tritamp.testing import Sweep, recording_uploads
 import tritamp.kernels.l2norm as l2norm_mod
 import tritamp.kernels.lamb as lamb_mod
 import tritamp.kernels.novograd as novograd_mod
@@ -228,14 +228,15 @@ def steady(monkeypatch):
 
     @contextlib.contextmanager
     def ctx():
-        with monkeypatch.context() as mp:
-            for mod in (engine, l2norm_mod, novograd_mod):
+        with monkeypatch.context() as mp, recording_uploads() as uploads:
+            for mod in (l2norm_mod, novograd_mod):
                 if hasattr(mod, "_upload"):
                     mp.setattr(mod, "_upload", _forbid(f"{mod.__name__}._upload"))
-            mp.setattr(engine.Sweep, "prepare", _forbid("Sweep.prepare"))
+            mp.setattr(Sweep, "prepare", _forbid("Sweep.prepare"))
             for mod in (lamb_mod, novograd_mod):
                 mp.setattr(mod, "advance_steps", _forbid(f"{mod.__name__}.advance_steps"))
             yield
+        assert uploads == [], "the engine uploaded a launch table"
     return ctx
 
 

@@ -20,7 +20,7 @@ import torch
 import conftest
 from tritamp import kernels
 from tritamp.kernels import registry
-from tritamp.kernels._dispatch import force_cpu_path, interpreter_on
+from tritamp.testing import force_cpu_path, interpreter_on
 
 OPS = registry.OPS
 IDS = [op.name for op in OPS]

@@ -140,7 +140,7 @@ def test_refuses_interpreted_kernels():
     from tritamp.kernels.recorder import record_launches
     if not interpreter_on():
         pytest.skip("this session compiles kernels; the refusal concerns the interpreter")
-    from tritamp.kernels._dispatch import gpu_path_forced
+    from tritamp.testing import gpu_path_forced
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=0"):
         with record_launches():
             pass

@@ -5,6 +5,7 @@ import torch.nn as nn
 
 from tritamp import amp
 from tritamp.optimizers import FusedSGD
+from tritamp.testing import stash_of
 
 
 def _model():
@@ -31,8 +32,8 @@ def test_zero_grad_is_one_foreach_zero_per_dtype(monkeypatch):
 def test_zeroed_gradients_are_checked_read_only_at_o2():
     runs = []
     for set_to_none in (False, True):
-        from tritamp.amp._state import _amp_state
-        _amp_state.loss_scalers = []
+        from tritamp.testing import amp_state
+        amp_state().loss_scalers = []
         model = _model()
         model, opt = amp.initialize(model, FusedSGD(model.parameters(), lr=0.1, momentum=0.9),
                                     opt_level="O2", half_dtype=torch.bfloat16,
@@ -43,7 +44,7 @@ def test_zeroed_gradients_are_checked_read_only_at_o2():
             with amp.scale_loss(model(x).float().square().mean(), opt) as scaled:
                 scaled.backward()
             # no fp32 master gradient was materialised: the step reads the half ones
-            assert all(m.grad is None for m in opt._amp_stash.masters)
+            assert all(m.grad is None for m in stash_of(opt).masters)
             opt.step()
         runs.append([p.detach().clone() for p in amp.master_params(opt)])
     for a, b in zip(*runs):

@@ -4,7 +4,8 @@ the optimizer reports back.
 Every tritamp fused optimizer owns one :class:`StepHandoff` (``optimizer.step_handoff``).
 A driver fills it before ``optimizer.step()``:
 
-- ``tritamp.amp`` (at ``scale_loss`` exit) hands the step its state (:class:`StepState`):
+- ``tritamp.amp`` (as ``optimizer.step()`` begins, from what ``scale_loss`` recorded)
+  hands the step its state (:class:`StepState`):
   ``SCALED`` when this backward's gradients still carry ``grad_scale`` (the step unscales
   them as it reads them), ``UNSCALED`` when amp already unscaled them; with a dynamic
   loss scale also ``found_inf``, the 0-d device flag of this backward's overflow check.
@@ -21,7 +22,8 @@ A driver fills it before ``optimizer.step()``:
 The optimizer reports back by moving the handoff to ``STEPPED``. Whether the step was
 skipped is decided on the device, with no host sync: the step changed nothing where
 ``found_inf`` is non-zero (:attr:`StepHandoff.skipped` is that flag, or None when nothing
-was checked). The driver then returns the handoff to ``READY``.
+was checked). The driver then returns the handoff to ``READY`` (amp does, also when the
+step raised); under torch's GradScaler it stays ``STEPPED`` until the next step.
 
 torch's own optimizers have no handoff; ``tritamp.amp`` drives them through torch's
 protocol (``grad_scale`` / ``found_inf`` attributes for ``fused=True`` ones, one host read

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from . import amp
-from .amp._state import _amp_state
+from .amp.state import loss_scalers
 from .amp.checkpoint import check_state_dict as check_amp_state_dict
 from .amp.scaler import check_scaler_args
 from .optimizers.clip import clip_grad_norm_
@@ -204,7 +204,7 @@ class AmpOptimizer:
         state_dict = dict(state_dict)
         amp_state = state_dict.pop("amp", None)
         load_amp = None
-        if amp_state is not None and _amp_state.loss_scalers:
+        if amp_state is not None and loss_scalers():
             load_amp = check_amp_state_dict(amp_state)  # refused before anything loads
         self.optim.load_state_dict(state_dict)
         if load_amp is not None:
@@ -246,7 +246,7 @@ class AmpOptimizer:
     @property
     def loss_scale(self):
         """The current loss scale as a Python float (reads the device)."""
-        scalers = _amp_state.loss_scalers
+        scalers = loss_scalers()
         return scalers[0].loss_scale() if scalers else 1.0
 
 

@@ -11,13 +11,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tritamp import amp
-from tritamp.amp._state import _amp_state
+from tritamp.testing import amp_state
 from tritamp.optimizers import FusedSGD
 
 
 def _reset():
-    _amp_state.opt_properties = None
-    _amp_state.loss_scalers = []
+    amp_state().opt_properties = None
+    amp_state().loss_scalers = []
 
 
 def _flat(tensors):

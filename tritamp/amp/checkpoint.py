@@ -3,7 +3,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Mapping
 
-from ._state import _amp_state, maybe_print
+from .state import _amp_state, maybe_print
 
 _ENTRY = re.compile(r"loss_scaler(0|[1-9][0-9]*)\Z")
 

@@ -5,10 +5,10 @@ import numbers
 
 import torch
 
-from ._model import (check_models, check_params_fp32, convert_network, patch_forward,
+from .model import (check_models, check_params_fp32, convert_network, patch_forward,
                      planned_param_dtypes, register_fp32_state_dict)
-from ._optimizer import process_optimizer
-from ._state import _amp_state, maybe_print
+from .optimizer import process_optimizer
+from .state import _amp_state, maybe_print
 from .properties import (HALF_DTYPES, Properties, check_dtype_arg, check_half_dtype,
                          check_opt_level, opt_levels)
 from .scaler import LossScaler
@@ -31,14 +31,19 @@ def _as_models(models):
                     f"{_type_name(models)}. Pass a torch.nn.Module or a list of them.")
 
 
-def _is_larc(o):
-    # tritamp.parallel.LARC wraps an optimizer without subclassing one, as in Apex.
-    from ..parallel.LARC import LARC
-    return isinstance(o, LARC)
+def _is_wrapper(o):
+    """An optimizer wrapper such as tritamp.parallel.LARC (Apex's LARC does the same):
+    not a torch Optimizer itself, it holds one as ``.optim`` and forwards
+    ``param_groups``, ``step`` and ``zero_grad`` to it. Recognised by that shape, so amp
+    needs no import of the package that defines it."""
+    return (not isinstance(o, torch.optim.Optimizer)
+            and isinstance(getattr(o, "optim", None), torch.optim.Optimizer)
+            and callable(getattr(o, "step", None)) and callable(getattr(o, "zero_grad", None))
+            and getattr(o, "param_groups", None) is o.optim.param_groups)
 
 
 def _is_optimizer(o):
-    return isinstance(o, torch.optim.Optimizer) or _is_larc(o)
+    return isinstance(o, torch.optim.Optimizer) or _is_wrapper(o)
 
 
 def _as_optimizers(optimizers):
@@ -79,7 +84,7 @@ def _check_optimizers(optimizers, models, props):
     parameter's dtype as it will be after the models are cast."""
     seen = {}
     for i, opt in enumerate(optimizers):
-        inner = opt.optim if _is_larc(opt) else opt
+        inner = opt.optim if _is_wrapper(opt) else opt
         if hasattr(opt, "_amp_stash") or hasattr(inner, "_amp_stash"):
             raise RuntimeError("A given optimizer should only be passed through amp.initialize "
                                f"once; optimizers[{i}] already was. Create a fresh optimizer "

@@ -4,7 +4,7 @@ import numbers
 
 import torch
 
-from ._state import _amp_state
+from .state import _amp_state
 
 
 def _as_list(optimizers):

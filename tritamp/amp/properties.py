@@ -4,7 +4,7 @@ import numbers
 
 import torch
 
-from ._state import _amp_state, warn_or_err
+from .state import _amp_state, warn_or_err
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 

@@ -17,7 +17,7 @@ import torch
 
 from tritamp import kernels as K
 
-from ._state import _amp_state, logger
+from .state import _amp_state, logger
 
 FLOOR_WARN_STEPS = 10
 """Consecutive overflowing steps at the minimum scale before the scaler warns."""

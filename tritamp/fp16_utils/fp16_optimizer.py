@@ -3,7 +3,7 @@ loss scaling, on the machinery ``tritamp.amp`` uses at O2.
 
 The wrapper owns no second implementation: the fp32 masters, the check-and-unscale of
 the half gradients into them, the skip and the master -> model copy are amp's optimizer
-stash (``tritamp.amp._optimizer``), and the scale lives in amp's device-side scaler.
+stash (``tritamp.amp.optimizer``), and the scale lives in amp's device-side scaler.
 One backward and one step therefore cost what an amp O2 step costs:
 
     backward(loss)   (loss.float() * scale).backward(); one launch per dtype group checks
@@ -23,8 +23,7 @@ from collections.abc import Mapping
 import torch
 
 from tritamp import kernels as K
-from tritamp.amp._model import MODEL_ATTR
-from tritamp.amp._optimizer import AmpStash, _new_step
+from tritamp.amp.optimizer import AmpStash, amp_step
 from tritamp.amp.scaler import check_number
 
 from .fp16util import clip_grad_norm
@@ -92,13 +91,14 @@ class FP16_Optimizer:
             stash.adopt_group(group, init_optimizer)
         init_optimizer._amp_stash = stash
         self._stash = stash
-        self._amp_step = _new_step(init_optimizer.step)
+        self._amp_step = amp_step(init_optimizer.step)
 
         self.fp16_groups, self.fp32_from_fp16_groups, self.fp32_from_fp32_groups = [], [], []
+        model_of = {id(m): p for m, p in zip(stash.masters, stash.model_params)}
         for group in init_optimizer.param_groups:
             half, masters, plain = [], [], []
             for p in group["params"]:
-                model = getattr(p, MODEL_ATTR, None)
+                model = model_of.get(id(p))
                 if model is not None:
                     half.append(model)
                     masters.append(p)

@@ -12,10 +12,11 @@ from torch._utils import _flatten_dense_tensors
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from tritamp import kernels as K
-from tritamp.amp._model import _convert_module, applier
-from tritamp.amp._model import convert_network as _amp_convert_network
+from tritamp.amp.model import applier
+from tritamp.amp.model import convert_module as _amp_convert_module
+from tritamp.amp.model import convert_network as _amp_convert_network
 from tritamp.amp.properties import check_half_dtype
-from tritamp.kernels.check_unscale import _dense, _same_layout
+from tritamp.kernels.engine import is_dense, same_layout
 from tritamp.optimizers.clip import clip_grad_norm_
 
 __all__ = ["tofp16", "BN_convert_float", "network_to_half", "convert_module", "convert_network",
@@ -52,7 +53,7 @@ def network_to_half(network, dtype=torch.float16):
 
 def convert_module(module, dtype):
     """Cast ``module``'s own floating parameters, their gradients and buffers to ``dtype``."""
-    _convert_module(module, dtype)
+    _amp_convert_module(module, dtype)
 
 
 def convert_network(network, dtype):
@@ -130,7 +131,7 @@ def _copy(srcs, dsts):
     channels-last tensor against a flat view) go through torch's copy."""
     fused_src, fused_dst = [], []
     for s, d in zip(srcs, dsts):
-        if _dense(s) and _same_layout(s, d):
+        if is_dense(s) and same_layout(s, d):
             fused_src.append(s)
             fused_dst.append(d)
         else:

@@ -28,11 +28,9 @@ import operator
 import torch
 from torch.optim.optimizer import required
 
-from tritamp.amp._model import MODEL_ATTR
 from tritamp.contract import StepHandoff
-from tritamp.kernels._cpu_optim import GradWrites, check_grads_writable
-from tritamp.kernels._multi_tensor import (SweepCache, borrowed, layout_key, restride_like,
-                                           zero_grads_)
+from tritamp.kernels.engine import (GradWrites, SweepCache, borrowed, check_grads_writable,
+                                    layout_key, restride_like, zero_grads_)
 
 _data_ptr = torch.Tensor.data_ptr
 _grad_of = operator.attrgetter("grad")
@@ -207,7 +205,6 @@ class _GroupLinks:
 
 class FusedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
-    _tritamp_writes_model_copies = True
     # per-parameter state created on first use, fp32: tensors shaped like the parameter,
     # and 0-d device tensors (step counts, NovoGrad's per-tensor second moment)
     _STATE_LIKE = ()
@@ -578,18 +575,21 @@ class FusedOptimizer(torch.optim.Optimizer):
     # -- the step: per group a cached plan, rebuilt only when its tensors change ---------------
     def _links(self, gi, group):
         """Per group, what each parameter's step reads and writes (:class:`_GroupLinks`),
-        cached until the group's parameters or the optimizer's generation change.
-        ``models[i]`` is the half model parameter of amp's fp32 master ``params[i]``
-        (whose gradient the step reads while the master has none), else None."""
+        cached until the group's parameters, the optimizer's generation or the master
+        pairs registered with its step handoff change. ``models[i]`` is the half model
+        parameter of the fp32 master ``params[i]`` (``step_handoff.masters``: the step
+        reads its gradient while the master has none, and writes it), else None."""
         cache = self._links_cache.get(gi)
         params = group["params"]
-        gen = self._generation
+        pairs = self.step_handoff.masters
+        gen = (self._generation, pairs.version)
         if cache is not None and cache[0] is params and cache[1] == len(params) \
                 and cache[2] == gen:
             return cache[3]
         targets, copies, models = [], [], []
+        model_of = pairs.model_of
         for p in params:
-            model = getattr(p, MODEL_ATTR, None)
+            model = model_of(p)
             if model is not None:
                 targets.append(p)
                 copies.append(model)
@@ -712,7 +712,6 @@ class FusedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         handoff = self.step_handoff
         _, grad_scale, found_inf, write_grads = handoff.take(self)
-        write_grads = write_grads and self._writes_unscaled_grads(grad_scale)
         fresh = []
         try:
             plans = [self._group_plan(gi, group, grad_scale, write_grads, fresh)
@@ -742,18 +741,6 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise
         handoff.stepped()
         return loss
-
-    def _writes_unscaled_grads(self, grad_scale):
-        """Whether this step leaves the unscaled gradients in ``.grad``: yes when
-        ``torch.amp.GradScaler`` hands it ``grad_scale``, as torch's fused optimizers do
-        (the kernels store the unscaled values they compute anyway); no under tritamp's
-        amp, whose step hands the optimizer the ``grad_scale`` it keeps in the
-        optimizer's ``_amp_stash`` (its gradients stay as they are, see
-        docs/grads-after-step.md); no without a scale (nothing to unscale)."""
-        if grad_scale is None:
-            return False
-        stash = getattr(self, "_amp_stash", None)
-        return stash is None or getattr(stash, "grad_scale", None) is not grad_scale
 
     def _plan_depends_on(self, group):
         """Hyperparameters that change what a group's plan holds (SGD: momentum or not)."""

@@ -4,7 +4,7 @@ import numbers
 
 import torch
 
-from tritamp.kernels._cpu_optim import take_grad_writes
+from tritamp.kernels.engine import take_grad_writes
 from tritamp.kernels.l2norm import multi_tensor_l2norm_launch, multi_tensor_l2norm_prepare
 from tritamp.kernels.lamb import lamb_launch, lamb_prepare
 

@@ -1,4 +1,6 @@
-"""What initialize does to models: casts, forward patches, fp32 state dicts."""
+"""What initialize does to models: casts, forward patches, fp32 state dicts.
+
+Public to tritamp's packages (``tritamp.fp16_utils`` casts with the same functions)."""
 import collections.abc as abc
 import functools
 
@@ -6,10 +8,10 @@ import numpy as np
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ._state import warn_or_err
+from .state import warn_or_err
 
 MASTER_ATTR = "_tritamp_master"  # a half model parameter -> its fp32 master
-MODEL_ATTR = "_tritamp_model"    # an fp32 master -> the half model parameter it feeds
+# (the other way, master -> model parameter, is the optimizer's tritamp.contract.MasterPairs)
 
 
 def check_models(models):
@@ -53,7 +55,8 @@ def check_params_fp32(models):
                 f"amp casts it as the opt level asks.{others}")
 
 
-def _convert_module(module, dtype):
+def convert_module(module, dtype):
+    """Cast ``module``'s own floating parameters, their gradients and buffers to ``dtype``."""
     # Assigning .data keeps every Parameter object, so optimizers built on the fp32
     # model still hold the right tensors.
     for param in module.parameters(recurse=False):
@@ -88,7 +91,7 @@ def planned_param_dtypes(networks, dtype, keep_batchnorm_fp32):
 def convert_network(network, dtype, keep_batchnorm_fp32):
     """Cast ``network`` to ``dtype`` in place, affine BatchNorm left fp32 if asked."""
     for module in _modules_to_convert(network, keep_batchnorm_fp32):
-        _convert_module(module, dtype)
+        convert_module(module, dtype)
         if isinstance(module, torch.nn.RNNBase):
             module.flatten_parameters()
     return network
@@ -156,6 +159,12 @@ def patch_forward(model, input_dtype=None, output_dtype=None, autocast_dtype=Non
         return output
 
     model.forward = new_forward
+
+
+def master_of(param):
+    """The fp32 master weight amp keeps for the half model parameter ``param`` (O2, or
+    ``master_weights=True``), or None when it has none."""
+    return getattr(param, MASTER_ATTR, None)
 
 
 def _fp32_state_dict_hook(module, state_dict, prefix, local_metadata):

@@ -22,8 +22,8 @@ import types
 import torch
 
 from tritamp import kernels as K
-from tritamp.contract import handoff_of
-from tritamp.kernels._multi_tensor import SweepCache, borrowed, layout_key, zero_grads_
+from tritamp.contract import StepState, handoff_of
+from tritamp.kernels.engine import SweepCache, borrowed, layout_key, zero_grads_
 
 _grad_of = operator.attrgetter("grad")
 _shape_of = operator.attrgetter("shape")
@@ -43,17 +43,19 @@ def _clear_grads(params):
     collections.deque(map(setattr, params, itertools.repeat("grad"), _no_grads), maxlen=0)
 
 
-from ._model import MASTER_ATTR, MODEL_ATTR
-from ._state import logger
+from .model import MASTER_ATTR
+from .state import logger
 
 
 class AmpStash:
     def __init__(self, optimizer, master_weights):
         self.master_weights = bool(master_weights)
         self.supports_amp_scaling = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-        # tritamp's fused optimizers read a master's gradient from its half model
-        # parameter and write that parameter in the same pass.
-        self.writes_model_copies = bool(getattr(optimizer, "_tritamp_writes_model_copies", False))
+        # An optimizer that speaks tritamp's step contract (tritamp.contract) is handed
+        # each step through its StepHandoff; it reads a master's gradient from the half
+        # model parameter registered with it and writes that parameter in the same pass.
+        self.handoff = handoff_of(optimizer)
+        self.writes_model_copies = self.handoff is not None
         self.model_params = []    # half model parameters that have fp32 masters
         self.masters = []         # their masters, owned by the optimizer's param_groups
         self.master_grad_bufs = []  # persistent fp32 gradient storage of the masters
@@ -123,7 +125,8 @@ class AmpStash:
                 master = p.detach().clone().float()
                 master.requires_grad_(True)
                 setattr(p, MASTER_ATTR, master)
-                setattr(master, MODEL_ATTR, p)
+                if self.handoff is not None:
+                    self.handoff.masters.add(master, p)
                 params[i] = master
                 if p in optimizer.state:
                     optimizer.state[master] = optimizer.state.pop(p)
@@ -341,7 +344,12 @@ class AmpStash:
         self._drop_alias()
 
 
-def _new_step(old_step):
+def amp_step(old_step):
+    """``optimizer.step`` under amp: ``old_step`` (the optimizer's own) driven through the
+    step contract (tritamp's fused optimizers), torch's GradScaler protocol (torch's
+    optimizers that declare ``_step_supports_amp_scaling``), or one host read of the
+    overflow flag (every other optimizer, as in Apex); then the masters' copies and the
+    return to READY."""
     def step(self, closure=None):
         if closure is not None:
             raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
@@ -358,8 +366,19 @@ def _new_step(old_step):
             stash.master_to_model()
             stash.finish_step()
             return retval
-        if stash.supports_amp_scaling:
-            # The step reads grad_scale/found_inf on the device: no host sync.
+        handoff = stash.handoff
+        if handoff is not None:
+            # tritamp's contract: the step reads grad_scale / found_inf on the device (no
+            # host sync), reads the masters' gradients from the half model parameters
+            # where they have none and writes those parameters in the same pass.
+            handoff.hand(StepState.UNSCALED if stash.grad_scale is None else StepState.SCALED,
+                         grad_scale=stash.grad_scale, found_inf=stash.found_inf)
+            try:
+                retval = old_step()
+            finally:
+                handoff.reset()
+        elif stash.supports_amp_scaling:
+            # torch's protocol: the step reads grad_scale/found_inf on the device.
             state = stash.state_guarded(self)
             before = None if state is None else list(map(len, state.values()))
             self.grad_scale = stash.grad_scale
@@ -429,7 +448,7 @@ def process_optimizer(optimizer, properties):
     optimizer._amp_stash = stash
     # Recast any existing state to the dtype of the parameters it now belongs to.
     optimizer.load_state_dict(optimizer.state_dict())
-    optimizer.step = types.MethodType(_new_step(optimizer.step), optimizer)
+    optimizer.step = types.MethodType(amp_step(optimizer.step), optimizer)
     optimizer.zero_grad = types.MethodType(_new_zero_grad(optimizer.zero_grad), optimizer)
     optimizer.add_param_group = types.MethodType(
         _new_add_param_group(optimizer.add_param_group), optimizer)

@@ -12,17 +12,29 @@ class AmpState:
         self.opt_properties = None     # Properties once initialize has run
         self.loss_scalers = []
         self.verbosity = 1
-        self.hard_override = False
 
 
 _amp_state = AmpState()
 
 
+def loss_scalers():
+    """The loss scalers of the last ``amp.initialize`` (one per loss; empty before it,
+    or when amp is disabled)."""
+    return list(_amp_state.loss_scalers)
+
+
+def reset():
+    """Forget the last ``amp.initialize``: no properties, no scalers, verbosity 1 (models
+    and optimizers it processed keep what it did to them)."""
+    _amp_state.opt_properties = None
+    _amp_state.loss_scalers = []
+    _amp_state.verbosity = 1
+
+
 def warn_or_err(msg):
-    if _amp_state.hard_override:
-        logger.warning("Warning:  %s", msg)
-    else:
-        raise RuntimeError(msg)
+    """Apex's refusal of an inconsistent configuration (Apex's hidden ``hard_override``,
+    which turned it into a warning, is not kept)."""
+    raise RuntimeError(msg)
 
 
 def _is_rank0():

@@ -1,0 +1,53 @@
+"""The multi-tensor engine's public face: what the rest of tritamp (amp, the optimizers,
+fp16_utils) and the tests build on, without reaching into the kernels' private modules.
+
+- Keys and caches of prepared sweeps: :func:`layout_key` (addresses and strides of a
+  tensor list; refuses a sparse tensor by name), :class:`SweepCache` (one kept sweep per
+  key), :func:`borrowed` (views a kept sweep may hold without keeping the tensors alive).
+- Layout helpers: :func:`is_dense` (non-overlapping and dense), :func:`same_layout`,
+  :func:`restride_like` (a copy laid out as a parameter).
+- Gradient helpers: :func:`zero_grads_`, and the unscaled-gradient write-back of
+  torch's GradScaler protocol (:class:`GradWrites`, :func:`check_grads_writable`,
+  :func:`take_grad_writes`).
+- Dispatch: :func:`use_triton`, :func:`interpreter_on`, and the switches tests and
+  benchmarks use to take one path on any device (:func:`force_cpu_path`,
+  :func:`force_gpu_path`, :func:`cpu_path_forced`, :func:`gpu_path_forced`).
+- The sweep itself, for tests of its validation: :class:`Sweep`, :class:`Column`; and
+  :func:`recording_uploads`, which lists the launch tables uploaded inside a block.
+
+See docs/multi-tensor-engine.md.
+"""
+import contextlib
+
+from . import _multi_tensor
+from ._cpu_optim import GradWrites, check_grads_writable, take_grad_writes
+from ._dispatch import (cpu_path_forced, force_cpu_path, force_gpu_path, gpu_path_forced,
+                        interpreter_on, use_triton)
+from ._multi_tensor import (Column, Sweep, SweepCache, borrowed, layout_key, restride_like,
+                            same_layout, zero_grads_)
+from ._multi_tensor import _dense as is_dense
+
+__all__ = [
+    "layout_key", "SweepCache", "borrowed", "is_dense", "same_layout", "restride_like",
+    "zero_grads_", "GradWrites", "check_grads_writable", "take_grad_writes",
+    "use_triton", "interpreter_on", "force_cpu_path", "force_gpu_path", "cpu_path_forced",
+    "gpu_path_forced", "Sweep", "Column", "recording_uploads",
+]
+
+
+@contextlib.contextmanager
+def recording_uploads():
+    """Inside the block, every launch table a sweep uploads to the device (a host-to-device
+    copy) is also appended to the yielded list: a steady training step uploads none."""
+    uploads = []
+    real = _multi_tensor._upload
+
+    def upload(array, device):
+        uploads.append(array)
+        return real(array, device)
+
+    _multi_tensor._upload = upload
+    try:
+        yield uploads
+    finally:
+        _multi_tensor._upload = real

@@ -1,0 +1,67 @@
+"""Test helpers: the one place tritamp's tests and benchmarks (and your tests of code
+built on tritamp) reach state that the public API does not hand out.
+
+amp's process-wide state
+    :func:`reset_amp` forgets the last ``amp.initialize`` (run it between tests);
+    :func:`amp_state` is that state (``opt_properties``, ``loss_scalers``,
+    ``verbosity``), to read; :func:`stash_of` is what ``amp.initialize`` (or
+    ``FP16_Optimizer``) attached to an optimizer (masters, their model parameters, the
+    pending step); :func:`master_of` is the fp32 master of a half model parameter.
+Dispatch
+    :func:`force_cpu_path` (the production CPU path even under ``TRITON_INTERPRET=1``),
+    :func:`force_gpu_path` (CPU tensors take the CUDA code path: launchers, tables,
+    constexprs; pair it with :mod:`tritamp.kernels.recorder`), :func:`cpu_path_forced`,
+    :func:`gpu_path_forced`, :func:`interpreter_on`.
+Kernel internals
+    :func:`jit_kernels` (every ``@triton.jit`` function of the kernels, by name, for
+    compiling them for a GPU target without a GPU), the multi-tensor engine's
+    :class:`Sweep`, :class:`Column`, :func:`layout_key` and :func:`recording_uploads`
+    (the launch tables uploaded inside a block), SyncBatchNorm's launch
+    geometry (:func:`syncbn_geometry`) and tile offsets (:func:`syncbn_tile`).
+
+See docs/architecture.md (Testing helpers).
+"""
+import importlib
+import pkgutil
+
+from tritamp import kernels as _kernels
+from tritamp.amp.model import master_of
+from tritamp.amp.state import _amp_state
+from tritamp.amp.state import reset as reset_amp
+from tritamp.kernels.engine import (Column, Sweep, cpu_path_forced, force_cpu_path,
+                                    force_gpu_path, gpu_path_forced, interpreter_on, layout_key,
+                                    recording_uploads)
+from tritamp.kernels.syncbn import _Geometry as syncbn_geometry
+from tritamp.kernels.syncbn import _syncbn_tile as syncbn_tile
+
+__all__ = ["reset_amp", "amp_state", "stash_of", "master_of", "force_cpu_path",
+           "force_gpu_path", "cpu_path_forced", "gpu_path_forced", "interpreter_on",
+           "jit_kernels", "Sweep", "Column", "layout_key", "recording_uploads", "syncbn_geometry",
+           "syncbn_tile"]
+
+
+def amp_state():
+    """amp's process-wide state: ``opt_properties`` (None before ``amp.initialize``),
+    ``loss_scalers`` and ``verbosity``. Read it; change it only through
+    ``amp.initialize`` or :func:`reset_amp`."""
+    return _amp_state
+
+
+def stash_of(optimizer):
+    """What ``amp.initialize`` or ``FP16_Optimizer`` attached to ``optimizer``
+    (:class:`tritamp.amp.optimizer.AmpStash`: ``masters``, ``model_params``,
+    ``plain_params``, ``found_inf``, ``grad_scale``), or None."""
+    return getattr(optimizer, "_amp_stash", None)
+
+
+def jit_kernels():
+    """``{name: JITFunction}`` for every ``@triton.jit`` function of ``tritamp.kernels``,
+    named without its leading underscore (``"layer_norm_fwd_kernel"``)."""
+    from triton.runtime.jit import JITFunction
+    found = {}
+    for info in pkgutil.iter_modules(_kernels.__path__):
+        mod = importlib.import_module(f"{_kernels.__name__}.{info.name}")
+        for name, value in vars(mod).items():
+            if isinstance(value, JITFunction) and value.__module__ == mod.__name__:
+                found[name.lstrip("_")] = value
+    return found
