@@ -25,8 +25,17 @@ protos..., args, HAS_<optional>, VEC, EMULATE_BF16_ROUNDING, BLOCK) fails here.
 """
 import pytest
 
-BUDGET = {"adam": 72, "lamb": 72, "novograd": 72, "adagrad": 72,
-          "sgd": 48, "check_unscale": 48, "l2norm": 48, "axpby": 48}
+from tritamp.kernels import registry
+
+# Register budgets per kernel family: the op registry's (docs/ops.md).
+BUDGET = {op.kernel_family: op.register_budget for op in registry.OPS
+          if op.register_budget is not None}
+
+
+def test_every_sweep_family_has_a_budget_within_the_engine_ceiling():
+    assert set(BUDGET) == {"adam", "lamb", "novograd", "adagrad", "sgd", "check_unscale",
+                           "l2norm", "axpby"}
+    assert all(0 < b <= 72 for b in BUDGET.values())  # 4 warps at 72 keeps 7 blocks/SM
 
 
 @pytest.fixture(scope="module")
