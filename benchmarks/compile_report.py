@@ -187,6 +187,69 @@ def record_specialisations(optimizers=OPTIMIZERS, log=None):
     return specs, sources, errors
 
 
+# --- the norms: LayerNorm / RMSNorm at representative widths ------------------------------
+NORM_WIDTHS = (256, 768, 1024, 4096, 8192, 12288, 32768, 65536)
+NORM_ROWS = 512          # more rows than 2 x SM: the backward's grid is its full 2 x SM
+NORM_DTYPES = {"fp32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch.bfloat16),
+               "fp16/fp32 weight": (torch.float16, torch.float32)}
+NORM_REGISTER_LIMIT = 64  # LayerNorm / RMSNorm forward and backward up to width 8192
+NORM_REGISTER_LIMIT_WIDTH = 8192
+
+
+def _norm_scenarios():
+    """{name: callable}: forward and backward of LayerNorm and RMSNorm (from the input, and
+    from the output as memory_efficient does) at every width of NORM_WIDTHS, per dtype.
+    The tensors are allocated, never filled: nothing runs."""
+    from tritamp.kernels.layer_norm import layer_norm_bwd, layer_norm_fwd
+
+    def run(n, dt, wdt, rms, from_output):
+        x = torch.empty(NORM_ROWS, n, dtype=dt)
+        w = torch.empty(n, dtype=wdt)
+        b = None if rms else torch.empty(n, dtype=wdt)
+        y, mean, rstd = layer_norm_fwd(x, n, w, b, 1e-5, rms)
+        layer_norm_bwd(torch.empty_like(y), y if from_output else x, n, w, b, mean, rstd, rms,
+                       from_output=from_output, x_dtype=dt)
+
+    out = {}
+    for n in NORM_WIDTHS:
+        for dname, (dt, wdt) in NORM_DTYPES.items():
+            for rms in (False, True):
+                for from_output in (False, True):
+                    name = (f"{'rms' if rms else 'layer'}_norm n={n} {dname}"
+                            f"{' from_output' if from_output else ''}")
+                    out[name] = (lambda n=n, dt=dt, wdt=wdt, rms=rms, fo=from_output:
+                                 run(n, dt, wdt, rms, fo))
+    return out
+
+
+def record_norms(log=None):
+    """The norm scenarios under the recorder: (specialisations, sources, launches, errors),
+    launches as {scenario, kernel, grid, spec} (spec: index into specialisations)."""
+    from tritamp.kernels.recorder import record_launches
+    specs, index, sources, launches, errors = [], {}, {}, [], {}
+    with record_launches() as rec:
+        for name, run in _norm_scenarios().items():
+            rec.launches.clear()
+            try:
+                run()
+            except Exception as e:
+                errors[name] = f"{type(e).__name__}: {e}"
+                if log:
+                    log(f"  {name}: {errors[name]}")
+            for launch in rec.launches:
+                spec = launch.specialisation
+                if id(spec) not in index:
+                    index[id(spec)] = len(specs)
+                    specs.append(spec)
+                    sources[id(spec)] = []
+                if name not in sources[id(spec)]:
+                    sources[id(spec)].append(name)
+                launches.append(dict(scenario=name, kernel=spec.name,
+                                     grid=[int(g) for g in launch.grid],
+                                     spec=index[id(spec)]))
+    return specs, sources, launches, errors
+
+
 # --- compiling and reading the cubin -----------------------------------------------------
 def _tool(name):
     import triton
@@ -312,8 +375,11 @@ def build_report(optimizers=OPTIMIZERS, workers=2, log=None):
         return dict(target="cuda sm_90", toolchain_error=problem, specialisations=[],
                     errors={}, n_specialisations=0, record_s=0.0, compile_s=0.0)
     specs, sources, errors = record_specialisations(optimizers, log)
+    norm_specs, norm_sources, norm_launches, norm_errors = record_norms(log)
     t1 = time.perf_counter()
-    results = compile_all(specs, workers)
+    results = compile_all(list(specs) + list(norm_specs), workers)
+    norm_results = results[len(specs):]
+    results = results[:len(specs)]
     t2 = time.perf_counter()
     rows = []
     for spec, res in zip(specs, results):
@@ -325,11 +391,27 @@ def build_report(optimizers=OPTIMIZERS, workers=2, log=None):
                    sweep=names[:2] == ["meta_ptr", "blocks_ptr"],
                    vec=cx.get("VEC"), block=cx.get("BLOCK"), **res)
         rows.append(row)
+    norm_rows = []
+    for spec, res in zip(norm_specs, norm_results):
+        d = spec.as_dict()
+        norm_rows.append(dict(d, sources=norm_sources[id(spec)],
+                              block=d["constexprs"].get("BLOCK",
+                                                        d["constexprs"].get("BLOCK_N")),
+                              **res))
     import triton
     return dict(target="cuda sm_90 (GPUTarget('cuda', 90, 32))", toolchain_error=None,
                 torch=torch.__version__,
                 triton=triton.__version__, record_s=t1 - t0, compile_s=t2 - t1,
-                n_specialisations=len(rows), errors=errors, specialisations=rows)
+                n_specialisations=len(rows), errors=errors, specialisations=rows,
+                norms=dict(specialisations=norm_rows, launches=norm_launches,
+                           errors=norm_errors, widths=list(NORM_WIDTHS), rows=NORM_ROWS,
+                           sm_count=_sm_count()))
+
+
+def _sm_count():
+    from tritamp.kernels.engine import force_gpu_path, sm_count
+    with force_gpu_path():
+        return sm_count(torch.device("cpu"))
 
 
 def _dtypes(row):
@@ -352,6 +434,45 @@ def table(report):
         lines.append(f"| {r['kernel']} | {_dtypes(r)} | {r.get('vec')} | {flags} | "
                      f"{r['num_warps']} | {r['reg']} | {r['spills']} | {r['widest_load']} / "
                      f"{r['widest_store']} | {fmt(r['loads'])} | {fmt(r['stores'])} |")
+    return "\n".join(lines)
+
+
+def _norm_dtypes(row):
+    keys = ("x_ptr", "v_ptr", "w_ptr", "y_ptr", "dx_ptr", "dw_ptr")
+    return ",".join(f"{k[:-4]}:{row['signature'][k][1:]}" for k in keys if k in row["signature"])
+
+
+def _widths(sources):
+    found = sorted({int(m) for s in sources for m in re.findall(r"n=(\d+)", s)})
+    return ",".join(map(str, found))
+
+
+def norm_table(report):
+    """LayerNorm / RMSNorm specialisations: widths that use each, block, warps, registers,
+    spills, widest accesses; and the programs each reduction pass runs per width."""
+    norms = report.get("norms") or {}
+    lines = ["| kernel | dtypes | widths | BLOCK | warps | REG | spills | widest LDG / STG (B) |",
+             "|---|---|---|---:|---:|---:|---:|---|"]
+    for r in sorted(norms.get("specialisations", []),
+                    key=lambda r: (r["kernel"], r.get("block") or 0)):
+        if r.get("error") and "reg" not in r:
+            lines.append(f"| {r['kernel']} | {_norm_dtypes(r)} | {_widths(r['sources'])} | "
+                         f"{r.get('block')} | {r['num_warps']} | error | | {r['error'][:80]} |")
+            continue
+        lines.append(f"| {r['kernel']} | {_norm_dtypes(r)} | {_widths(r['sources'])} | "
+                     f"{r.get('block')} | {r['num_warps']} | {r['reg']} | {r['spills']} | "
+                     f"{r['widest_load']} / {r['widest_store']} |")
+    grids = {}
+    for launch in norms.get("launches", []):
+        if launch["kernel"] == "_layer_norm_bwd_reduce_kernel":
+            n = int(re.search(r"n=(\d+)", launch["scenario"]).group(1))
+            grids.setdefault(n, [])
+            programs = launch["grid"][0] * launch["grid"][1] * launch["grid"][2]
+            if programs not in grids[n]:
+                grids[n].append(programs)
+    if grids:
+        lines += ["", "Weight-gradient reduction, programs per pass (main, final) by width: "
+                  + "; ".join(f"{n}: {' + '.join(map(str, g))}" for n, g in sorted(grids.items()))]
     return "\n".join(lines)
 
 
@@ -384,7 +505,10 @@ def main(argv=None):
             f"{report['toolchain_error']}")
     text = (f"{report['n_specialisations']} specialisations for {report['target']}: recorded in "
             f"{report['record_s']:.1f} s, compiled in {report['compile_s']:.1f} s\n\n"
-            + table(report))
+            + table(report) + "\n\nNorms (LayerNorm / RMSNorm, forward and backward, "
+            f"{report.get('norms', {}).get('rows')} rows):\n\n" + norm_table(report))
+    if report.get("norms", {}).get("errors"):
+        report["errors"] = dict(report["errors"], **report["norms"]["errors"])
     if report["errors"]:
         text += "\n\nScenarios that failed:\n" + "\n".join(
             f"- {k}: {v[:200]}" for k, v in report["errors"].items())

@@ -16,6 +16,7 @@ host cost and the specialisations of a real GPU step can be seen without a GPU.
 interpreter is on: how the tests run that path beside the kernels.
 """
 import contextlib
+import functools
 import os
 
 import torch
@@ -69,6 +70,29 @@ def use_triton(t: torch.Tensor) -> bool:
     if _forced_cpu[0]:
         return False
     return t.device.type == "cpu" and interpreter_on()
+
+
+def gpu_code_path(device: torch.device) -> bool:
+    """Whether launches for ``device`` take the CUDA code path (block sizes, warps, grids,
+    no interpreter emulation): on a CUDA device, or inside :func:`force_gpu_path`."""
+    return device.type == "cuda" or _forced[0]
+
+
+H100_SMS = 132  # the SM count the CUDA code path assumes for CPU tensors (force_gpu_path)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index):
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (read once per device); an H100's 132 for
+    CPU tensors on the CUDA code path; 1 for the interpreter."""
+    if device.type == "cuda":
+        return _cuda_sms(device.index if device.index is not None
+                         else torch.cuda.current_device())
+    return H100_SMS if _forced[0] else 1
 
 
 def kernel_settings(device: torch.device):

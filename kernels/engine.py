@@ -9,7 +9,8 @@ fp16_utils) and the tests build on, without reaching into the kernels' private m
 - Gradient helpers: :func:`zero_grads_`, and the unscaled-gradient write-back of
   torch's GradScaler protocol (:class:`GradWrites`, :func:`check_grads_writable`,
   :func:`take_grad_writes`).
-- Dispatch: :func:`use_triton`, :func:`interpreter_on`, and the switches tests and
+- Dispatch: :func:`use_triton`, :func:`interpreter_on`, :func:`gpu_code_path` (CUDA
+  block sizes and grids), :func:`sm_count`, and the switches tests and
   benchmarks use to take one path on any device (:func:`force_cpu_path`,
   :func:`force_gpu_path`, :func:`cpu_path_forced`, :func:`gpu_path_forced`).
 - The sweep itself, for tests of its validation: :class:`Sweep`, :class:`Column`; and
@@ -21,8 +22,8 @@ import contextlib
 
 from . import _multi_tensor
 from ._cpu_optim import GradWrites, check_grads_writable, take_grad_writes
-from ._dispatch import (cpu_path_forced, force_cpu_path, force_gpu_path, gpu_path_forced,
-                        interpreter_on, use_triton)
+from ._dispatch import (cpu_path_forced, force_cpu_path, force_gpu_path, gpu_code_path,
+                        gpu_path_forced, interpreter_on, sm_count, use_triton)
 from ._multi_tensor import (Column, Sweep, SweepCache, borrowed, layout_key, restride_like,
                             same_layout, zero_grads_)
 from ._multi_tensor import _dense as is_dense
@@ -31,7 +32,7 @@ __all__ = [
     "layout_key", "SweepCache", "borrowed", "is_dense", "same_layout", "restride_like",
     "zero_grads_", "GradWrites", "check_grads_writable", "take_grad_writes",
     "use_triton", "interpreter_on", "force_cpu_path", "force_gpu_path", "cpu_path_forced",
-    "gpu_path_forced", "Sweep", "Column", "recording_uploads",
+    "gpu_path_forced", "gpu_code_path", "sm_count", "Sweep", "Column", "recording_uploads",
 ]
 
 

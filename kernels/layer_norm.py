@@ -18,17 +18,19 @@ Everything accumulates in fp32 whatever the input, weight and output dtypes (fp3
 bf16, mixed). Rows wider than one block are swept in chunks (three passes over the row in
 the forward, two in the backward); rows that fit stay in registers and are read once.
 """
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import use_triton
+from ._dispatch import gpu_code_path, sm_count, use_triton
 from ._tl_utils import load_f32, store_cast
 
-_MAX_BLOCK = 16384   # widest row held in registers at once on the GPU
-_MAX_BLOCK_CPU = 4096
+_MAX_BLOCK = 16384     # widest row the GPU forward holds in registers at once
+_MAX_BLOCK_BWD = 4096  # ... and the backward (six row-sized values per element)
+_CHUNK_FWD = 4096      # the chunk of a wider row on the GPU, forward
+_CHUNK_BWD = 2048      # ... and backward
+_MAX_BLOCK_CPU = 4096  # the interpreter's block (and chunk)
 
 
 @triton.jit
@@ -129,8 +131,9 @@ def _layer_norm_bwd_kernel(
     mean_ptr,       # [M] fp32 row means (read unless IS_RMS or FROM_OUTPUT)
     rstd_ptr,       # [M] fp32 1 / sqrt(var + eps)
     dx_ptr,         # [M, N] input gradient, contiguous, in the input dtype
-    dw_part_ptr,    # [G, N] fp32: this program's sum of dy * xhat over its rows (zeroed)
-    db_part_ptr,    # [G, N] fp32: this program's sum of dy over its rows (zeroed)
+    dw_part_ptr,    # [G, N] fp32: this program's sum of dy * xhat over its rows
+    db_part_ptr,    # [G, N] fp32: this program's sum of dy over its rows
+    stats_ptr,      # [M, 2] fp32 scratch of the chunked path: each row's two sums for dx
     v_stride, M, N, rows_per_program,
     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     FROM_OUTPUT: tl.constexpr, ONE_PASS: tl.constexpr,
@@ -174,6 +177,8 @@ def _layer_norm_bwd_kernel(
         if HAS_BIAS:
             tl.store(db_part + cols, db_acc, mask=mask)
     else:
+        # Pass 1, row by row: the two row sums dx needs, from running [BLOCK] sums
+        # reduced once per row, kept in this program's rows of the stats scratch.
         for row in range(row_start, row_end):
             rstd = tl.load(rstd_ptr + row)
             mean = 0.0
@@ -191,78 +196,103 @@ def _layer_norm_bwd_kernel(
                 if HAS_WEIGHT:
                     wdy = wdy * load_f32(w_ptr + cols, mask, EMULATE_BF16_ROUNDING)
                 c1_acc += xhat * wdy
-                c2_acc += wdy
-            c1 = tl.div_rn(tl.sum(c1_acc, axis=0), n)
-            c2 = tl.div_rn(tl.sum(c2_acc, axis=0), n)
-            for start in range(0, N, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                mask = cols < N
-                xhat = _xhat(v_row, w_ptr, b_ptr, cols, mask, mean, rstd, IS_RMS, HAS_WEIGHT,
-                             HAS_BIAS, FROM_OUTPUT, EMULATE_BF16_ROUNDING)
+                if not IS_RMS:
+                    c2_acc += wdy
+            tl.store(stats_ptr + 2 * row, tl.div_rn(tl.sum(c1_acc, axis=0), n))
+            if not IS_RMS:
+                tl.store(stats_ptr + (2 * row + 1), tl.div_rn(tl.sum(c2_acc, axis=0), n))
+        tl.debug_barrier()  # the stats this program stored, visible to all its threads
+        # Pass 2, chunk by chunk: dx of every row of the program, and the chunk's weight
+        # and bias partial sums in registers, stored once per chunk.
+        for start in range(0, N, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < N
+            if HAS_WEIGHT:
+                w = load_f32(w_ptr + cols, mask, EMULATE_BF16_ROUNDING)
+            dw_acc = tl.zeros([BLOCK], dtype=tl.float32)
+            db_acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for row in range(row_start, row_end):
+                rstd = tl.load(rstd_ptr + row)
+                mean = 0.0
+                if not IS_RMS and not FROM_OUTPUT:
+                    mean = tl.load(mean_ptr + row)
+                c1 = tl.load(stats_ptr + 2 * row)
+                xhat = _xhat(v_ptr + row * v_stride, w_ptr, b_ptr, cols, mask, mean, rstd,
+                             IS_RMS, HAS_WEIGHT, HAS_BIAS, FROM_OUTPUT, EMULATE_BF16_ROUNDING)
                 dy = load_f32(dy_ptr + row * N + cols, mask, EMULATE_BF16_ROUNDING)
                 wdy = dy
                 if HAS_WEIGHT:
-                    wdy = dy * load_f32(w_ptr + cols, mask, EMULATE_BF16_ROUNDING)
+                    wdy = dy * w
                 if IS_RMS:
                     dx = (wdy - xhat * c1) * rstd
                 else:
+                    c2 = tl.load(stats_ptr + (2 * row + 1))
                     dx = (wdy - (xhat * c1 + c2)) * rstd
                 store_cast(dx_ptr + row * N + cols, dx, mask, EMULATE_BF16_ROUNDING)
-                # Each program owns its partial row: read-modify-write without races.
-                if HAS_WEIGHT:
-                    tl.store(dw_part + cols, tl.load(dw_part + cols, mask=mask) + dy * xhat,
-                             mask=mask)
-                if HAS_BIAS:
-                    tl.store(db_part + cols, tl.load(db_part + cols, mask=mask) + dy, mask=mask)
+                dw_acc += dy * xhat
+                db_acc += dy
+            if HAS_WEIGHT:
+                tl.store(dw_part + cols, dw_acc, mask=mask)
+            if HAS_BIAS:
+                tl.store(db_part + cols, db_acc, mask=mask)
 
 
 @triton.jit
 def _layer_norm_bwd_reduce_kernel(
     dw_part_ptr,    # [G, N] fp32 partial weight gradients
     db_part_ptr,    # [G, N] fp32 partial bias gradients
-    dw_ptr,         # [N] weight gradient, in the weight dtype
-    db_ptr,         # [N] bias gradient, in the bias dtype
-    G, N,
+    dw_ptr,         # [S, N] sums of rows_per_split partial rows each (the weight gradient
+    db_ptr,         # in its dtype when S == 1, fp32 partials for a final pass otherwise)
+    G, N, rows_per_split,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     EMULATE_BF16_ROUNDING: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
+    first = split * rows_per_split
+    last = tl.minimum(first + rows_per_split, G)
+    # 2-D running sums, reduced across rows once after the loop
     dw = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
     db = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
-    for start in range(0, G, BLOCK_G):
+    for start in range(first, last, BLOCK_G):
         rows = start + tl.arange(0, BLOCK_G)
-        offs = rows[:, None].to(tl.int64) * N + cols[None, :]
-        mask = (rows[:, None] < G) & col_mask[None, :]
+        offs = rows[:, None] * N + cols[None, :]
+        mask = (rows[:, None] < last) & col_mask[None, :]
         if HAS_WEIGHT:
             dw += tl.load(dw_part_ptr + offs, mask=mask, other=0.0)
         if HAS_BIAS:
             db += tl.load(db_part_ptr + offs, mask=mask, other=0.0)
+    out = split * N + cols
     if HAS_WEIGHT:
-        store_cast(dw_ptr + cols, tl.sum(dw, axis=0), col_mask, EMULATE_BF16_ROUNDING)
+        store_cast(dw_ptr + out, tl.sum(dw, axis=0), col_mask, EMULATE_BF16_ROUNDING)
     if HAS_BIAS:
-        store_cast(db_ptr + cols, tl.sum(db, axis=0), col_mask, EMULATE_BF16_ROUNDING)
+        store_cast(db_ptr + out, tl.sum(db, axis=0), col_mask, EMULATE_BF16_ROUNDING)
 
 
-def norm_settings(n, device, max_block=None):
+def norm_settings(n, device, max_block=None, backward=False):
     """(BLOCK, num_warps, one_pass) for rows of ``n`` elements: one heuristic, no autotuning.
 
-    A row up to ``_MAX_BLOCK`` wide stays in registers; warps grow with the block so each
-    thread keeps about 16 bytes per access in flight. ``max_block`` (tests) forces the
-    chunked path for narrow rows."""
-    cap = max_block or (_MAX_BLOCK_CPU if device.type == "cpu" else _MAX_BLOCK)
-    block = min(triton.next_power_of_2(max(n, 1)), triton.next_power_of_2(cap))
-    warps = 16 if block >= 8192 else 8 if block >= 2048 else 4 if block >= 512 else 2
-    return block, warps, n <= block
-
-
-@functools.lru_cache(maxsize=None)
-def _programs_per_device(device):
-    if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # interpreter: few programs, each sweeping many rows
+    On the GPU a row that fits one block is read once and held in registers: up to
+    16384 elements in the forward (8 per thread, 16 at the widest), up to 4096 in the
+    backward, which holds six row-sized values per element (4 per thread). Wider rows are
+    swept in chunks of 4096 (forward, 8 per thread) or 2048 (backward, 4 per thread).
+    Warps follow the block. The interpreter takes blocks up to 4096 (it pays per program,
+    not per element). ``max_block`` (tests) forces the chunked path for narrow rows."""
+    if gpu_code_path(device):
+        per_thread = 4 if backward else 8
+        cap = _MAX_BLOCK_BWD if backward else _MAX_BLOCK
+        chunk = _CHUNK_BWD if backward else _CHUNK_FWD
+    else:
+        per_thread, cap, chunk = 8, _MAX_BLOCK_CPU, _MAX_BLOCK_CPU
+    if max_block:
+        cap = chunk = min(cap, triton.next_power_of_2(max_block))
+    full = triton.next_power_of_2(max(n, 1))
+    block = full if full <= cap else chunk
+    warps = max(1, min(32, block // (32 * per_thread)))
+    return block, warps, full <= cap
 
 
 def _rows(x, n):
@@ -305,8 +335,34 @@ def layer_norm_fwd(x, n, weight=None, bias=None, eps=1e-5, rms=False, out_dtype=
         x2, y, w if w is not None else x2, b if b is not None else x2,
         mean if mean is not None else rstd, rstd, stride, n, eps,
         IS_RMS=rms, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None, ONE_PASS=one_pass,
-        EMULATE_BF16_ROUNDING=x.device.type != "cuda", BLOCK=block, num_warps=warps)
+        EMULATE_BF16_ROUNDING=not gpu_code_path(x.device), BLOCK=block, num_warps=warps)
     return y, mean, rstd
+
+
+def reduce_splits(programs, n, device):
+    """(BLOCK_G, BLOCK_N, splits, rows_per_split) of the weight-gradient reduction over
+    ``programs`` partial rows of ``n`` columns: on the GPU its main pass runs at least
+    2 x SM programs (column blocks x row splits) where the partial rows allow it, and a
+    final pass sums the ``splits`` rows it leaves."""
+    if gpu_code_path(device):
+        block_g, block_n, target = 8, 128, 2 * sm_count(device)
+    else:
+        block_g, block_n, target = 32, 1024, 1
+    col_blocks = triton.cdiv(n, block_n)
+    # col_blocks * splits >= target: rows_per_split rounds down, splits up
+    rows_per_split = max(1, programs * col_blocks // target)
+    return block_g, block_n, triton.cdiv(programs, rows_per_split), rows_per_split
+
+
+def backward_programs(m, warps, device):
+    """Programs of the backward row kernel: each owns a run of rows and one partial row
+    of the weight gradients. On the GPU as many per SM as can be resident at ``warps``
+    warps (64 warps per SM), at least 2 and at most 8 (more would lengthen the
+    reduction over partial rows); 4 in the interpreter."""
+    if gpu_code_path(device):
+        per_sm = max(2, min(8, 64 // warps))
+        return min(m, per_sm * sm_count(device))
+    return min(m, 4)
 
 
 def layer_norm_bwd(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, rms=False,
@@ -319,44 +375,59 @@ def layer_norm_bwd(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, r
     if not use_triton(dy):
         return layer_norm_bwd_cpu(dy, saved, n, weight, bias, mean, rstd, rms, from_output,
                                   x_dtype)
+    device = dy.device
+    gpu = gpu_code_path(device)
     x_dtype = x_dtype or saved.dtype
     v2, stride = _rows(saved, n)
     dy2 = dy.reshape(-1, n).contiguous()
     m = v2.shape[0]
-    dx = torch.empty(saved.shape, dtype=x_dtype, device=dy.device)
+    dx = torch.empty(saved.shape, dtype=x_dtype, device=device)
     has_w, has_b = weight is not None, bias is not None and not rms
-    dw = torch.empty(weight.shape, dtype=weight.dtype, device=dy.device) if has_w else None
-    db = torch.empty(bias.shape, dtype=bias.dtype, device=dy.device) if has_b else None
+    dw = torch.empty(weight.shape, dtype=weight.dtype, device=device) if has_w else None
+    db = torch.empty(bias.shape, dtype=bias.dtype, device=device) if has_b else None
     if m == 0:
         for g in (dw, db):
             if g is not None:
                 g.zero_()
         return dx, dw, db
-    block, warps, one_pass = norm_settings(n, dy.device, max_block)
-    programs = min(m, _programs_per_device(dy.device))
+    block, warps, one_pass = norm_settings(n, device, max_block, backward=True)
+    programs = backward_programs(m, warps, device)
     rows_per_program = triton.cdiv(m, programs)
     programs = triton.cdiv(m, rows_per_program)
-    # Every program has rows. In one pass each stores its whole partial row; the chunked
-    # path adds into its row, which must then start at zero.
-    alloc = torch.empty if one_pass else torch.zeros
-    dw_part = alloc((programs, n), dtype=torch.float32, device=dy.device) if has_w else None
-    db_part = alloc((programs, n), dtype=torch.float32, device=dy.device) if has_b else None
+    # Every program has rows and stores its whole partial row.
+    dw_part = torch.empty((programs, n), dtype=torch.float32, device=device) if has_w else None
+    db_part = torch.empty((programs, n), dtype=torch.float32, device=device) if has_b else None
+    stats = rstd if one_pass else torch.empty((m, 2), dtype=torch.float32, device=device)
     any_part = dw_part if has_w else (db_part if has_b else rstd)
     _layer_norm_bwd_kernel[(programs,)](
         dy2, v2, weight.contiguous() if has_w else v2, bias.contiguous() if has_b else v2,
         mean if mean is not None else rstd, rstd, dx,
-        dw_part if has_w else any_part, db_part if has_b else any_part,
+        dw_part if has_w else any_part, db_part if has_b else any_part, stats,
         stride, m, n, rows_per_program,
         IS_RMS=rms, HAS_WEIGHT=has_w, HAS_BIAS=has_b, FROM_OUTPUT=from_output,
-        ONE_PASS=one_pass, EMULATE_BF16_ROUNDING=dy.device.type != "cuda", BLOCK=block,
-        num_warps=warps)
+        ONE_PASS=one_pass, EMULATE_BF16_ROUNDING=not gpu, BLOCK=block, num_warps=warps)
     if has_w or has_b:
-        block_n = 128 if dy.device.type == "cuda" else 1024
-        _layer_norm_bwd_reduce_kernel[(triton.cdiv(n, block_n),)](
-            dw_part if has_w else db_part, db_part if has_b else dw_part,
-            dw if has_w else db, db if has_b else dw, programs, n,
-            HAS_WEIGHT=has_w, HAS_BIAS=has_b, EMULATE_BF16_ROUNDING=dy.device.type != "cuda",
-            BLOCK_G=32, BLOCK_N=block_n, num_warps=4)
+        block_g, block_n, splits, rows_per_split = reduce_splits(programs, n, device)
+        col_blocks = triton.cdiv(n, block_n)
+        flags = dict(HAS_WEIGHT=has_w, HAS_BIAS=has_b, EMULATE_BF16_ROUNDING=not gpu,
+                     BLOCK_N=block_n, num_warps=4)
+        src_w, src_b, rows = dw_part, db_part, programs
+        if splits > 1:  # main pass into fp32 partial sums, then a small final pass
+            mid_w = torch.empty((splits, n), dtype=torch.float32, device=device) if has_w \
+                else None
+            mid_b = torch.empty((splits, n), dtype=torch.float32, device=device) if has_b \
+                else None
+            mid_any = mid_w if has_w else mid_b
+            _layer_norm_bwd_reduce_kernel[(col_blocks, splits)](
+                src_w if has_w else src_b, src_b if has_b else src_w,
+                mid_w if has_w else mid_any, mid_b if has_b else mid_any,
+                rows, n, rows_per_split, BLOCK_G=block_g, **flags)
+            src_w, src_b, rows = mid_w, mid_b, splits
+        out_any = dw if has_w else db
+        _layer_norm_bwd_reduce_kernel[(col_blocks, 1)](
+            src_w if has_w else src_b, src_b if has_b else src_w,
+            dw if has_w else out_any, db if has_b else out_any,
+            rows, n, rows, BLOCK_G=block_g, **flags)
     return dx, dw, db
 
 

@@ -90,17 +90,18 @@ def norm_variants():
                 for from_output in (False, True):
                     sig = {"dy_ptr": y, "v_ptr": y if from_output else x, "w_ptr": w,
                            "b_ptr": w, "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "dx_ptr": x,
-                           "dw_part_ptr": "*fp32", "db_part_ptr": "*fp32", "v_stride": "i32",
+                           "dw_part_ptr": "*fp32", "db_part_ptr": "*fp32",
+                           "stats_ptr": "*fp32", "v_stride": "i32",
                            "M": "i32", "N": "i32", "rows_per_program": "i32"}
                     out[f"layer_norm_bwd/{x},{w},{y}/rms={rms}/one_pass={one_pass}/"
                         f"from_output={from_output}"] = _ok(compile_one(
                             JIT["layer_norm_bwd_kernel"], sig,
                             dict(mode, FROM_OUTPUT=from_output), 8))
         sig = {"dw_part_ptr": "*fp32", "db_part_ptr": "*fp32", "dw_ptr": w, "db_ptr": w,
-               "G": "i32", "N": "i32"}
+               "G": "i32", "N": "i32", "rows_per_split": "i32"}
         out[f"layer_norm_bwd_reduce/{w}"] = _ok(compile_one(
             JIT["layer_norm_bwd_reduce_kernel"], sig, dict(HAS_WEIGHT=True, HAS_BIAS=True,
-                                                     EMULATE_BF16_ROUNDING=False, BLOCK_G=32,
+                                                     EMULATE_BF16_ROUNDING=False, BLOCK_G=8,
                                                      BLOCK_N=128), 4))
     return out
 

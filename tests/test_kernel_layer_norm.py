@@ -263,3 +263,40 @@ def test_hypothesis_shapes_and_values(rows, n, rms, dtype, special):
     if fin.any():
         tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=2e-2)
         torch.testing.assert_close(y[fin].double(), ref[fin].to(dtype).double(), **tol)
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["from-input", "from-output"])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-pass", "chunked"])
+def test_weight_gradients_through_a_split_reduction(chunked, rms, memory_efficient,
+                                                    monkeypatch):
+    """The GPU's reduction shape, here in the interpreter: the partial rows of 11 rows x
+    4 programs summed in a main pass over column blocks x uneven row splits, then a final
+    pass; the chunked backward's per-chunk partial sums (several rows per program). The
+    weight and bias gradients are the oracle's."""
+    import tritamp.kernels.layer_norm as LN
+    seen = []
+
+    def splits(programs, n, device):
+        seen.append(programs)
+        return 2, 64, 3, 2  # BLOCK_G 2, BLOCK_N 64, 3 splits of 2, 2 and 0..: uneven
+    monkeypatch.setattr(LN, "reduce_splits", splits)
+    g = torch.Generator().manual_seed(7)
+    n, m = 150, 11
+    x = torch.randn(m, n, generator=g) * 3 + 1
+    dy = torch.randn(m, n, generator=g)
+    w, b = _params(n, True, rms)
+    y, mean, rstd = layer_norm_fwd(x, n, w, b, 1e-5, rms, max_block=64 if chunked else None)
+    saved = y if memory_efficient else x
+    dx, dw, db = layer_norm_bwd(dy, saved, n, w, b, mean, rstd, rms,
+                                from_output=memory_efficient, x_dtype=x.dtype,
+                                max_block=64 if chunked else None)
+    assert seen == [4]
+    rdx, rdw, rdb = layer_norm_bwd_ref(dy, saved, n, w, b, mean, rstd, rms,
+                                       from_output=memory_efficient, x_dtype=x.dtype)
+    torch.testing.assert_close(dx, rdx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw, rdw, rtol=1e-5, atol=1e-5)
+    if rms:
+        assert db is None
+    else:
+        torch.testing.assert_close(db, rdb, rtol=1e-5, atol=1e-5)
