@@ -344,6 +344,77 @@ def verdict(rows):
     return "\n".join(out)
 
 
+# --- FusedLayerNorm / FusedRMSNorm: host cost per call ------------------------------------
+NORM_WIDTH, NORM_ROWS = 1024, 1
+NORM_TARGET_US = {"forward": 10.0, "forward+backward": 50.0}
+
+
+def _norm_cases():
+    """(name, ours, torch's): FusedLayerNorm / FusedRMSNorm on the GPU code path, and
+    torch's nn.LayerNorm / nn.RMSNorm on the CPU, both on one bf16 row of 1024: Python,
+    dispatch, autograd and the gradient accumulation with almost no arithmetic (torch's
+    CPU kernels run on one row; on a GPU its kernels would run asynchronously)."""
+    from tritamp.normalization import FusedLayerNorm, FusedRMSNorm
+    torch.manual_seed(0)
+    x = torch.randn(NORM_ROWS, NORM_WIDTH, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(NORM_ROWS, NORM_WIDTH, dtype=torch.bfloat16)
+    x1, dy1 = x.detach().clone().requires_grad_(), dy.clone()
+    cases = []
+    for name, ours_cls, torch_cls in (("LayerNorm", FusedLayerNorm, torch.nn.LayerNorm),
+                                      ("RMSNorm", FusedRMSNorm, torch.nn.RMSNorm)):
+        ours = ours_cls(NORM_WIDTH).to(torch.bfloat16)
+        theirs = torch_cls(NORM_WIDTH).to(torch.bfloat16)
+        cases.append((f"{name} forward", lambda m=ours: m(x), lambda m=theirs: m(x1)))
+        cases.append((f"{name} forward+backward", lambda m=ours: m(x).backward(dy),
+                      lambda m=theirs: m(x1).backward(dy1)))
+    return cases
+
+
+def run_norms(rounds, calls_per_round=200, warmup=20):
+    """Median us per call of every norm case and of torch's, rounds interleaved; the
+    launches one call records."""
+    from tritamp.kernels.recorder import record_launches
+    cases = _norm_cases()
+    times = {name: ([], []) for name, _, _ in cases}
+    launches = {}
+    with record_launches() as rec:
+        for name, ours, theirs in cases:
+            for _ in range(warmup):
+                ours()
+            rec.launches.clear()
+            ours()
+            launches[name] = [launch.name for launch in rec.launches]
+            for _ in range(warmup):
+                theirs()
+        for _ in range(rounds):  # ours and torch's interleaved, case by case
+            for name, ours, theirs in cases:
+                for fn, out in ((ours, times[name][0]), (theirs, times[name][1])):
+                    t0 = time.perf_counter()
+                    for _ in range(calls_per_round):
+                        fn()
+                    out.append((time.perf_counter() - t0) / calls_per_round * 1e6)
+    rows = []
+    for name, _, _ in cases:
+        ours_us = statistics.median(times[name][0])
+        torch_us = statistics.median(times[name][1])
+        kind = name.split(" ", 1)[1]
+        rows.append(dict(case=name, ours_us=ours_us, torch_us=torch_us,
+                         ratio=ours_us / torch_us, target_us=NORM_TARGET_US[kind],
+                         launches=launches[name]))
+    return rows
+
+
+def norm_table(rows):
+    lines = ["| call | tritamp (us) | torch (us) | ratio | target (us) | launches |",
+             "|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        met = "met" if r["ours_us"] <= r["target_us"] else "not met"
+        lines.append(f"| {r['case']} | {r['ours_us']:.1f} | {r['torch_us']:.1f} | "
+                     f"{r['ratio']:.2f} | {r['target_us']:.0f} ({met}) | "
+                     f"{len(r['launches'])}: {', '.join(r['launches'])} |")
+    return "\n".join(lines)
+
+
 def environment():
     import triton
     try:
@@ -364,6 +435,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps-per-round", type=int, default=None)
     ap.add_argument("--out", default=OUT)
+    ap.add_argument("--norms-only", action="store_true",
+                    help="only the FusedLayerNorm / FusedRMSNorm host cost")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
@@ -381,10 +454,17 @@ def main(argv=None):
     except Exception as e:
         print(f"host_overhead: cannot run ({type(e).__name__}: {e}); nothing measured.")
         return 0
-    rows = []
+    rows, norm_rows = [], []
+    try:
+        norm_rows = run_norms(3 if args.quick else 9)
+    except Exception as e:
+        print(f"host_overhead: the norm cases could not run ({type(e).__name__}: {e}).")
+        traceback.print_exc()
+    if args.norms_only:
+        configs = []
     try:
         with record_launches() as recording:
-            for regime in REGIMES:
+            for regime in (REGIMES if configs else ()):
                 log(f"regime {regime}: {len(configs)} configurations, {rounds} rounds x "
                     f"{per_round} steps")
                 rows += run_regime(regime, configs, rounds, per_round, warmup, recording, log)
@@ -393,14 +473,19 @@ def main(argv=None):
         traceback.print_exc()
     print(f"Host cost per step on the GPU code path (no GPU; {env['cpu']}; torch "
           f"{env['torch']}, triton {env['triton']}, 1 thread)\n")
-    print(table(rows))
-    print()
-    print(verdict(rows))
+    if rows:
+        print(table(rows))
+        print()
+        print(verdict(rows))
+    print(f"\nFusedLayerNorm / FusedRMSNorm per call, bf16 [{NORM_ROWS}, {NORM_WIDTH}], on the "
+          "GPU code path, against torch's module on the same CPU tensor:\n")
+    print(norm_table(norm_rows))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(environment=env, quick=args.quick, rounds=rounds,
                        steps_per_round=per_round, target_us=TARGET_US,
-                       target_launches_per_group=TARGET_LAUNCHES, rows=rows), f, indent=1)
+                       target_launches_per_group=TARGET_LAUNCHES, rows=rows,
+                       norms=norm_rows), f, indent=1)
     print(f"\nwrote {os.path.relpath(args.out)}")
     return 0
 

@@ -272,7 +272,19 @@ def _layer_norm_bwd_reduce_kernel(
         store_cast(db_ptr + out, tl.sum(db, axis=0), col_mask, EMULATE_BF16_ROUNDING)
 
 
+_SETTINGS = {}
+
+
 def norm_settings(n, device, max_block=None, backward=False):
+    """:func:`_norm_settings`, kept per (width, device, path, max_block, direction)."""
+    key = (n, device, gpu_code_path(device), max_block, backward)
+    found = _SETTINGS.get(key)
+    if found is None:
+        found = _SETTINGS[key] = _norm_settings(n, device, max_block, backward)
+    return found
+
+
+def _norm_settings(n, device, max_block=None, backward=False):
     """(BLOCK, num_warps, one_pass) for rows of ``n`` elements: one heuristic, no autotuning.
 
     On the GPU a row that fits one block is read once and held in registers: up to
@@ -297,6 +309,8 @@ def norm_settings(n, device, max_block=None, backward=False):
 
 def _rows(x, n):
     """``x`` viewed as [M, n] rows with a unit column stride, and its row stride."""
+    if x.is_contiguous():  # the kernels take the data pointer: no view needed
+        return x, n
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < n):
         x2 = x2.contiguous()
@@ -322,7 +336,7 @@ def layer_norm_fwd(x, n, weight=None, bias=None, eps=1e-5, rms=False, out_dtype=
         return layer_norm_fwd_cpu(x, n, weight, bias, eps, rms, out_dtype)
     out_dtype = out_dtype or x.dtype
     x2, stride = _rows(x, n)
-    m = x2.shape[0]
+    m = x.numel() // n
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     mean = None if rms else torch.empty(m, dtype=torch.float32, device=x.device)
@@ -351,6 +365,8 @@ def reduce_splits(programs, n, device):
     col_blocks = triton.cdiv(n, block_n)
     # col_blocks * splits >= target: rows_per_split rounds down, splits up
     rows_per_split = max(1, programs * col_blocks // target)
+    if rows_per_split < 4:  # few partial rows: one pass sums them (no second launch)
+        return block_g, block_n, 1, programs
     return block_g, block_n, triton.cdiv(programs, rows_per_split), rows_per_split
 
 
@@ -379,8 +395,8 @@ def layer_norm_bwd(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, r
     gpu = gpu_code_path(device)
     x_dtype = x_dtype or saved.dtype
     v2, stride = _rows(saved, n)
-    dy2 = dy.reshape(-1, n).contiguous()
-    m = v2.shape[0]
+    dy2 = dy if dy.is_contiguous() else dy.contiguous()
+    m = saved.numel() // n
     dx = torch.empty(saved.shape, dtype=x_dtype, device=device)
     has_w, has_b = weight is not None, bias is not None and not rms
     dw = torch.empty(weight.shape, dtype=weight.dtype, device=device) if has_w else None

@@ -28,3 +28,26 @@ def test_quick_run_reports_launches_and_times(tmp_path):
     assert adam["launches"]["torch_host_reads"] == {}
     torch_row = next(r for r in rows if r["optimizer"] == "torch")
     assert torch_row["error"] is None and torch_row["steady"]["median_us"] > 0
+
+
+def test_norm_host_cost_rows(tmp_path):
+    """--norms-only: FusedLayerNorm / FusedRMSNorm forward and forward+backward on the GPU
+    code path beside torch's modules; the launches a call records do not vary (the
+    forward kernel; then the backward kernel and one reduction pass for one row)."""
+    out = tmp_path / "host_overhead.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.host_overhead", "--norms-only",
+                           "--quick", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["case"]: r for r in json.loads(out.read_text())["norms"]}
+    assert set(rows) == {f"{n} {k}" for n in ("LayerNorm", "RMSNorm")
+                         for k in ("forward", "forward+backward")}
+    for name, r in rows.items():
+        assert r["ours_us"] > 0 and r["torch_us"] > 0
+        if name.endswith("forward+backward"):
+            assert r["launches"] == ["_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel",
+                                     "_layer_norm_bwd_reduce_kernel"]
+        else:
+            assert r["launches"] == ["_layer_norm_fwd_kernel"]
+    assert "| LayerNorm forward |" in proc.stdout
