@@ -132,7 +132,10 @@ def main(argv=None):
         for n in args.optimizer_sizes:
             for layout in args.layouts:
                 for spec in ob.optimizer_specs().values():
-                    for impl, factory in [("tritamp", None)] + spec.torch_impls:
+                    for half in ob.DEFAULT_HALVES.get(device.type, "fp16").split(","):
+                        rows.append(ob.run_one(spec, "tritamp", None, layout, n, device, timed,
+                                               copy_gbps, meta, half))
+                    for impl, factory in spec.torch_impls:
                         rows.append(ob.run_one(spec, impl, factory, layout, n, device, timed,
                                                copy_gbps, meta))
     ob.add_ratios(rows)

@@ -1,8 +1,8 @@
 """FusedLayerNorm / FusedRMSNorm against torch's layer_norm / rms_norm: forward and forward+backward.
 
-    python benchmarks/norms.py                            # GPU: 4096 rows x 1024..16384, bf16
-    python benchmarks/norms.py --rows 8192 --widths 4096 --dtypes fp16,bf16
-    python benchmarks/norms.py --device cpu              # a small CPU smoke run
+    python -m benchmarks.norms                 # GPU: 8192 and 32768 rows x 768..8192, bf16, fp16
+    python -m benchmarks.norms --rows 8192 --widths 4096 --dtypes fp16,bf16
+    python -m benchmarks.norms --device cpu    # a small CPU smoke run
 
 Rows in benchmarks/kernels.py's format (that command includes them): time (median,
 p20-p80), bytes moved, GB/s, share of the measured copy bandwidth, ratio to torch.
@@ -25,8 +25,10 @@ from . import optimizers as ob  # noqa: E402  (timer, device facts, table)
 from tritamp.normalization import fused_layer_norm_affine, fused_rms_norm_affine  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-DEFAULTS = {"cuda": dict(rows=4096, widths="1024,2048,4096,8192,16384", dtypes="bf16,fp16"),
-            "cpu": dict(rows=64, widths="1024", dtypes="bf16")}
+# On a GPU: realistic token counts (8192 and 32768 rows) at the widths of real models.
+DEFAULTS = {"cuda": dict(rows="8192,32768", widths="768,1024,2048,4096,8192",
+                         dtypes="bf16,fp16"),
+            "cpu": dict(rows="64", widths="1024", dtypes="bf16")}
 
 
 def _bytes(rows, n, elem, rms, backward):
@@ -86,21 +88,24 @@ def run_case(name, impl, make, rows, n, dtype_name, device, timed, copy_gbps, me
 
 def norm_rows(device, timed, copy_gbps, meta, rows=None, widths=None, dtypes=None):
     d = DEFAULTS[device.type]
-    rows = rows or d["rows"]
+    row_counts = ([rows] if isinstance(rows, int) else rows) or \
+        [int(r) for r in d["rows"].split(",")]
     widths = widths or [int(w) for w in d["widths"].split(",")]
     dtypes = dtypes or d["dtypes"].split(",")
     out = []
     for dt in dtypes:
-        for n in widths:
-            for name, impl, make in norm_cases(rows, n, DTYPES[dt], device):
-                out.append(run_case(name, impl, make, rows, n, dt, device, timed, copy_gbps, meta))
+        for m in row_counts:
+            for n in widths:
+                for name, impl, make in norm_cases(m, n, DTYPES[dt], device):
+                    out.append(run_case(name, impl, make, m, n, dt, device, timed, copy_gbps,
+                                        meta))
     return out
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default=None)
-    p.add_argument("--rows", type=int, default=None)
+    p.add_argument("--rows", default=None, help="row counts, e.g. 8192,32768")
     p.add_argument("--widths", default=None, help="row widths, e.g. 1024,4096")
     p.add_argument("--dtypes", default=None, help="comma-separated: fp32, fp16, bf16")
     p.add_argument("--cpu-reps", type=int, default=5)
@@ -115,7 +120,8 @@ def main(argv=None):
         device, args.cpu_reps, "No GPU in use: these are CPU figures of small sizes (torch "
         "reference paths); they say nothing about GPU speed.")
     widths = [int(w) for w in args.widths.split(",")] if args.widths else None
-    rows = norm_rows(device, timed, copy_gbps, meta, args.rows, widths, dtypes)
+    row_counts = [int(r) for r in args.rows.split(",")] if args.rows else None
+    rows = norm_rows(device, timed, copy_gbps, meta, row_counts, widths, dtypes)
     ob.add_ratios(rows)
     return ob.finish_report(rows, meta, copy_gbps, args.out, "norms", device, "kernel")
 

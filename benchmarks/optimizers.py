@@ -44,7 +44,9 @@ from torch import nn
 
 DEFAULT_SIZES = {"cuda": "25M,100M,1B", "cpu": "100K"}
 LAYOUTS = ("resnet50", "transformer")
-GRAD_DTYPE = torch.float16
+GRAD_DTYPE = torch.float16  # the half dtype of the default run on a CPU
+HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DEFAULT_HALVES = {"cuda": "fp16,bf16", "cpu": "fp16"}
 
 
 # -- environment: the same device and version facts as the opt-level benchmark ----------
@@ -197,12 +199,47 @@ def free_bytes(device):
 
 
 # -- timing ------------------------------------------------------------------------------
+HOST_CALLS = 50  # calls of a step timed on the host (no synchronisation inside)
+
+
+def host_ms(fn, calls=HOST_CALLS):
+    """Host time of one call: ``calls`` calls back to back, the device not waited for
+    inside the loop (what the Python, the dispatch and the launches cost the host)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) * 1e3 / calls
+
+
 def make_timer(device, cpu_reps):
+    """``timed(fn) -> [median ms, p20 ms, p80 ms, timing, host ms]``.
+
+    On a GPU the device time comes from replaying ``fn`` captured in a CUDA graph
+    (``triton.testing.do_bench_cudagraph``: CUDA events around many replays, so the
+    host's launch cost is not in it); a step that cannot be captured (it reads a device
+    value on the host, as GradScaler's unscale_ + step of a non-fused optimizer does) is
+    timed with CUDA events around plain calls (``do_bench``) and says so. The host time
+    of one call is measured apart (:func:`host_ms`). On a CPU: a short wall-clock median."""
     if device.type == "cuda":
         import triton.testing
 
         def timed(fn):
-            return triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
+            fn()  # first call: state, plans, compilation
+            torch.cuda.synchronize()
+            host = host_ms(fn)
+            try:
+                res = triton.testing.do_bench_cudagraph(fn, rep=100,
+                                                        quantiles=[0.5, 0.2, 0.8])
+                how = "cuda graph"
+            except Exception:  # not capturable: events around plain calls
+                torch.cuda.synchronize()
+                res = triton.testing.do_bench(fn, warmup=25, rep=100,
+                                              quantiles=[0.5, 0.2, 0.8])
+                how = "cuda events"
+            return [*res, how, host]
         return timed
 
     def timed(fn):
@@ -214,7 +251,7 @@ def make_timer(device, cpu_reps):
             samples.append((time.perf_counter() - t0) * 1e3)
         samples.sort()
         q = lambda f: samples[min(len(samples) - 1, int(f * len(samples)))]  # noqa: E731
-        return [statistics.median(samples), q(0.2), q(0.8)]
+        return [statistics.median(samples), q(0.2), q(0.8), "cpu wall clock", None]
     return timed
 
 
@@ -243,16 +280,17 @@ def _grads_like(params, dtype, device):
         p.grad = (torch.randn(p.shape, device=device, generator=gen) * 1e-3).to(dtype)
 
 
-def tritamp_step(spec, shapes, device):
-    """Set up amp O2 and return the step: amp's overflow check, then the fused step."""
+def tritamp_step(spec, shapes, device, half=GRAD_DTYPE):
+    """Set up amp O2 (``half``: the model's half dtype) and return the step: amp's
+    overflow check, then the fused step."""
     from tritamp import amp
     from tritamp.kernels import check_unscale
 
     model = Params(shapes, device)
     opt = spec.make_tritamp(model.parameters())
-    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=half, verbosity=0)
     halves = list(model.parameters())
-    _grads_like(halves, GRAD_DTYPE, device)
+    _grads_like(halves, half, device)
     grads = [p.grad for p in halves]
     found_inf = torch.zeros((), device=device)
     scale = torch.ones((), device=device)
@@ -312,7 +350,7 @@ def time_row(row, make, device, timed, copy_gbps):
     step = keep = None
     try:
         step, nbytes, keep = make()
-        med, p20, p80 = timed(step)
+        med, p20, p80, *how = timed(step)
     except SkipRow as why:
         row["note"] = f"skipped: {why}"
         return row
@@ -327,7 +365,8 @@ def time_row(row, make, device, timed, copy_gbps):
         _release(device)
     gbps = nbytes / (med * 1e-3) / 1e9
     row.update(time_ms=med, time_ms_p20=p20, time_ms_p80=p80, bytes=nbytes, gbps=gbps,
-               copy_bw_fraction=gbps / copy_gbps if copy_gbps else None)
+               copy_bw_fraction=gbps / copy_gbps if copy_gbps else None,
+               timing=how[0] if how else None, host_ms=how[1] if len(how) > 1 else None)
     return row
 
 
@@ -359,11 +398,13 @@ def finish_report(rows, meta, copy_gbps, out_dir, name, device, first_column="op
         else 1
 
 
-def run_one(spec, impl, factory, layout, n, device, timed, copy_gbps, meta):
+def run_one(spec, impl, factory, layout, n, device, timed, copy_gbps, meta, half="fp16"):
     shapes = layout_shapes(layout, n)
     count = numel(shapes)
     row = dict(meta, optimizer=spec.name, impl=impl, layout=layout, size=size_label(n),
                params=count, tensors=len(shapes))
+    if impl == "tritamp":
+        row["half_dtype"] = half
     need = resident_bytes(impl, spec.states, count)
     if need > 0.9 * free_bytes(device):
         row["note"] = (f"skipped: needs about {need / 2**30:.1f} GiB, "
@@ -372,8 +413,8 @@ def run_one(spec, impl, factory, layout, n, device, timed, copy_gbps, meta):
     nbytes = bytes_per_element(impl, spec.states) * count
 
     def make():
-        step, keep = (tritamp_step(spec, shapes, device) if impl == "tritamp"
-                      else torch_step(factory, shapes, device))
+        step, keep = (tritamp_step(spec, shapes, device, HALF_DTYPES[half])
+                      if impl == "tritamp" else torch_step(factory, shapes, device))
         if step is None:
             raise SkipRow(f"no {impl} implementation on {device.type}")
         return step, nbytes, keep
@@ -399,21 +440,24 @@ def add_ratios(rows):
 # -- output ------------------------------------------------------------------------------
 def format_table(rows):
     head = ["optimizer", "impl", "layout", "params", "tensors", "step ms", "p20-p80 ms",
-            "MB moved", "GB/s", "copy BW", "vs torch", "note"]
+            "MB moved", "GB/s", "copy BW", "vs torch", "host ms", "timing", "note"]
     lines = []
     for r in rows:
         t = "time_ms" in r
         lines.append([
-            r["optimizer"], r["impl"], r["layout"], size_label(r["params"]), str(r["tensors"]),
+            r["optimizer"], r["impl"] + (f" {r['half_dtype']}" if r.get("half_dtype") else ""),
+            r["layout"], size_label(r["params"]), str(r["tensors"]),
             f"{r['time_ms']:.3f}" if t else "-",
             f"{r['time_ms_p20']:.3f}-{r['time_ms_p80']:.3f}" if t else "-",
             f"{r['bytes'] / 1e6:.1f}" if t else "-",
             f"{r['gbps']:.1f}" if t else "-",
             f"{r['copy_bw_fraction']:.0%}" if t and r.get("copy_bw_fraction") else "-",
             f"{r['ratio_to_torch']:.2f}x" if t and r.get("ratio_to_torch") else "-",
+            f"{r['host_ms']:.3f}" if t and r.get("host_ms") is not None else "-",
+            r.get("timing") or "-",
             r.get("note", "")])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
-    fmt = "  ".join(("{:<%d}" if i in (0, 1, 2, 11) else "{:>%d}") % w
+    fmt = "  ".join(("{:<%d}" if i in (0, 1, 2, 12, 13) else "{:>%d}") % w
                     for i, w in enumerate(widths))
     out = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
     return "\n".join(line.rstrip() for line in out + [fmt.format(*cells) for cells in lines])
@@ -429,6 +473,9 @@ def parse_args(argv=None):
                    help="comma-separated: adam, sgd, adagrad (+ lamb, novograd where present)")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="resnet50, transformer")
     p.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
+    p.add_argument("--halves", default=None,
+                   help="half dtypes of tritamp's O2 rows: fp16, bf16 (default: both on a "
+                        "GPU, fp16 on a CPU)")
     p.add_argument("--cpu-reps", type=int, default=3, help="timed repetitions on a CPU")
     p.add_argument("--out", default="benchmarks/out", help="folder for the JSON")
     args = p.parse_args(argv)
@@ -454,6 +501,11 @@ def parse_args(argv=None):
         p.error(f"unknown layout(s) {bad}; choose from {list(LAYOUTS)}")
     if args.cpu_reps < 1:
         p.error("--cpu-reps must be >= 1")
+    args.halves = [s.strip() for s in (args.halves or DEFAULT_HALVES.get(device.type, "fp16"))
+                   .split(",") if s.strip()]
+    bad = [s for s in args.halves if s not in HALF_DTYPES]
+    if bad:
+        p.error(f"unknown half dtype(s) {bad}; choose from {list(HALF_DTYPES)}")
     return args
 
 
@@ -467,13 +519,15 @@ def main(argv=None):
     for n in args.sizes:
         for layout in args.layouts:
             for spec in args.specs:
-                impls = [("tritamp", None)] + ([] if args.no_torch else spec.torch_impls)
-                for impl, factory in impls:
+                for half in args.halves:
+                    rows.append(run_one(spec, "tritamp", None, layout, n, device, timed,
+                                        copy_gbps, meta, half))
+                for impl, factory in ([] if args.no_torch else spec.torch_impls):
                     rows.append(run_one(spec, impl, factory, layout, n, device, timed,
                                         copy_gbps, meta))
     add_ratios(rows)
     return finish_report(rows, meta, copy_gbps, args.out, "optimizers", device,
-                         grad_dtype=str(GRAD_DTYPE))
+                         half_dtypes=args.halves)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python benchmarks/syncbn.py                           # GPU: batch 256, fp16 NHWC and fp32 NCHW
     python benchmarks/syncbn.py --batch 128 --configs fp16-nhwc --shapes 64x56x56,2048x7x7
     python benchmarks/syncbn.py --device cpu              # a small CPU smoke run
+    torchrun --nproc_per_node 2 -m benchmarks.syncbn --distributed   # across 2 processes
 
 For every shape (N x C x H x W of a ResNet-50 BatchNorm input) one training step of one
 layer is timed: the forward (statistics, running-statistics update, normalisation) and
@@ -30,7 +31,12 @@ interpreter under ``TRITON_INTERPRET=1``) and the figures say nothing about GPU 
 ``syncbn_rows`` returns the rows in benchmarks/kernels.py's format for inclusion there.
 """
 import argparse
+import contextlib
+import io
+import os
+import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -71,7 +77,7 @@ def _one_rank_group(device):
     return dist.group.WORLD, True
 
 
-def _layer_step(impl, shape, dtype, channels_last, device, group):
+def _layer_step(impl, shape, dtype, channels_last, device, group, world=1):
     """(step, tensors to keep alive) for one implementation at one shape."""
     from tritamp.parallel import SyncBatchNorm
 
@@ -98,7 +104,7 @@ def _layer_step(impl, shape, dtype, channels_last, device, group):
         def forward():
             return TorchSyncFunction.apply(x, layer.weight, layer.bias, layer.running_mean,
                                            layer.running_var, layer.eps, layer.momentum, group,
-                                           1)
+                                           world)
     else:
         def forward():
             return layer(x)
@@ -129,7 +135,7 @@ def syncbn_rows(device, timed, copy_gbps, meta, batch=None, configs=None, shapes
     return rows
 
 
-def _rows(device, timed, copy_gbps, meta, batch, configs, shapes, group):
+def _rows(device, timed, copy_gbps, meta, batch, configs, shapes, group, world=1):
     rows = []
     for config in configs:
         dtype, channels_last = CONFIGS[config]
@@ -144,7 +150,8 @@ def _rows(device, timed, copy_gbps, meta, batch, configs, shapes, group):
                 rows.append(row)
 
                 def make(impl=impl, shape=shape, dtype=dtype, channels_last=channels_last):
-                    step, keep = _layer_step(impl, shape, dtype, channels_last, device, group)
+                    step, keep = _layer_step(impl, shape, dtype, channels_last, device, group,
+                                             world)
                     return step, nbytes, keep
                 ob.time_row(row, make, device, timed, copy_gbps)
     return rows
@@ -175,6 +182,10 @@ def parse_args(argv=None):
     p.add_argument("--shapes", default=None,
                    help="comma-separated CxHxW (default: ResNet-50's; scaled down on a CPU)")
     p.add_argument("--cpu-reps", type=int, default=3)
+    p.add_argument("--distributed", action="store_true",
+                   help="under torchrun: every rank holds its own batch and the statistics "
+                        "and gradients are exchanged (NCCL on GPUs, gloo on CPUs)")
+    p.add_argument("--reps", type=int, default=20, help="timed steps per row (--distributed)")
     p.add_argument("--out", default="benchmarks/out")
     args = p.parse_args(argv)
     if args.device is None:
@@ -199,8 +210,66 @@ def parse_args(argv=None):
     return args
 
 
+def _dist_timer(device, reps):
+    """``timed(fn)``: every rank runs ``fn`` together (a barrier before each step, the
+    device waited for after it); a step's time is the slowest rank's (MAX all-reduce)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def timed(fn):
+        fn()
+        sync()
+        samples = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        t = torch.tensor(samples, dtype=torch.float64,
+                         device=device if device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        samples = sorted(t.tolist())
+        q = lambda f: samples[min(len(samples) - 1, int(f * len(samples)))]  # noqa: E731
+        return [statistics.median(samples), q(0.2), q(0.8), "wall clock, slowest rank", None]
+    return timed
+
+
+def main_distributed(args):
+    """SyncBatchNorm across the ranks torchrun started: tritamp's against torch's
+    SyncBatchNorm (CUDA; NCCL) or against each rank's own BatchNorm2d (CPU; gloo, where
+    torch's sync kernels do not run). Rank 0 prints and writes syncbn_dist_<device>.json."""
+    cuda = args.device.startswith("cuda")
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda \
+        else torch.device("cpu")
+    quiet = contextlib.redirect_stdout(io.StringIO()) if rank else contextlib.nullcontext()
+    try:
+        with quiet:
+            _, meta, copy_gbps = ob.start_report(
+                device, args.cpu_reps, f"No GPU in use: a CPU smoke run over {world} gloo "
+                "ranks; the figures say nothing about GPU speed.")
+            meta = dict(meta, world_size=world, backend=dist.get_backend())
+            kind = "cuda" if cuda else "cpu"
+            rows = _rows(device, _dist_timer(device, args.reps), copy_gbps, meta,
+                         args.batch or DEFAULTS[kind]["batch"],
+                         args.configs or DEFAULTS[kind]["configs"].split(","),
+                         args.shapes or (RESNET50_SHAPES if cuda else cpu_shapes()),
+                         dist.group.WORLD, world)
+            _ratios(rows)
+            for r in rows:
+                r["layout"] = f"{r['layout']} x{world} ranks"
+            rc = ob.finish_report(rows, meta, copy_gbps, args.out, "syncbn_dist", device,
+                                  "kernel") if rank == 0 else 0
+    finally:
+        dist.destroy_process_group()
+    return rc
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.distributed:
+        return main_distributed(args)
     device = torch.device(args.device)
     timed, meta, copy_gbps = ob.start_report(
         device, args.cpu_reps, "No GPU in use: a CPU smoke run of small shapes (tritamp's "

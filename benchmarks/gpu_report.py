@@ -1,0 +1,153 @@
+"""One command for a machine with a GPU: the GPU tests and every benchmark, one report.
+
+    python -m benchmarks.gpu_report                  # about 10 minutes on one H100
+    python -m benchmarks.gpu_report --dry-run        # print the plan, run nothing
+
+On a machine with a CUDA device it runs, each in its own process with its own time limit
+(the limits add up to under 10 minutes):
+
+1. the tests marked ``gpu`` (``pytest -m gpu``);
+2. ``benchmarks.opt_levels`` (the main job: every opt level on the default workloads);
+3. ``benchmarks.kernels`` (amp's check/unscale, l2-norm, LayerNorm/RMSNorm at
+   realistic token counts, SyncBatchNorm, every fused optimizer in fp16 and bf16 against
+   torch, with GPU time from CUDA graphs, host time apart, bytes moved and the share of
+   the measured copy bandwidth);
+4. ``benchmarks.host_overhead --quick`` (the host's share of a step and of a norm call);
+5. ``benchmarks.compile_report`` (registers, spills and access widths of what the
+   launchers compile for the device's architecture family, checked for sm_90);
+6. SyncBatchNorm across 2 processes with ``torchrun`` (NCCL) when there are 2+ GPUs.
+
+and writes ``benchmarks/results/<device>-<date>.json`` and ``.md``: the device, driver,
+CUDA, torch and triton versions, and every step's outcome, time and table. A step that
+fails or runs out of time is reported as such; the others still run. On a machine
+without a CUDA device it prints one line saying so and exits.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+NO_GPU = "gpu_report: no CUDA device on this machine; nothing was run (run it where one is)."
+
+
+def plan(gpus):
+    """[(name, argv, time limit in seconds)]: what runs, in order. The limits sum to
+    under 10 minutes."""
+    py = sys.executable
+    steps = [
+        ("gpu tests", [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                       "tests"], 150),
+        ("opt levels", [py, "-m", "benchmarks.opt_levels"], 150),
+        ("kernels", [py, "-m", "benchmarks.kernels", "--sizes", "25M",
+                     "--optimizer-sizes", "25M,100M"], 150),
+        ("host overhead", [py, "-m", "benchmarks.host_overhead", "--quick"], 40),
+        ("compile report", [py, "-m", "benchmarks.compile_report"], 60),
+    ]
+    if gpus >= 2:
+        steps.append(("syncbn 2 processes", [py, "-m", "torch.distributed.run",
+                                             "--nproc_per_node", "2", "-m",
+                                             "benchmarks.syncbn", "--distributed"], 40))
+    return steps
+
+
+def _slug(text):
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower() or "device"
+
+
+def environment():
+    """The device and every version that shapes a number in the report."""
+    import triton
+    props = torch.cuda.get_device_properties(0)
+    driver = None
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                                 "--format=csv,noheader"], capture_output=True, text=True,
+                                timeout=30).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        pass
+    return dict(device=props.name, gpus=torch.cuda.device_count(),
+                capability=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
+                memory_gib=round(props.total_memory / 2**30, 1), driver=driver,
+                cuda=torch.version.cuda, torch=torch.__version__, triton=triton.__version__,
+                python=platform.python_version(), host=platform.node())
+
+
+def run_step(name, argv, limit, cwd=ROOT):
+    """Run one step; returns {name, argv, limit_s, seconds, status, returncode, output}."""
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=limit)
+        status = "ok" if proc.returncode == 0 else "failed"
+        output, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        status, rc = "timed out", None
+        output = "".join(x.decode() if isinstance(x, bytes) else (x or "")
+                         for x in (e.stdout, e.stderr))
+    return dict(name=name, argv=argv, limit_s=limit, seconds=round(time.perf_counter() - t0, 1),
+                status=status, returncode=rc, output=output)
+
+
+def markdown(env, results):
+    """The report as Markdown: the environment, a summary line per step, every output."""
+    lines = [f"# GPU report: {env['device']}, {env['date']}", "",
+             "| | |", "|---|---|"]
+    for key in ("device", "gpus", "capability", "sms", "memory_gib", "driver", "cuda", "torch",
+                "triton", "python"):
+        lines.append(f"| {key} | {env.get(key)} |")
+    lines += ["", "| step | status | seconds (limit) |", "|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['name']} | {r['status']} | {r['seconds']} ({r['limit_s']}) |")
+    for r in results:
+        lines += ["", f"## {r['name']}", "", f"`{' '.join(r['argv'][1:])}`: {r['status']}",
+                  "", "```text", r["output"].rstrip()[-20000:], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(env, results, out_dir=RESULTS):
+    """Write ``<device>-<date>.json`` and ``.md`` under ``out_dir``; returns both paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"{_slug(env['device'])}-{env['date']}")
+    with open(base + ".json", "w") as f:
+        json.dump(dict(environment=env, steps=results), f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(markdown(env, results))
+    return base + ".json", base + ".md"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
+    ap.add_argument("--out", default=RESULTS, help="folder for the report")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(NO_GPU)
+        return 0
+    steps = plan(torch.cuda.device_count())
+    if args.dry_run:
+        for name, cmd, limit in steps:
+            print(f"{name} ({limit} s): {' '.join(cmd[1:])}")
+        return 0
+    env = dict(environment(), date=datetime.date.today().isoformat())
+    results = []
+    for name, cmd, limit in steps:
+        print(f"gpu_report: {name} ...", flush=True)
+        results.append(run_step(name, cmd, limit))
+        print(f"gpu_report: {name}: {results[-1]['status']} in {results[-1]['seconds']} s",
+              flush=True)
+    paths = write_report(env, results, args.out)
+    print("gpu_report: wrote " + " and ".join(os.path.relpath(p, ROOT) for p in paths))
+    return 0 if all(r["status"] == "ok" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""benchmarks/gpu_report.py: one line and nothing run without a GPU; the plan it would run
+on one (every benchmark, the GPU tests, under 10 minutes of limits); the report it writes."""
+import json
+import os
+import subprocess
+import sys
+
+from benchmarks import gpu_report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_without_a_gpu_it_prints_one_line_and_runs_nothing(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_report", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == [gpu_report.NO_GPU]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_plan_runs_every_benchmark_and_the_gpu_tests_within_ten_minutes():
+    for gpus, distributed in ((1, False), (2, True)):
+        steps = gpu_report.plan(gpus)
+        assert sum(limit for _, _, limit in steps) < 600
+        commands = [" ".join(cmd[1:]) for _, cmd, _ in steps]
+        assert any("pytest -q -m gpu" in c for c in commands)
+        for module in ("opt_levels", "kernels", "host_overhead", "compile_report"):
+            assert any(f"-m benchmarks.{module}" in c for c in commands), module
+            assert os.path.exists(os.path.join(ROOT, "benchmarks", f"{module}.py"))
+        assert any("torch.distributed.run --nproc_per_node 2 -m benchmarks.syncbn "
+                   "--distributed" in c for c in commands) == distributed
+
+
+def test_a_step_that_fails_or_runs_out_of_time_is_reported():
+    ok = gpu_report.run_step("ok", [sys.executable, "-c", "print('table')"], 60)
+    assert (ok["status"], ok["returncode"], ok["output"].strip()) == ("ok", 0, "table")
+    bad = gpu_report.run_step("bad", [sys.executable, "-c", "import sys; sys.exit(3)"], 60)
+    assert (bad["status"], bad["returncode"]) == ("failed", 3)
+    slow = gpu_report.run_step("slow", [sys.executable, "-c", "import time; time.sleep(30)"], 1)
+    assert slow["status"] == "timed out" and slow["returncode"] is None
+
+
+def test_the_report_has_the_environment_and_every_step(tmp_path):
+    env = dict(device="NVIDIA H100 80GB HBM3", gpus=1, capability="9.0", sms=132,
+               memory_gib=79.1, driver="560.35", cuda="12.6", torch="2.14.1", triton="3.8.0",
+               python="3.11.7", host="h", date="2026-11-25")
+    results = [dict(name="kernels", argv=["python", "-m", "benchmarks.kernels"], limit_s=150,
+                    seconds=12.5, status="ok", returncode=0, output="| row | 1.0 |\n"),
+               dict(name="gpu tests", argv=["python", "-m", "pytest"], limit_s=150,
+                    seconds=150.0, status="timed out", returncode=None, output="")]
+    js, md = gpu_report.write_report(env, results, str(tmp_path))
+    assert os.path.basename(js) == "nvidia-h100-80gb-hbm3-2026-11-25.json"
+    data = json.loads(open(js).read())
+    assert data["environment"]["driver"] == "560.35" and len(data["steps"]) == 2
+    text = open(md).read()
+    for fact in ("NVIDIA H100 80GB HBM3", "| driver | 560.35 |", "| triton | 3.8.0 |",
+                 "| kernels | ok | 12.5 (150) |", "| gpu tests | timed out |",
+                 "| row | 1.0 |"):
+        assert fact in text, fact
