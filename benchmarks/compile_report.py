@@ -222,13 +222,48 @@ def _norm_scenarios():
     return out
 
 
-def record_norms(log=None):
-    """The norm scenarios under the recorder: (specialisations, sources, launches, errors),
-    launches as {scenario, kernel, grid, spec} (spec: index into specialisations)."""
+# SyncBatchNorm at ResNet-50's BatchNorm shapes: (C, H, W) at each spatial size
+SYNCBN_SHAPES = ((64, 56, 56), (256, 56, 56), (128, 28, 28), (512, 28, 28), (256, 14, 14),
+                 (1024, 14, 14), (512, 7, 7), (2048, 7, 7))
+SYNCBN_BATCH = 4
+SYNCBN_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+SYNCBN_REGISTER_LIMIT = 80
+
+
+def _syncbn_scenarios():
+    """{name: callable}: a training step (forward, backward) of tritamp's SyncBatchNorm in
+    one process at every shape of SYNCBN_SHAPES, channels last and first, per dtype, and
+    with a residual input and a fused ReLU (SyncBatchNorm's functional form) at 14x14."""
+    from tritamp.parallel import SyncBatchNorm
+
+    def run(shape, dt, channels_last):
+        c = shape[1]
+        x = torch.empty(shape, dtype=dt)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        x.requires_grad_()
+        layer = SyncBatchNorm(c)  # a channels_last tensor is read in its memory order
+        y = layer(x)
+        y.backward(torch.empty_like(y))
+
+    out = {}
+    for dname, dt in SYNCBN_DTYPES.items():
+        for channels_last in (True, False):
+            for c, h, w in SYNCBN_SHAPES:
+                name = f"syncbn {'CL' if channels_last else 'CF'} {c}x{h}x{w} {dname}"
+                out[name] = (lambda s=(SYNCBN_BATCH, c, h, w), dt=dt, cl=channels_last:
+                             run(s, dt, cl))
+    return out
+
+
+def record_norms(log=None, scenarios=None):
+    """The norm scenarios (or ``scenarios``) under the recorder: (specialisations,
+    sources, launches, errors), launches as {scenario, kernel, grid, spec} (spec: index
+    into specialisations)."""
     from tritamp.kernels.recorder import record_launches
     specs, index, sources, launches, errors = [], {}, {}, [], {}
     with record_launches() as rec:
-        for name, run in _norm_scenarios().items():
+        for name, run in (scenarios or _norm_scenarios()).items():
             rec.launches.clear()
             try:
                 run()
@@ -376,9 +411,11 @@ def build_report(optimizers=OPTIMIZERS, workers=2, log=None):
                     errors={}, n_specialisations=0, record_s=0.0, compile_s=0.0)
     specs, sources, errors = record_specialisations(optimizers, log)
     norm_specs, norm_sources, norm_launches, norm_errors = record_norms(log)
+    bn_specs, bn_sources, bn_launches, bn_errors = record_norms(log, _syncbn_scenarios())
     t1 = time.perf_counter()
-    results = compile_all(list(specs) + list(norm_specs), workers)
-    norm_results = results[len(specs):]
+    results = compile_all(list(specs) + list(norm_specs) + list(bn_specs), workers)
+    bn_results = results[len(specs) + len(norm_specs):]
+    norm_results = results[len(specs):len(specs) + len(norm_specs)]
     results = results[:len(specs)]
     t2 = time.perf_counter()
     rows = []
@@ -398,6 +435,10 @@ def build_report(optimizers=OPTIMIZERS, workers=2, log=None):
                               block=d["constexprs"].get("BLOCK",
                                                         d["constexprs"].get("BLOCK_N")),
                               **res))
+    bn_rows = []
+    for spec, res in zip(bn_specs, bn_results):
+        d = spec.as_dict()
+        bn_rows.append(dict(d, sources=bn_sources[id(spec)], **res))
     import triton
     return dict(target="cuda sm_90 (GPUTarget('cuda', 90, 32))", toolchain_error=None,
                 torch=torch.__version__,
@@ -405,7 +446,9 @@ def build_report(optimizers=OPTIMIZERS, workers=2, log=None):
                 n_specialisations=len(rows), errors=errors, specialisations=rows,
                 norms=dict(specialisations=norm_rows, launches=norm_launches,
                            errors=norm_errors, widths=list(NORM_WIDTHS), rows=NORM_ROWS,
-                           sm_count=_sm_count()))
+                           sm_count=_sm_count()),
+                syncbn=dict(specialisations=bn_rows, launches=bn_launches, errors=bn_errors,
+                            shapes=[list(s) for s in SYNCBN_SHAPES], batch=SYNCBN_BATCH))
 
 
 def _sm_count():
@@ -476,6 +519,27 @@ def norm_table(report):
     return "\n".join(lines)
 
 
+def syncbn_table(report):
+    """SyncBatchNorm specialisations: the shapes that use each, tile, warps, registers,
+    spills, widest accesses."""
+    part = report.get("syncbn") or {}
+    lines = ["| kernel | tile (BLOCK_R x BLOCK_C or P x C) | layout | warps | REG | spills | "
+             "widest LDG / STG (B) | used by |", "|---|---|---|---:|---:|---:|---|---|"]
+    for r in sorted(part.get("specialisations", []), key=lambda r: r["kernel"]):
+        cx = r["constexprs"]
+        tile = (f"{cx.get('BLOCK_R')} x {cx.get('BLOCK_C')}" if "BLOCK_R" in cx
+                else f"{cx.get('BLOCK_P')} x {cx.get('BLOCK_C')}")
+        layout = {True: "CL", False: "CF"}.get(cx.get("CHANNELS_LAST"), "-")
+        used = f"{r['sources'][0]} (+{len(r['sources']) - 1})"
+        if r.get("error") and "reg" not in r:
+            lines.append(f"| {r['kernel']} | {tile} | {layout} | {r['num_warps']} | error | | "
+                         f"{r['error'][:80]} | {used} |")
+            continue
+        lines.append(f"| {r['kernel']} | {tile} | {layout} | {r['num_warps']} | {r['reg']} | "
+                     f"{r['spills']} | {r['widest_load']} / {r['widest_store']} | {used} |")
+    return "\n".join(lines)
+
+
 def _jsonable(report):
     def fix(x):
         if isinstance(x, dict):
@@ -506,9 +570,12 @@ def main(argv=None):
     text = (f"{report['n_specialisations']} specialisations for {report['target']}: recorded in "
             f"{report['record_s']:.1f} s, compiled in {report['compile_s']:.1f} s\n\n"
             + table(report) + "\n\nNorms (LayerNorm / RMSNorm, forward and backward, "
-            f"{report.get('norms', {}).get('rows')} rows):\n\n" + norm_table(report))
-    if report.get("norms", {}).get("errors"):
-        report["errors"] = dict(report["errors"], **report["norms"]["errors"])
+            f"{report.get('norms', {}).get('rows')} rows):\n\n" + norm_table(report)
+            + "\n\nSyncBatchNorm (ResNet-50's shapes, batch "
+            f"{report.get('syncbn', {}).get('batch')}):\n\n" + syncbn_table(report))
+    for part in ("norms", "syncbn"):
+        if report.get(part, {}).get("errors"):
+            report["errors"] = dict(report["errors"], **report[part]["errors"])
     if report["errors"]:
         text += "\n\nScenarios that failed:\n" + "\n".join(
             f"- {k}: {v[:200]}" for k, v in report["errors"].items())

@@ -43,13 +43,12 @@ dtypes; arithmetic is fp32, statistics are fp32, outputs take the input's dtype 
 parameter gradients the parameter's. Reductions run in a fixed order: no atomics, so
 results do not depend on scheduling. Divisions and square roots are IEEE-rounded.
 """
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import use_triton
+from ._dispatch import gpu_code_path, sm_count, use_triton
 from ._tl_utils import load_f32, store_cast
 
 
@@ -415,12 +414,11 @@ def _syncbn_backward_input_kernel(
 
 
 # -- launch geometry ---------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
 def _target_programs(device):
     """Programs a reduction should spread over: a few waves on the GPU; few, large ones in
     the interpreter (each program costs ~30 us there whatever its size)."""
-    if device.type == "cuda":
-        return 8 * torch.cuda.get_device_properties(device).multi_processor_count
+    if gpu_code_path(device):
+        return 8 * sm_count(device)
     return 4
 
 
@@ -440,7 +438,7 @@ class _Geometry:
 
     def __init__(self, shape, gpu):
         self.channels_last = len(shape) == 2
-        tile = 4096 if gpu else 16384
+        tile = 2048 if gpu else 16384
         if self.channels_last:
             self.M, self.C = shape
             self.B = 1
@@ -457,6 +455,10 @@ class _Geometry:
             self.M, self.C, self.B = shape
             self.BLOCK_R = min(triton.next_power_of_2(max(self.B, 1)), tile)
             self.BLOCK_C = max(1, min(triton.next_power_of_2(max(self.C, 1)), tile // self.BLOCK_R))
+            if gpu and self.BLOCK_R <= 64:
+                # short planes (7x7): each channel's run holds its own int64 base and the
+                # per-channel vectors; half the tile keeps the backward within 80 registers
+                self.BLOCK_C = min(self.BLOCK_C, tile // 2 // self.BLOCK_R)
             need_c = triton.next_power_of_2(triton.cdiv(self.C, _GRID_Y_MAX))
             if self.BLOCK_C < need_c:  # many channels of large planes: wider, shorter tiles
                 self.BLOCK_C = need_c
@@ -464,7 +466,7 @@ class _Geometry:
             self.NBB = triton.cdiv(self.B, self.BLOCK_R)
             self.n_segs = self.M * self.NBB
         self.n_cblocks = triton.cdiv(self.C, self.BLOCK_C)
-        self.warps = 8 if gpu and self.BLOCK_R * self.BLOCK_C >= 4096 else 4
+        self.warps = 8 if gpu and self.BLOCK_R * self.BLOCK_C >= 1024 else 4
         self.emulate = not gpu
 
     @classmethod
@@ -473,7 +475,7 @@ class _Geometry:
             raise ValueError("syncbn kernels take a contiguous [M, C] (channels last) or "
                              f"[N, C, B] (channels first) view; got shape {tuple(x.shape)} with "
                              f"strides {x.stride()}")
-        return cls(tuple(x.shape), x.device.type == "cuda")
+        return cls(tuple(x.shape), gpu_code_path(x.device))
 
     def chunks(self, device):
         """(number of chunks, tiles per chunk) splitting the reduced dimension."""
@@ -508,8 +510,9 @@ def _check_vector(name, t, c, device):
 
 
 def _merge_settings(p, c, device):
-    block_c = min(triton.next_power_of_2(max(c, 1)), 128 if device.type == "cuda" else 1024)
-    block_p = min(triton.next_power_of_2(max(p, 1)), 32 if device.type == "cuda" else 256)
+    gpu = gpu_code_path(device)
+    block_c = min(triton.next_power_of_2(max(c, 1)), 128 if gpu else 1024)
+    block_p = min(triton.next_power_of_2(max(p, 1)), 8 if gpu else 256)
     return block_p, block_c
 
 
@@ -557,7 +560,7 @@ def syncbn_combine(rows, shift=None):
         rows, shift if shift is not None else out, p, c, out, out, out, out, out, out, out,
         0.0, 0.0, HAS_SHIFT=shift is not None, FINAL=False, UPDATE_RUNNING=False,
         MOMENTUM_FROM_COUNT=False,
-        EMULATE_BF16_ROUNDING=rows.device.type != "cuda", BLOCK_P=block_p, BLOCK_C=block_c)
+        EMULATE_BF16_ROUNDING=not gpu_code_path(rows.device), BLOCK_P=block_p, BLOCK_C=block_c)
     return out
 
 
@@ -593,7 +596,7 @@ def syncbn_finalize(rows, eps, running_mean=None, running_var=None, momentum=0.1
         float(eps), 0.0 if momentum is None else float(momentum),
         HAS_SHIFT=shift is not None, FINAL=True, UPDATE_RUNNING=update,
         MOMENTUM_FROM_COUNT=from_count,
-        EMULATE_BF16_ROUNDING=rows.device.type != "cuda", BLOCK_P=block_p, BLOCK_C=block_c)
+        EMULATE_BF16_ROUNDING=not gpu_code_path(rows.device), BLOCK_P=block_p, BLOCK_C=block_c)
     return mean, invstd, count
 
 

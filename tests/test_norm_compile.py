@@ -91,3 +91,47 @@ def test_the_backward_grid_keeps_every_sm_busy(norms):
         assert tuple(launch["grid"]) == (-(-rows // per_program), 1, 1), (launch, w)
         seen.add(w)
     assert {2, 8, 16, 32} <= seen
+
+
+# -- SyncBatchNorm at ResNet-50's shapes ------------------------------------------------------
+SYNCBN_KERNELS = ("_syncbn_stats_kernel", "_syncbn_merge_kernel", "_syncbn_forward_kernel",
+                  "_syncbn_backward_reduce_kernel", "_syncbn_reduce_merge_kernel",
+                  "_syncbn_backward_input_kernel")
+TILED = ("_syncbn_stats_kernel", "_syncbn_forward_kernel", "_syncbn_backward_reduce_kernel",
+         "_syncbn_backward_input_kernel")
+
+
+@pytest.fixture(scope="module")
+def syncbn(compiled_kernels):
+    return compiled_kernels["compile_report"]["syncbn"]
+
+
+def test_every_syncbn_kernel_was_recorded_and_compiled(syncbn):
+    assert syncbn["errors"] == {}
+    assert {r["kernel"] for r in syncbn["specialisations"]} == set(SYNCBN_KERNELS)
+    scenarios = {s for r in syncbn["specialisations"] for s in r["sources"]}
+    for layout in ("CL", "CF"):
+        for side in (56, 28, 14, 7):
+            assert any(f"syncbn {layout} " in s and f"x{side}x{side} " in s
+                       for s in scenarios), (layout, side)
+    bad = [(r["kernel"], r["error"][-300:]) for r in syncbn["specialisations"]
+           if r.get("error") or "reg" not in r]
+    assert bad == []
+
+
+def test_syncbn_kernels_stay_within_80_registers_without_spills(syncbn):
+    bad = [(r["kernel"], r["constexprs"], r["reg"], r["spills"], r["sources"][0])
+           for r in syncbn["specialisations"] if r["reg"] > 80 or r["spills"]]
+    assert bad == []
+
+
+def test_syncbn_tiles_load_16_bytes_where_rows_are_aligned(syncbn):
+    """Channels last (the channel runs are contiguous and 16-byte aligned), and channels
+    first where a plane's size is a multiple of 8 (56x56, 28x28): 16-byte data loads."""
+    for r in syncbn["specialisations"]:
+        if r["kernel"] not in TILED:
+            continue
+        cl = r["constexprs"]["CHANNELS_LAST"]
+        aligned = cl or all(("x56x56 " in s or "x28x28 " in s) for s in r["sources"])
+        if aligned:
+            assert r["widest_load"] == 16, (r["kernel"], r["sources"][0], r["loads"])
