@@ -165,8 +165,9 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from tritamp.kernels import layer_norm as LN, syncbn as S
+    from tritamp.testing import jit_kernels
 
+    K = jit_kernels()
     HOPPER = GPUTarget("cuda", 90, 32)
     ADDPTR = re.compile(r"(%[\\w.]+) = tt\\.addptr (%[\\w.]+), (%[\\w.]+) : "
                         r"(\\S+), (?:tensor<[^>]*x)?(i\\d+)>?")
@@ -185,32 +186,32 @@ _COMPILE_SCRIPT = textwrap.dedent("""
                      BLOCK_R=64 if cl else 1024, BLOCK_C=64 if cl else 4)
         flags = dict(tiles, HAS_WEIGHT=True, HAS_BIAS=True, HAS_Z=False, RELU=False)
         name = "channels_last" if cl else "channels_first"
-        out[f"stats/{name}"] = addptrs(S._syncbn_stats_kernel, dict(
+        out[f"stats/{name}"] = addptrs(K["syncbn_stats_kernel"], dict(
             {"x_ptr": "*fp16", "part_ptr": "*fp32", "shift_ptr": "*fp32"}, **dims,
             n_segs="i32", segs_per_chunk="i32"), tiles)
-        out[f"forward/{name}"] = addptrs(S._syncbn_forward_kernel, dict(
+        out[f"forward/{name}"] = addptrs(K["syncbn_forward_kernel"], dict(
             {"x_ptr": "*fp16", "z_ptr": "*fp16", "y_ptr": "*fp16"}, **params, **dims), flags)
-        out[f"backward_reduce/{name}"] = addptrs(S._syncbn_backward_reduce_kernel, dict(
+        out[f"backward_reduce/{name}"] = addptrs(K["syncbn_backward_reduce_kernel"], dict(
             {"dy_ptr": "*fp16", "x_ptr": "*fp16", "z_ptr": "*fp16", "part_ptr": "*fp32"},
             **params, **dims, n_segs="i32", segs_per_chunk="i32"), flags)
-        out[f"backward_input/{name}"] = addptrs(S._syncbn_backward_input_kernel, dict(
+        out[f"backward_input/{name}"] = addptrs(K["syncbn_backward_input_kernel"], dict(
             {"dy_ptr": "*fp16", "x_ptr": "*fp16", "z_ptr": "*fp16", "dx_ptr": "*fp16",
              "dz_ptr": "*fp16"}, **params, sums_ptr="*fp32", count_ptr="*fp32", **dims),
             dict(flags, HAS_DZ=False, HAS_SUMS=True))
     for one_pass in (True, False):
         mode = dict(IS_RMS=False, HAS_WEIGHT=True, HAS_BIAS=True, ONE_PASS=one_pass,
                     EMULATE_BF16_ROUNDING=False, BLOCK=4096 if one_pass else 1024)
-        out[f"layer_norm_fwd/one_pass={one_pass}"] = addptrs(LN._layer_norm_fwd_kernel, {
+        out[f"layer_norm_fwd/one_pass={one_pass}"] = addptrs(K["layer_norm_fwd_kernel"], {
             "x_ptr": "*fp16", "y_ptr": "*fp16", "w_ptr": "*fp16", "b_ptr": "*fp16",
             "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "x_stride": "i32", "N": "i32",
             "eps": "fp32"}, mode)
-        out[f"layer_norm_bwd/one_pass={one_pass}"] = addptrs(LN._layer_norm_bwd_kernel, {
+        out[f"layer_norm_bwd/one_pass={one_pass}"] = addptrs(K["layer_norm_bwd_kernel"], {
             "dy_ptr": "*fp16", "v_ptr": "*fp16", "w_ptr": "*fp16", "b_ptr": "*fp16",
             "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "dx_ptr": "*fp16",
             "dw_part_ptr": "*fp32", "db_part_ptr": "*fp32", "stats_ptr": "*fp32",
             "v_stride": "i32", "M": "i32", "N": "i32", "rows_per_program": "i32"},
             dict(mode, FROM_OUTPUT=False))
-    out["layer_norm_bwd_reduce"] = addptrs(LN._layer_norm_bwd_reduce_kernel, {
+    out["layer_norm_bwd_reduce"] = addptrs(K["layer_norm_bwd_reduce_kernel"], {
         "dw_part_ptr": "*fp32", "db_part_ptr": "*fp32", "dw_ptr": "*fp16", "db_ptr": "*fp16",
         "G": "i32", "N": "i32", "rows_per_split": "i32"},
         dict(HAS_WEIGHT=True, HAS_BIAS=True, EMULATE_BF16_ROUNDING=False, BLOCK_G=8,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import assert_bits_equal, assert_close_to_ref
-from tritamp.testing import force_cpu_path
+from tritamp.testing import force_cpu_path, generation_of
 from tritamp.kernels.adagrad import adagrad_step_ref
 from tritamp.kernels.adam import adam_step_ref
 from tritamp.kernels.lamb import lamb_step_ref
@@ -199,12 +199,12 @@ def test_bad_value_in_a_parameter_group_is_refused_naming_the_group(name):
 def test_refused_add_param_group_changes_nothing(name):
     ps, opt = trained(name)
     before = snapshot(opt)
-    gen = opt._generation
+    gen = generation_of(opt)
     extra = {"params": params(4), "lr": torch.tensor(-1.0)}
     with pytest.raises(ValueError, match=r"Invalid learning rate: -1\.0 \(parameter group 1\)"):
         opt.add_param_group(extra)
     assert_unchanged(before, opt)
-    assert opt._generation == gen
+    assert generation_of(opt) == gen
     # and the optimizer still steps as before
     set_grads(ps, grads_for(ps, 9))
     opt.step()

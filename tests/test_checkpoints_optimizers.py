@@ -18,6 +18,7 @@ import torch
 from conftest import assert_bits_equal
 from test_bad_input_optimizers import assert_unchanged, snapshot
 from tritamp.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
+from tritamp.testing import generation_of
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 SHAPES = ((3, 4), (5,), (1,))
@@ -405,11 +406,11 @@ def test_bad_state_dict_is_refused_and_changes_nothing(case):
             sd["state"][i]["master_param"] = torch.zeros(ps[i].shape)
     edit(sd)
     before = snapshot(opt)
-    gen, epoch = opt._generation, opt.state.epoch.value
+    gen, epoch = generation_of(opt), opt.state.epoch.value
     with pytest.raises(kind, match=match):
         opt.load_state_dict(sd)
     assert_unchanged(before, opt)
-    assert (opt._generation, opt.state.epoch.value) == (gen, epoch)
+    assert (generation_of(opt), opt.state.epoch.value) == (gen, epoch)
     # it still steps as an optimizer that never saw the dict
     twin_ps, twin_opt = trained_adam()
     run(ps, opt, 2, 1)

@@ -22,7 +22,7 @@ from conftest import (TOL, CountOps, all_tensors, assert_bits_unchanged, assert_
                       assert_close_to_ref, snapshot, tiny_mlp, train_steps)
 from conftest import clone_lists as clones
 from conftest import scaled_grads as scaled
-from tritamp.testing import force_cpu_path
+from tritamp.testing import force_cpu_path, plans_of
 from tritamp.kernels.adagrad import adagrad_launch, adagrad_prepare, adagrad_step_ref
 from tritamp.kernels.adam import adam_launch, adam_prepare, adam_step_ref
 from tritamp.kernels.sgd import sgd_launch, sgd_prepare, sgd_step_ref
@@ -363,7 +363,7 @@ OPTIMIZERS = {
 
 
 def _plans_on_cpu_path(opt):
-    return all(c.prepared is None or not c.prepared.triton for c in opt._plans.values())
+    return all(c.prepared is None or not c.prepared.triton for c in plans_of(opt).values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16_master"])

@@ -30,7 +30,7 @@ from conftest import (CountOps, all_tensors, assert_bits_equal, assert_bits_unch
                       assert_close_to_ref, snapshot, tiny_mlp, train_steps)
 from conftest import clone_lists as clones
 from conftest import scaled_grads as scaled
-from tritamp.testing import force_cpu_path
+from tritamp.testing import force_cpu_path, plans_of
 from tritamp.kernels.axpby import (multi_tensor_axpby, multi_tensor_axpby_launch,
                                    multi_tensor_axpby_prepare, multi_tensor_axpby_ref,
                                    multi_tensor_scale, multi_tensor_scale_launch,
@@ -540,7 +540,7 @@ OPTIMIZERS = {
 
 
 def _plans_on_cpu_path(opt):
-    plans = [c.prepared for c in opt._plans.values() if c.prepared is not None]
+    plans = [c.prepared for c in plans_of(opt).values() if c.prepared is not None]
     return all(not p.triton for p in plans)
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from tritamp.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
-from tritamp.testing import stash_of
+from tritamp.testing import plans_of, stash_of
 
 
 def _model():
@@ -32,7 +32,7 @@ def test_moving_gradients_rebind_one_plan(cpu_path, make):
         opt.zero_grad(set_to_none=True)
         _backward(model)
         opt.step()
-    (cache,) = opt._plans.values()
+    (cache,) = plans_of(opt).values()
     assert cache.builds == 1
     assert cache.prepared.triton is False
 
@@ -92,7 +92,7 @@ def test_a_gradient_with_other_strides_is_re_prepared(cpu_path):
     w.grad = g.t().contiguous().t()  # same values, column-major
     assert w.grad.stride() != w.stride()
     opt.step()
-    (cache,) = opt._plans.values()
+    (cache,) = plans_of(opt).values()
     assert cache.builds == 2
     assert not torch.equal(before, w.detach())
 
@@ -137,7 +137,7 @@ def test_step_counts_share_one_buffer_and_advance_in_one_op(cpu_path):
     assert all(s.item() == 3.0 and s.dim() == 0 for s in steps)
     base = steps[0].untyped_storage().data_ptr()
     assert all(s.untyped_storage().data_ptr() == base for s in steps)
-    (cache,) = opt._plans.values()
+    (cache,) = plans_of(opt).values()
     (group,) = cache.prepared.cpu_groups
     assert len(group.counted("steps")) == 1
     # a checkpoint of views restores independent counts that keep advancing

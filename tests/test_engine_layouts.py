@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tritamp.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
+from tritamp.testing import plans_of
 
 OPTIMIZERS = {
     "adam": lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01),
@@ -147,7 +148,7 @@ def test_plans_are_kept_while_the_tensors_stay_and_rebuilt_when_they_change(name
         p.grad = g
     opt.step()
     opt.step()
-    cache = opt._plans[0]
+    cache = plans_of(opt)[0]
     assert cache.builds == 1
     ps[0].grad = torch.randn(8, 4).t()  # other strides: a new plan
     opt.step()

@@ -7,6 +7,10 @@ amp's process-wide state
     ``verbosity``), to read; :func:`stash_of` is what ``amp.initialize`` (or
     ``FP16_Optimizer``) attached to an optimizer (masters, their model parameters, the
     pending step); :func:`master_of` is the fp32 master of a half model parameter.
+Fused optimizers' caches
+    :func:`plans_of` (each group's kept sweep: what a step reuses while the tensors keep
+    their addresses) and :func:`generation_of` (moves when something the plans depend on
+    changed: a rebuild at the next step).
 Dispatch
     :func:`force_cpu_path` (the production CPU path even under ``TRITON_INTERPRET=1``),
     :func:`force_gpu_path` (CPU tensors take the CUDA code path: launchers, tables,
@@ -34,7 +38,8 @@ from tritamp.kernels.engine import (Column, Sweep, cpu_path_forced, force_cpu_pa
 from tritamp.kernels.syncbn import _Geometry as syncbn_geometry
 from tritamp.kernels.syncbn import _syncbn_tile as syncbn_tile
 
-__all__ = ["reset_amp", "amp_state", "stash_of", "master_of", "force_cpu_path",
+__all__ = ["reset_amp", "amp_state", "stash_of", "master_of", "plans_of", "generation_of",
+           "force_cpu_path",
            "force_gpu_path", "cpu_path_forced", "gpu_path_forced", "interpreter_on",
            "jit_kernels", "Sweep", "Column", "layout_key", "recording_uploads", "syncbn_geometry",
            "syncbn_tile"]
@@ -52,6 +57,19 @@ def stash_of(optimizer):
     (:class:`tritamp.amp.optimizer.AmpStash`: ``masters``, ``model_params``,
     ``plain_params``, ``found_inf``, ``grad_scale``), or None."""
     return getattr(optimizer, "_amp_stash", None)
+
+
+def plans_of(optimizer):
+    """``{group index: SweepCache}`` of a tritamp fused optimizer: each group's kept sweep
+    (``.prepared``, None before the first step) and the key it was kept under."""
+    return optimizer._plans
+
+
+def generation_of(optimizer):
+    """A tritamp fused optimizer's generation: it moves whenever something its kept plans
+    depend on changed (hyperparameters that shape a plan, ``load_state_dict``, a replaced
+    ``state``), so the next step rebuilds them."""
+    return optimizer._generation
 
 
 def jit_kernels():
