@@ -35,6 +35,7 @@ import torch
 import triton.language as tl
 
 from ._dispatch import kernel_settings, use_triton
+from .launch import kept_kernel
 from ._ref_utils import advance_steps
 
 HALF_OR_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
@@ -305,7 +306,7 @@ def _upload(array: torch.Tensor, device: torch.device) -> torch.Tensor:
 class GroupPlan:
     """One launch: the rows of one dtype group, their device tables and constexprs."""
     __slots__ = ("rows", "meta", "blocks", "n_blocks", "counters", "protos", "constexprs",
-                 "block", "warps")
+                 "block", "warps", "launch_key")
 
     def __init__(self, sweep, lists, rows, device, block, warps, emulate):
         self.rows = rows
@@ -353,6 +354,8 @@ class GroupPlan:
         self.constexprs = cx
         self.block = block
         self.warps = warps
+        cx["num_warps"] = warps
+        self.launch_key = tuple(cx.items())  # the kept-launch key of these constexprs
 
 
 class Prepared:
@@ -429,11 +432,16 @@ class Prepared:
         ``group_args`` (optional) gives group ``k`` leading arguments of its own (its slice
         of a shared buffer of partial results)."""
         self.stage()
+        kept = kept_kernel(kernel)
+        extra = None if constexprs is None else tuple(constexprs.items())
         for k, g in enumerate(self.groups):
-            cx = g.constexprs if constexprs is None else {**g.constexprs, **constexprs}
+            if extra is None:
+                cx, key = g.constexprs, g.launch_key
+            else:
+                cx, key = {**g.constexprs, **constexprs}, (g.launch_key, extra)
             lead = () if group_args is None else group_args[k]
-            kernel[(g.n_blocks,)](g.meta, g.blocks, g.counters, *g.protos, *lead, *args,
-                                  num_warps=g.warps, **cx)
+            kept.launch((g.n_blocks,), (g.meta, g.blocks, g.counters, *g.protos, *lead, *args),
+                        cx, key)
         self.finish()
 
     def finish(self):

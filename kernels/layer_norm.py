@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import gpu_code_path, sm_count, use_triton
+from .launch import KeptKernel
 from ._tl_utils import load_f32, store_cast
 
 _MAX_BLOCK = 16384     # widest row the GPU forward holds in registers at once
@@ -326,6 +327,22 @@ def _check(x, n, weight, bias):
                              f"{n} (the normalized shape) on {x.device}")
 
 
+_FWD = KeptKernel(_layer_norm_fwd_kernel)
+_FWD_PLANS = {}
+
+
+def _fwd_plan(n, device, max_block, rms, has_w, has_b):
+    """The forward's launch settings for one configuration, kept: (constexprs, key)."""
+    key = (n, device, gpu_code_path(device), max_block, rms, has_w, has_b)
+    plan = _FWD_PLANS.get(key)
+    if plan is None:
+        block, warps, one_pass = norm_settings(n, device, max_block)
+        constexprs = dict(IS_RMS=rms, HAS_WEIGHT=has_w, HAS_BIAS=has_b, ONE_PASS=one_pass,
+                          EMULATE_BF16_ROUNDING=not key[2], BLOCK=block, num_warps=warps)
+        plan = _FWD_PLANS[key] = (constexprs, tuple(constexprs.values()))
+    return plan
+
+
 def layer_norm_fwd(x, n, weight=None, bias=None, eps=1e-5, rms=False, out_dtype=None,
                    max_block=None):
     """Normalise rows of ``n`` trailing elements of ``x``. Returns ``(y, mean, rstd)``:
@@ -334,22 +351,23 @@ def layer_norm_fwd(x, n, weight=None, bias=None, eps=1e-5, rms=False, out_dtype=
     _check(x, n, weight, bias)
     if not use_triton(x):
         return layer_norm_fwd_cpu(x, n, weight, bias, eps, rms, out_dtype)
-    out_dtype = out_dtype or x.dtype
+    device = x.device
     x2, stride = _rows(x, n)
     m = x.numel() // n
-    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-    mean = None if rms else torch.empty(m, dtype=torch.float32, device=x.device)
+    y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=device)
+    rstd = torch.empty(m, dtype=torch.float32, device=device)
+    mean = None if rms else torch.empty(m, dtype=torch.float32, device=device)
     if m == 0:
         return y, mean, rstd
-    w = weight.contiguous() if weight is not None else None
-    b = bias.contiguous() if bias is not None else None
-    block, warps, one_pass = norm_settings(n, x.device, max_block)
-    _layer_norm_fwd_kernel[(m,)](
-        x2, y, w if w is not None else x2, b if b is not None else x2,
-        mean if mean is not None else rstd, rstd, stride, n, eps,
-        IS_RMS=rms, HAS_WEIGHT=w is not None, HAS_BIAS=b is not None, ONE_PASS=one_pass,
-        EMULATE_BF16_ROUNDING=not gpu_code_path(x.device), BLOCK=block, num_warps=warps)
+    if weight is not None and not weight.is_contiguous():
+        weight = weight.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    constexprs, ckey = _fwd_plan(n, device, max_block, rms, weight is not None,
+                                 bias is not None)
+    _FWD.launch((m,), (x2, y, x2 if weight is None else weight, x2 if bias is None else bias,
+                       rstd if mean is None else mean, rstd, stride, n, eps),
+                constexprs, ckey)
     return y, mean, rstd
 
 
@@ -381,6 +399,47 @@ def backward_programs(m, warps, device):
     return min(m, 4)
 
 
+_BWD = KeptKernel(_layer_norm_bwd_kernel)
+_REDUCE = KeptKernel(_layer_norm_bwd_reduce_kernel)
+_BWD_PLANS = {}
+
+
+class _BwdPlan:
+    """The backward's launch settings for one configuration and row count, kept."""
+    __slots__ = ("programs", "rows_per_program", "one_pass", "constexprs", "ckey",
+                 "col_blocks", "splits", "rows_per_split", "reduce", "reduce_key")
+
+    def __init__(self, n, m, device, max_block, rms, has_w, has_b, from_output):
+        gpu = gpu_code_path(device)
+        block, warps, one_pass = norm_settings(n, device, max_block, backward=True)
+        programs = backward_programs(m, warps, device)
+        self.rows_per_program = triton.cdiv(m, programs)
+        # Every program has rows and stores its whole partial row.
+        self.programs = triton.cdiv(m, self.rows_per_program)
+        self.one_pass = one_pass
+        self.constexprs = dict(IS_RMS=rms, HAS_WEIGHT=has_w, HAS_BIAS=has_b,
+                               FROM_OUTPUT=from_output, ONE_PASS=one_pass,
+                               EMULATE_BF16_ROUNDING=not gpu, BLOCK=block, num_warps=warps)
+        self.ckey = tuple(self.constexprs.values())
+        block_g, block_n, self.splits, self.rows_per_split = reduce_splits(self.programs, n,
+                                                                           device)
+        self.col_blocks = triton.cdiv(n, block_n)
+        self.reduce = dict(HAS_WEIGHT=has_w, HAS_BIAS=has_b, EMULATE_BF16_ROUNDING=not gpu,
+                           BLOCK_G=block_g, BLOCK_N=block_n, num_warps=4)
+        self.reduce_key = tuple(self.reduce.values())
+
+
+def _bwd_plan(n, m, device, max_block, rms, has_w, has_b, from_output):
+    key = (n, m, device, gpu_code_path(device), max_block, rms, has_w, has_b, from_output)
+    plan = _BWD_PLANS.get(key)
+    if plan is None:
+        if len(_BWD_PLANS) > 4096:  # row counts vary (sequence lengths): keep it bounded
+            _BWD_PLANS.clear()
+        plan = _BWD_PLANS[key] = _BwdPlan(n, m, device, max_block, rms, has_w, has_b,
+                                          from_output)
+    return plan
+
+
 def layer_norm_bwd(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, rms=False,
                    from_output=False, x_dtype=None, max_block=None):
     """Gradients of :func:`layer_norm_fwd`. ``saved`` is the input, or the output when
@@ -392,12 +451,11 @@ def layer_norm_bwd(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, r
         return layer_norm_bwd_cpu(dy, saved, n, weight, bias, mean, rstd, rms, from_output,
                                   x_dtype)
     device = dy.device
-    gpu = gpu_code_path(device)
-    x_dtype = x_dtype or saved.dtype
     v2, stride = _rows(saved, n)
-    dy2 = dy if dy.is_contiguous() else dy.contiguous()
+    if not dy.is_contiguous():
+        dy = dy.contiguous()
     m = saved.numel() // n
-    dx = torch.empty(saved.shape, dtype=x_dtype, device=device)
+    dx = torch.empty(saved.shape, dtype=x_dtype or saved.dtype, device=device)
     has_w, has_b = weight is not None, bias is not None and not rms
     dw = torch.empty(weight.shape, dtype=weight.dtype, device=device) if has_w else None
     db = torch.empty(bias.shape, dtype=bias.dtype, device=device) if has_b else None
@@ -406,44 +464,40 @@ def layer_norm_bwd(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, r
             if g is not None:
                 g.zero_()
         return dx, dw, db
-    block, warps, one_pass = norm_settings(n, device, max_block, backward=True)
-    programs = backward_programs(m, warps, device)
-    rows_per_program = triton.cdiv(m, programs)
-    programs = triton.cdiv(m, rows_per_program)
-    # Every program has rows and stores its whole partial row.
+    if has_w and not weight.is_contiguous():
+        weight = weight.contiguous()
+    if has_b and not bias.is_contiguous():
+        bias = bias.contiguous()
+    plan = _bwd_plan(n, m, device, max_block, rms, has_w, has_b, from_output)
+    programs = plan.programs
     dw_part = torch.empty((programs, n), dtype=torch.float32, device=device) if has_w else None
     db_part = torch.empty((programs, n), dtype=torch.float32, device=device) if has_b else None
-    stats = rstd if one_pass else torch.empty((m, 2), dtype=torch.float32, device=device)
+    stats = rstd if plan.one_pass else torch.empty((m, 2), dtype=torch.float32, device=device)
     any_part = dw_part if has_w else (db_part if has_b else rstd)
-    _layer_norm_bwd_kernel[(programs,)](
-        dy2, v2, weight.contiguous() if has_w else v2, bias.contiguous() if has_b else v2,
-        mean if mean is not None else rstd, rstd, dx,
+    _BWD.launch((programs,), (
+        dy, v2, weight if has_w else v2, bias if has_b else v2,
+        rstd if mean is None else mean, rstd, dx,
         dw_part if has_w else any_part, db_part if has_b else any_part, stats,
-        stride, m, n, rows_per_program,
-        IS_RMS=rms, HAS_WEIGHT=has_w, HAS_BIAS=has_b, FROM_OUTPUT=from_output,
-        ONE_PASS=one_pass, EMULATE_BF16_ROUNDING=not gpu, BLOCK=block, num_warps=warps)
+        stride, m, n, plan.rows_per_program), plan.constexprs, plan.ckey)
     if has_w or has_b:
-        block_g, block_n, splits, rows_per_split = reduce_splits(programs, n, device)
-        col_blocks = triton.cdiv(n, block_n)
-        flags = dict(HAS_WEIGHT=has_w, HAS_BIAS=has_b, EMULATE_BF16_ROUNDING=not gpu,
-                     BLOCK_N=block_n, num_warps=4)
         src_w, src_b, rows = dw_part, db_part, programs
-        if splits > 1:  # main pass into fp32 partial sums, then a small final pass
+        if plan.splits > 1:  # main pass into fp32 partial sums, then a small final pass
+            splits = plan.splits
             mid_w = torch.empty((splits, n), dtype=torch.float32, device=device) if has_w \
                 else None
             mid_b = torch.empty((splits, n), dtype=torch.float32, device=device) if has_b \
                 else None
             mid_any = mid_w if has_w else mid_b
-            _layer_norm_bwd_reduce_kernel[(col_blocks, splits)](
+            _REDUCE.launch((plan.col_blocks, splits), (
                 src_w if has_w else src_b, src_b if has_b else src_w,
                 mid_w if has_w else mid_any, mid_b if has_b else mid_any,
-                rows, n, rows_per_split, BLOCK_G=block_g, **flags)
+                rows, n, plan.rows_per_split), plan.reduce, plan.reduce_key)
             src_w, src_b, rows = mid_w, mid_b, splits
         out_any = dw if has_w else db
-        _layer_norm_bwd_reduce_kernel[(col_blocks, 1)](
+        _REDUCE.launch((plan.col_blocks, 1), (
             src_w if has_w else src_b, src_b if has_b else src_w,
             dw if has_w else out_any, db if has_b else out_any,
-            rows, n, rows, BLOCK_G=block_g, **flags)
+            rows, n, rows), plan.reduce, plan.reduce_key)
     return dx, dw, db
 
 
