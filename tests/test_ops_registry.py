@@ -150,9 +150,10 @@ def test_every_public_launcher_of_the_package_is_registered():
 
 def _kernel_modules():
     for info in pkgutil.iter_modules(kernels.__path__):
-        # registry, recorder and engine hold no kernel: the table, the launch recorder
-        # and the engine's public re-exports
-        if info.name.startswith("_") or info.name in ("registry", "recorder", "engine"):
+        # registry, recorder, engine and launch hold no kernel: the table, the launch
+        # recorder, the engine's public re-exports and the kept launches
+        if info.name.startswith("_") or info.name in ("registry", "recorder", "engine",
+                                                       "launch"):
             continue
         yield importlib.import_module(f"{kernels.__name__}.{info.name}")
 

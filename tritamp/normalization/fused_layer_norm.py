@@ -104,6 +104,10 @@ _is_compiling = torch.compiler.is_compiling
 
 
 def _normalized_numel(input, normalized_shape):
+    if normalized_shape.__class__ is tuple and len(normalized_shape) == 1:  # the modules'
+        n = normalized_shape[0]
+        if input.dim() and input.shape[-1] == n:
+            return n
     shape = ((normalized_shape,) if isinstance(normalized_shape, numbers.Integral)
              else tuple(normalized_shape))
     k = len(shape)
