@@ -100,16 +100,20 @@ def _chan_merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
 @triton.jit
 def _syncbn_stats_kernel(
     x_ptr,           # input, [M, C] (CHANNELS_LAST) or [N, C, B], contiguous
-    part_ptr,        # fp32 [n_chunks, 2C + 1]: this program's (mean - shift, m2, count) row
+    part_ptr,        # fp32 [n_chunks, 2C + 1] rows, row_stride apart: this program's
+                     # (mean - shift, m2, count) row
     shift_ptr,       # fp32 [C]: the pivot the partial means are relative to
-    M, C, B,         # rows (CHANNELS_LAST) / samples, channels, plane size (1 if CHANNELS_LAST)
+    M, C, B_UNITS,   # rows (CHANNELS_LAST) / samples, channels, plane size / B_VEC
     NBB,             # tiles per plane (channels first)
     n_segs,          # tiles along the reduced dimension
     segs_per_chunk,  # tiles each program merges
+    row_stride,      # elements between partial rows: 2C + 1 rounded up to 16 (aligned rows)
     CHANNELS_LAST: tl.constexpr,
+    B_VEC: tl.constexpr,  # a power of two dividing the plane size (see _Geometry)
     EMULATE_BF16_ROUNDING: tl.constexpr,  # interpreter only: see _tl_utils
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
+    B = B_UNITS * B_VEC  # (the compiler then knows B's alignment: wide loads)
     pid_c = tl.program_id(0)
     chunk = tl.program_id(1).to(tl.int64)
     c0 = pid_c.to(tl.int64) * BLOCK_C
@@ -140,7 +144,7 @@ def _syncbn_stats_kernel(
         d = tl.where(mask, x - t_mean[:, None], 0.0)
         t_m2 = tl.sum(d * d, axis=1)
         acc_n, acc_mean, acc_m2 = _chan_merge(acc_n, acc_mean, acc_m2, kf, t_mean, t_m2)
-    row = part_ptr + chunk * 2 * C + chunk  # (int64: 2C + 1 may pass 2**31)
+    row = part_ptr + chunk * row_stride  # (chunk is int64: the offset may pass 2**31)
     tl.store(row + cols, acc_mean, mask=col_mask)
     tl.store(row + C + cols, acc_m2, mask=col_mask)
     if pid_c == 0:
@@ -149,9 +153,9 @@ def _syncbn_stats_kernel(
 
 @triton.jit
 def _syncbn_merge_kernel(
-    rows_ptr,        # fp32 [P, 2C + 1]: (mean[C], m2[C], count) rows to merge
-    shift_ptr,       # fp32 [C]: the rows' means are relative to it (HAS_SHIFT)
-    P, C,
+    rows_ptr,        # fp32 [P, 2C + 1]: (mean[C], m2[C], count) rows to merge, row_stride
+    shift_ptr,       # fp32 [C]: the rows' means are relative to it (HAS_SHIFT)    apart
+    P, C, row_stride,
     out_ptr,         # fp32 [2C + 1]: the merged row (not FINAL)
     mean_ptr,        # fp32 [C]: merged mean (FINAL)
     invstd_ptr,      # fp32 [C]: 1 / sqrt(m2 / count + eps) (FINAL)
@@ -168,7 +172,6 @@ def _syncbn_merge_kernel(
     pid_c = tl.program_id(0)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
-    width = tl.full([], 2, tl.int64) * C + 1  # (int64: may pass 2**31)
     acc_n = 0.0
     acc_mean = tl.zeros([BLOCK_C], dtype=tl.float32)
     acc_m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -183,9 +186,10 @@ def _syncbn_merge_kernel(
     for p0 in range(0, P, BLOCK_P):
         p = p0 + tl.arange(0, BLOCK_P)
         p_mask = p < P
-        row = rows_ptr + p.to(tl.int64)[:, None] * width
+        # (int64 row offsets: the rows may pass 2**31 elements)
+        row = rows_ptr + p.to(tl.int64)[:, None] * row_stride
         mask = p_mask[:, None] & col_mask[None, :]
-        cnt = tl.load(rows_ptr + p.to(tl.int64) * width + (width - 1), mask=p_mask, other=0.0)
+        cnt = tl.load(rows_ptr + p.to(tl.int64) * row_stride + C + C, mask=p_mask, other=0.0)
         mean_i = tl.load(row + cols[None, :], mask=mask, other=0.0) - rel[None, :]
         m2_i = tl.load(row + C + cols[None, :], mask=mask, other=0.0)
         # This block of rows merged exactly: its mean first, then the spread of the row
@@ -253,11 +257,13 @@ def _syncbn_forward_kernel(
     y_ptr,           # output, same layout and dtype as x
     mean_ptr, invstd_ptr,   # fp32 [C] statistics
     w_ptr, b_ptr,    # [C] affine parameters (HAS_WEIGHT / HAS_BIAS)
-    M, C, B, NBB,
-    CHANNELS_LAST: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    M, C, B_UNITS, NBB,
+    CHANNELS_LAST: tl.constexpr, B_VEC: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     HAS_Z: tl.constexpr, RELU: tl.constexpr, EMULATE_BF16_ROUNDING: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
+    B = B_UNITS * B_VEC  # (the compiler then knows B's alignment: wide loads)
     seg = tl.program_id(0).to(tl.int64)
     c0 = tl.program_id(1).to(tl.int64) * BLOCK_C
     cols = c0 + tl.arange(0, BLOCK_C)
@@ -301,11 +307,13 @@ def _syncbn_backward_reduce_kernel(
     z_ptr,           # forward residual (RELU and HAS_Z)
     part_ptr,        # fp32 [n_chunks, 2C]: this program's (sum_dy, sum_dy_xmu) row
     mean_ptr, invstd_ptr, w_ptr, b_ptr,
-    M, C, B, NBB, n_segs, segs_per_chunk,
-    CHANNELS_LAST: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    M, C, B_UNITS, NBB, n_segs, segs_per_chunk,
+    CHANNELS_LAST: tl.constexpr, B_VEC: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     HAS_Z: tl.constexpr, RELU: tl.constexpr, EMULATE_BF16_ROUNDING: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
+    B = B_UNITS * B_VEC  # (the compiler then knows B's alignment: wide loads)
     c0 = tl.program_id(0).to(tl.int64) * BLOCK_C
     chunk = tl.program_id(1).to(tl.int64)
     cols = c0 + tl.arange(0, BLOCK_C)
@@ -380,12 +388,14 @@ def _syncbn_backward_input_kernel(
     mean_ptr, invstd_ptr, w_ptr, b_ptr,
     sums_ptr,        # fp32 [2C]: global (sum_dy, sum_dy_xmu) (HAS_SUMS)
     count_ptr,       # fp32 [1]: global count of elements per channel (HAS_SUMS)
-    M, C, B, NBB,
-    CHANNELS_LAST: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    M, C, B_UNITS, NBB,
+    CHANNELS_LAST: tl.constexpr, B_VEC: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     HAS_Z: tl.constexpr, RELU: tl.constexpr, HAS_DZ: tl.constexpr, HAS_SUMS: tl.constexpr,
     EMULATE_BF16_ROUNDING: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
+    B = B_UNITS * B_VEC  # (the compiler then knows B's alignment: wide loads)
     seg = tl.program_id(0).to(tl.int64)
     c0 = tl.program_id(1).to(tl.int64) * BLOCK_C
     cols = c0 + tl.arange(0, BLOCK_C)
@@ -465,6 +475,11 @@ class _Geometry:
                 self.BLOCK_R = max(1, min(self.BLOCK_R, tile // need_c))
             self.NBB = triton.cdiv(self.B, self.BLOCK_R)
             self.n_segs = self.M * self.NBB
+        # The plane size's largest power-of-two factor (up to 16), a constexpr: the kernels
+        # take B / B_VEC and multiply back, so the compiler knows every plane starts at a
+        # multiple of B_VEC elements and issues loads that wide (14x14 = 4 x 49: 8-byte
+        # fp16 / 16-byte fp32 loads; 7x7: one element, all its alignment allows).
+        self.B_VEC = min(16, self.B & -self.B) if self.B > 0 else 1
         self.n_cblocks = triton.cdiv(self.C, self.BLOCK_C)
         self.warps = 8 if gpu and self.BLOCK_R * self.BLOCK_C >= 1024 else 4
         self.emulate = not gpu
@@ -485,10 +500,11 @@ class _Geometry:
         return triton.cdiv(self.n_segs, per) if self.n_segs else 1, per
 
     def args(self):
-        return self.M, self.C, self.B, self.NBB
+        return self.M, self.C, self.B // self.B_VEC, self.NBB
 
     def consts(self):
-        return dict(CHANNELS_LAST=self.channels_last, EMULATE_BF16_ROUNDING=self.emulate,
+        return dict(CHANNELS_LAST=self.channels_last, B_VEC=self.B_VEC,
+                    EMULATE_BF16_ROUNDING=self.emulate,
                     BLOCK_R=self.BLOCK_R, BLOCK_C=self.BLOCK_C)
 
 
@@ -512,7 +528,9 @@ def _check_vector(name, t, c, device):
 def _merge_settings(p, c, device):
     gpu = gpu_code_path(device)
     block_c = min(triton.next_power_of_2(max(c, 1)), 128 if gpu else 1024)
-    block_p = min(triton.next_power_of_2(max(p, 1)), 8 if gpu else 256)
+    # the GPU always merges 8 rows at a time (masked past P): one variant per channel
+    # block, and fewer rows per step compiled no better (4 x 128 spilled)
+    block_p = 8 if gpu else min(triton.next_power_of_2(max(p, 1)), 256)
     return block_p, block_c
 
 
@@ -528,28 +546,34 @@ def syncbn_stats(x):
     if x.numel() == 0:
         return torch.zeros(1, 2 * geo.C + 1, dtype=torch.float32, device=x.device), None
     chunks, per = geo.chunks(x.device)
-    part = torch.empty(chunks, 2 * geo.C + 1, dtype=torch.float32, device=x.device)
+    width = 2 * geo.C + 1
+    stride = -(-width // 16) * 16  # padded: every row starts 64-byte aligned
+    part = torch.empty(chunks, stride, dtype=torch.float32, device=x.device)
     shift = torch.empty(geo.C, dtype=torch.float32, device=x.device)
     _syncbn_stats_kernel[(geo.n_cblocks, chunks)](
-        x, part, shift, *geo.args(), geo.n_segs, per, **geo.consts(), num_warps=geo.warps)
-    return part, shift
+        x, part, shift, *geo.args(), geo.n_segs, per, stride, **geo.consts(),
+        num_warps=geo.warps)
+    return part[:, :width], shift
 
 
 def _check_rows(rows, shift):
+    """(P, C, row stride) of statistics rows: fp32 [P, 2C + 1] with unit column stride,
+    rows apart by at least their width (syncbn_stats pads them; gathered rows are
+    contiguous)."""
     if rows.dim() != 2 or rows.dtype != torch.float32 or rows.shape[1] % 2 != 1 \
-            or not rows.is_contiguous():
-        raise ValueError("syncbn: statistics rows must be a contiguous fp32 [P, 2C + 1] tensor "
-                         f"(from syncbn_stats / syncbn_combine); got {rows.dtype} "
-                         f"{tuple(rows.shape)}")
+            or rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
+        raise ValueError("syncbn: statistics rows must be an fp32 [P, 2C + 1] tensor of "
+                         "contiguous rows (from syncbn_stats / syncbn_combine); got "
+                         f"{rows.dtype} {tuple(rows.shape)} with strides {rows.stride()}")
     c = rows.shape[1] // 2
     _check_vector("shift", shift, c, rows.device)
-    return rows.shape[0], c
+    return rows.shape[0], c, rows.stride(0) if rows.shape[0] > 1 else rows.shape[1]
 
 
 def syncbn_combine(rows, shift=None):
     """Merge statistics rows ``[P, 2C + 1]`` (means relative to ``shift`` when given) into
     one row ``[2C + 1]`` of absolute ``(mean, m2, count)`` (Chan's formula)."""
-    p, c = _check_rows(rows, shift)
+    p, c, stride = _check_rows(rows, shift)
     if not use_triton(rows):
         # The reference is already the production CPU path: a few vectorised ops on the
         # [P, 2C + 1] rows (P = 1 or the world size), no Python loop.
@@ -557,7 +581,8 @@ def syncbn_combine(rows, shift=None):
     out = torch.empty(2 * c + 1, dtype=torch.float32, device=rows.device)
     block_p, block_c = _merge_settings(p, c, rows.device)
     _syncbn_merge_kernel[(triton.cdiv(c, block_c),)](
-        rows, shift if shift is not None else out, p, c, out, out, out, out, out, out, out,
+        rows, shift if shift is not None else out, p, c, stride, out, out, out, out, out, out,
+        out,
         0.0, 0.0, HAS_SHIFT=shift is not None, FINAL=False, UPDATE_RUNNING=False,
         MOMENTUM_FROM_COUNT=False,
         EMULATE_BF16_ROUNDING=not gpu_code_path(rows.device), BLOCK_P=block_p, BLOCK_C=block_c)
@@ -570,7 +595,7 @@ def syncbn_finalize(rows, eps, running_mean=None, running_var=None, momentum=0.1
     ``(mean, invstd, count)`` (fp32 ``[C]``, ``[C]``, ``[1]``)
     and, when ``running_mean`` / ``running_var`` are given, update them in place with
     factor ``momentum`` (``None``: ``1 / num_batches_tracked``, read on the device)."""
-    p, c = _check_rows(rows, shift)
+    p, c, stride = _check_rows(rows, shift)
     update = running_mean is not None
     if update:
         if running_var is None:
@@ -590,7 +615,7 @@ def syncbn_finalize(rows, eps, running_mean=None, running_var=None, momentum=0.1
     block_p, block_c = _merge_settings(p, c, rows.device)
     from_count = update and momentum is None
     _syncbn_merge_kernel[(triton.cdiv(c, block_c),)](
-        rows, shift if shift is not None else mean, p, c, mean, mean, invstd, count,
+        rows, shift if shift is not None else mean, p, c, stride, mean, mean, invstd, count,
         running_mean if update else mean, running_var if update else mean,
         num_batches_tracked if from_count else count,
         float(eps), 0.0 if momentum is None else float(momentum),

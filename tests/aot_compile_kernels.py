@@ -111,16 +111,17 @@ def syncbn_variants():
     flags that change the code (residual, fused ReLU, shift, running-stat updates), spread
     over a few combinations rather than their product (each compile costs about 0.5 s)."""
     out = {}
-    dims = {"M": "i32", "C": "i32", "B": "i32", "NBB": "i32"}
+    dims = {"M": "i32", "C": "i32", "B_UNITS": "i32", "NBB": "i32"}
 
     def tiles(cl):
-        return dict(CHANNELS_LAST=cl, EMULATE_BF16_ROUNDING=False, BLOCK_R=64 if cl else 1024,
+        return dict(CHANNELS_LAST=cl, B_VEC=1, EMULATE_BF16_ROUNDING=False,
+                    BLOCK_R=64 if cl else 1024,
                     BLOCK_C=64 if cl else 4)
 
     for x in ("*fp32", "*fp16", "*bf16"):
         for cl in (False, True):
             sig = dict({"x_ptr": x, "part_ptr": "*fp32", "shift_ptr": "*fp32"}, **dims,
-                       n_segs="i32", segs_per_chunk="i32")
+                       n_segs="i32", segs_per_chunk="i32", row_stride="i32")
             out[f"syncbn_stats/{x}/channels_last={cl}"] = _ok(compile_one(
                 JIT["syncbn_stats_kernel"], sig, tiles(cl), 8))
     for x, w, cl, z in (("*fp32", "*fp32", False, False), ("*fp16", "*fp32", True, True),
@@ -153,7 +154,7 @@ def syncbn_variants():
             ("*fp32", True, False, False, True), ("*fp32", True, True, False, True),
             ("*fp32", True, True, True, False), ("*bf16", True, True, False, False)):
         sig = {"rows_ptr": "*fp32", "shift_ptr": "*fp32", "P": "i32", "C": "i32",
-               "out_ptr": "*fp32", "mean_ptr": "*fp32", "invstd_ptr": "*fp32",
+               "row_stride": "i32", "out_ptr": "*fp32", "mean_ptr": "*fp32", "invstd_ptr": "*fp32",
                "count_ptr": "*fp32", "rmean_ptr": running, "rvar_ptr": running,
                "nbt_ptr": "*i64", "eps": "fp32", "momentum": "fp32"}
         out[f"syncbn_merge/{running}/final={final}/update={update}/from_count={from_count}/"

@@ -65,12 +65,13 @@ def test_syncbn_geometry_of_a_huge_input_covers_it_within_the_launch_limits(shap
 
 
 @triton.jit
-def _tile_addresses_kernel(out_ptr, seg_id, cblock_id, M, C, B, NBB,
-                           CHANNELS_LAST: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_C: tl.constexpr):
+def _tile_addresses_kernel(out_ptr, seg_id, cblock_id, M, C, B_UNITS, NBB,
+                           CHANNELS_LAST: tl.constexpr, B_VEC: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """The element offsets (-1 where masked) that syncbn's kernels read for tile
     ``seg_id`` of channel block ``cblock_id``: program ids widened as the kernels widen
     them, then the kernels' own tile helper."""
+    B = B_UNITS * B_VEC  # as the kernels do
     seg = seg_id.to(tl.int64)
     c0 = cblock_id.to(tl.int64) * BLOCK_C
     cols = c0 + tl.arange(0, BLOCK_C)
@@ -107,7 +108,8 @@ def test_syncbn_tile_offsets_of_a_huge_input_do_not_wrap(shape, gpu):
     out = torch.empty(geo.BLOCK_C * geo.BLOCK_R, dtype=torch.int64)
     for seg, cblock in sorted(tiles):
         _tile_addresses_kernel[(1,)](out, seg, cblock, *geo.args(),
-                                     CHANNELS_LAST=geo.channels_last, BLOCK_R=geo.BLOCK_R,
+                                     CHANNELS_LAST=geo.channels_last, B_VEC=geo.B_VEC,
+                                     BLOCK_R=geo.BLOCK_R,
                                      BLOCK_C=geo.BLOCK_C)
         got = out.numpy().reshape(geo.BLOCK_C, geo.BLOCK_R)
         want = _expected_addresses(geo, seg, cblock)
@@ -179,16 +181,16 @@ _COMPILE_SCRIPT = textwrap.dedent("""
         return ADDPTR.findall(k.asm["ttir"])
 
     out = {}
-    dims = {"M": "i32", "C": "i32", "B": "i32", "NBB": "i32"}
+    dims = {"M": "i32", "C": "i32", "B_UNITS": "i32", "NBB": "i32"}
     params = {"mean_ptr": "*fp32", "invstd_ptr": "*fp32", "w_ptr": "*fp32", "b_ptr": "*fp32"}
     for cl in (False, True):
-        tiles = dict(CHANNELS_LAST=cl, EMULATE_BF16_ROUNDING=False,
+        tiles = dict(CHANNELS_LAST=cl, B_VEC=1, EMULATE_BF16_ROUNDING=False,
                      BLOCK_R=64 if cl else 1024, BLOCK_C=64 if cl else 4)
         flags = dict(tiles, HAS_WEIGHT=True, HAS_BIAS=True, HAS_Z=False, RELU=False)
         name = "channels_last" if cl else "channels_first"
         out[f"stats/{name}"] = addptrs(K["syncbn_stats_kernel"], dict(
             {"x_ptr": "*fp16", "part_ptr": "*fp32", "shift_ptr": "*fp32"}, **dims,
-            n_segs="i32", segs_per_chunk="i32"), tiles)
+            n_segs="i32", segs_per_chunk="i32", row_stride="i32"), tiles)
         out[f"forward/{name}"] = addptrs(K["syncbn_forward_kernel"], dict(
             {"x_ptr": "*fp16", "z_ptr": "*fp16", "y_ptr": "*fp16"}, **params, **dims), flags)
         out[f"backward_reduce/{name}"] = addptrs(K["syncbn_backward_reduce_kernel"], dict(

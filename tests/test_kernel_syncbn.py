@@ -354,6 +354,30 @@ def test_bad_arguments_name_the_fix():
         K.syncbn_forward(x, mean, invstd, z=torch.ones(4, 3, 6, device=DEVICE))
     with pytest.raises(ValueError, match="fp32 \\[P, 2C \\+ 1\\]"):
         K.syncbn_finalize(rows.double(), 1e-5)
+    with pytest.raises(ValueError, match="contiguous rows"):  # rows must have unit columns
+        K.syncbn_finalize(torch.zeros(7, 3, device=DEVICE).t(), 1e-5)
     with pytest.raises(ValueError, match="num_batches_tracked"):
         K.syncbn_finalize(rows, 1e-5, torch.zeros(3, device=DEVICE),
                           torch.ones(3, device=DEVICE), momentum=None)
+
+
+@pytest.mark.parametrize("shape", [(6, 5, 7), (40, 3)])
+def test_partial_rows_are_padded_and_merge_the_same_as_contiguous_rows(shape):
+    """syncbn_stats' rows start at multiples of 16 elements (aligned loads in the merge);
+    as a [P, 2C + 1] view they merge exactly as the same rows made contiguous."""
+    torch.manual_seed(0)
+    x = (torch.randn(*shape) * 3 + 1).to(DEVICE)
+    rows, shift = K.syncbn_stats(x)
+    c = _channels_of(x)
+    assert rows.shape[1] == 2 * c + 1
+    if rows.shape[0] > 1 and K.use_triton(x):
+        assert rows.stride(0) % 16 == 0 and rows.stride(0) >= 2 * c + 1
+    got = K.syncbn_finalize(rows, 1e-5, shift=shift)
+    want = K.syncbn_finalize(rows.contiguous(), 1e-5, shift=shift)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert torch.equal(K.syncbn_combine(rows, shift), K.syncbn_combine(rows.contiguous(), shift))
+
+
+def _channels_of(x):
+    return x.shape[-1] if x.dim() == 2 else x.shape[1]

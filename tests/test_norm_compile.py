@@ -135,3 +135,40 @@ def test_syncbn_tiles_load_16_bytes_where_rows_are_aligned(syncbn):
         aligned = cl or all(("x56x56 " in s or "x28x28 " in s) for s in r["sources"])
         if aligned:
             assert r["widest_load"] == 16, (r["kernel"], r["sources"][0], r["loads"])
+
+
+def test_channels_first_planes_get_the_widest_loads_their_size_allows(syncbn):
+    """14x14 = 4 x 49: every plane starts at a multiple of 4 elements, so the data loads
+    are 4 elements wide (16 bytes in fp32, 8 in fp16/bf16); 7x7 planes start anywhere
+    (B_VEC = 1: single elements, all their alignment allows)."""
+    seen = set()
+    for r in syncbn["specialisations"]:
+        if r["kernel"] not in TILED or r["constexprs"]["CHANNELS_LAST"]:
+            continue
+        for side, vec in ((14, 4), (7, 1)):
+            if all(f"x{side}x{side} " in s for s in r["sources"]):
+                assert r["constexprs"]["B_VEC"] == vec, (r["kernel"], r["sources"])
+                half = all(not s.endswith("fp32") for s in r["sources"])
+                if side == 14:
+                    assert r["widest_load"] == (8 if half else 16), (r["kernel"], r["sources"])
+                seen.add((r["kernel"], side))
+    assert seen == {(k, side) for k in TILED for side in (14, 7)}
+
+
+def test_merge_rows_are_padded_to_aligned_rows(syncbn):
+    """The partial rows syncbn_stats writes start 64 bytes apart at least (2C + 1 padded
+    to a multiple of 16): the merge reads them with 16-byte loads."""
+    merges = [r for r in syncbn["specialisations"] if r["kernel"] == "_syncbn_merge_kernel"]
+    assert merges
+    for r in merges:
+        assert r["widest_load"] == 16, (r["sources"][0], r["loads"])
+
+
+@pytest.mark.parametrize("shape,vec", [((8, 64, 3136), 16), ((8, 128, 784), 16),
+                                       ((8, 256, 196), 4), ((8, 512, 49), 1),
+                                       ((8, 3, 6), 2), ((8, 64), 1)])
+def test_geometry_passes_the_planes_power_of_two_factor(shape, vec):
+    from tritamp.kernels.syncbn import _Geometry
+    geo = _Geometry(shape, True)
+    assert geo.B_VEC == vec
+    assert geo.args()[2] * geo.B_VEC == geo.B
