@@ -168,7 +168,7 @@ def test_merge_rows_are_padded_to_aligned_rows(syncbn):
                                        ((8, 256, 196), 4), ((8, 512, 49), 1),
                                        ((8, 3, 6), 2), ((8, 64), 1)])
 def test_geometry_passes_the_planes_power_of_two_factor(shape, vec):
-    from tritamp.kernels.syncbn import _Geometry
-    geo = _Geometry(shape, True)
+    from tritamp.testing import syncbn_geometry
+    geo = syncbn_geometry(shape, True)
     assert geo.B_VEC == vec
     assert geo.args()[2] * geo.B_VEC == geo.B

@@ -33,7 +33,7 @@ import enum
 
 import torch
 
-__all__ = ["StepState", "MasterPairs", "StepHandoff", "handoff_of"]
+__all__ = ["StepState", "MasterPairs", "StepHandoff", "LastStep", "handoff_of"]
 
 
 class StepState(enum.Enum):
@@ -87,6 +87,43 @@ class MasterPairs:
         return iter(list(self._model_of.values()))
 
 
+class LastStep:
+    """The overflow flag of an optimizer's last step: ``found_inf`` is the 0-d device flag
+    the step read (non-zero: it was skipped), or None when nothing was checked (it ran).
+
+    A driver whose flag is one of its own reusable slots (``tritamp.amp``'s loss scaler)
+    registers the record with ``scaler`` (:meth:`record`); the scaler calls
+    :meth:`detach_from` before it reuses the slot, and the record takes its own copy (one
+    0-d device copy, no host sync)."""
+    __slots__ = ("found_inf", "scaler")
+
+    def __init__(self):
+        self.found_inf = None
+        self.scaler = None
+
+    def record(self, found_inf, scaler=None):
+        """The last step read ``found_inf``; ``scaler``: whose slot it is (or None)."""
+        if self.scaler is not None:
+            try:
+                self.scaler._aliases.remove(self)
+            except ValueError:  # the scaler already detached it
+                pass
+        self.found_inf = found_inf
+        self.scaler = scaler if found_inf is not None else None
+        if self.scaler is not None:
+            self.scaler._aliases.append(self)
+
+    def detach_from(self, scaler):
+        """``scaler`` is about to reuse its slots: keep a copy of the flag."""
+        if self.scaler is scaler:
+            self.found_inf = self.found_inf.clone()
+            self.scaler = None
+
+    def skipped(self):
+        """Whether the last step was skipped (reads the device flag: a host sync)."""
+        return self.found_inf is not None and bool(self.found_inf)
+
+
 class StepHandoff:
     """What a driver hands an optimizer for one step (see the module docstring).
 
@@ -94,9 +131,10 @@ class StepHandoff:
     gradients carry, with ``SCALED``; else None), ``found_inf`` (0-d device overflow flag
     or None: the step changes nothing where it is non-zero), ``write_grads`` (leave the
     unscaled gradients in ``.grad``: torch's GradScaler protocol), ``masters``
-    (:class:`MasterPairs`)."""
+    (:class:`MasterPairs`), ``last_step`` (:class:`LastStep`: the flag the last step read,
+    kept after :meth:`reset`)."""
 
-    __slots__ = ("state", "grad_scale", "found_inf", "write_grads", "masters")
+    __slots__ = ("state", "grad_scale", "found_inf", "write_grads", "masters", "last_step")
 
     def __init__(self):
         self.state = StepState.READY
@@ -104,6 +142,7 @@ class StepHandoff:
         self.found_inf = None
         self.write_grads = False
         self.masters = MasterPairs()
+        self.last_step = LastStep()
 
     def hand(self, state, grad_scale=None, found_inf=None, write_grads=False):
         """A driver hands the next step over. ``SCALED`` needs ``grad_scale``; ``UNSCALED``
@@ -151,8 +190,12 @@ class StepHandoff:
 
     def stepped(self):
         """The optimizer reports the step taken (skipped on the device where
-        ``found_inf`` != 0)."""
+        ``found_inf`` != 0). A flag handed by ``torch.amp.GradScaler`` (a new tensor every
+        step) is recorded as the last step's; a driver that hands its own reusable slots
+        (``tritamp.amp``) records its flag itself (:meth:`LastStep.record`)."""
         self.state = StepState.STEPPED
+        if self.last_step.scaler is None:
+            self.last_step.found_inf = self.found_inf
 
     @property
     def skipped(self):

@@ -2,6 +2,7 @@
 then the models are cast and patched, the optimizers get their master weights (taken from
 the fp32 values the models came with), and the global amp state is replaced."""
 import numbers
+import weakref
 
 import torch
 
@@ -250,6 +251,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
 
     _amp_state.opt_properties = props
     _amp_state.loss_scalers = scalers
+    _amp_state.optimizers = weakref.WeakSet(opt_list)
     return _shape(model_list, models_was_list, opt_list, optimizers_was_list)
 
 

@@ -22,7 +22,7 @@ import types
 import torch
 
 from tritamp import kernels as K
-from tritamp.contract import StepState, handoff_of
+from tritamp.contract import LastStep, StepState, handoff_of
 from tritamp.kernels.engine import SweepCache, borrowed, layout_key, zero_grads_
 
 _grad_of = operator.attrgetter("grad")
@@ -68,6 +68,8 @@ class AmpStash:
         self.params_have_scaled_gradients = False  # SCALED (delay_unscale)
         self.grads_zeroed = False  # zero_grad(set_to_none=False) left zeroed gradients
         self._sweeps = {}          # cached check/unscale sweeps, by purpose
+        # the overflow flag of the last step(): the handoff's record when there is one
+        self.last_step = self.handoff.last_step if self.handoff is not None else LastStep()
 
     def _check_unscale(self, purpose, srcs, scale, found, dsts=None, adds=None, write=True,
                        key=None, rebind_on=None):
@@ -351,6 +353,9 @@ def amp_step(old_step):
     overflow flag (every other optimizer, as in Apex); then the masters' copies and the
     return to READY."""
     def step(self, closure=None):
+        # torch's LR schedulers: optimizer.step() was called, whether the step runs or is
+        # skipped (their wrapper, when they wrapped the step before amp did, may not run)
+        self._opt_called = True
         if closure is not None:
             raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
         stash = self._amp_stash
@@ -364,8 +369,10 @@ def amp_step(old_step):
             # or no scale_loss since the last step (static 1.0 without masters).
             retval = old_step()
             stash.master_to_model()
+            stash.last_step.record(None, None)
             stash.finish_step()
             return retval
+        stash.last_step.record(stash.found_inf, stash.scaler)
         handoff = stash.handoff
         if handoff is not None:
             # tritamp's contract: the step reads grad_scale / found_inf on the device (no
@@ -398,6 +405,11 @@ def amp_step(old_step):
             stash.master_to_model()
         stash.finish_step()
         return retval
+    if getattr(old_step, "_wrapped_by_lr_sched", False):
+        # A scheduler made before amp.initialize wrapped the step amp replaces: this step
+        # stands for it (and sets _opt_called itself), so the scheduler does not warn that
+        # optimizer.step() was overridden.
+        step._wrapped_by_lr_sched = True
     return step
 
 

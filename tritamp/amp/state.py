@@ -1,6 +1,7 @@
 """Process-wide amp state, as in Apex: one ``initialize`` configures the loss scalers
 that ``scale_loss`` and ``state_dict`` then use."""
 import logging
+import weakref
 
 import torch
 
@@ -12,6 +13,7 @@ class AmpState:
         self.opt_properties = None     # Properties once initialize has run
         self.loss_scalers = []
         self.verbosity = 1
+        self.optimizers = weakref.WeakSet()  # the optimizers of the last initialize
 
 
 _amp_state = AmpState()
@@ -29,6 +31,7 @@ def reset():
     _amp_state.opt_properties = None
     _amp_state.loss_scalers = []
     _amp_state.verbosity = 1
+    _amp_state.optimizers = weakref.WeakSet()
 
 
 def warn_or_err(msg):

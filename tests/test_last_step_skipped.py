@@ -1,0 +1,123 @@
+"""amp.last_step_skipped and torch's LR schedulers around skipped steps."""
+import warnings
+
+import pytest
+import torch
+
+from tritamp import amp
+from tritamp.optimizers import FusedAdam, FusedSGD
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def _amp_step(model, opt, overflow):
+    loss = model(torch.randn(4, 8)).float().pow(2).sum()
+    if overflow:
+        loss = loss * float("inf")
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("make_opt,level", [
+    (lambda p: FusedAdam(p, lr=1e-2), "O2"),
+    (lambda p: FusedSGD(p, lr=1e-2, momentum=0.9), "O1"),
+    (lambda p: torch.optim.SGD(p, lr=1e-2), "O2"),        # one host read decides the skip
+    (lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True), "O1"),  # torch's protocol
+], ids=["FusedAdam-O2", "FusedSGD-O1", "torch-SGD-O2", "torch-fused-AdamW-O1"])
+def test_amp_reports_which_steps_were_skipped(make_opt, level):
+    model = _model()
+    opt = make_opt(model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    assert not amp.last_step_skipped(opt)  # no step yet
+    seen = []
+    for overflow in (True, False, True, True, False):
+        _amp_step(model, opt, overflow)
+        seen.append((amp.last_step_skipped(opt), amp.last_step_skipped()))
+        opt.zero_grad()
+    assert seen == [(True, True), (False, False), (True, True), (True, True), (False, False)]
+
+
+def test_the_answer_survives_the_scalers_next_check():
+    """The flag of the last step is one of the scaler's two slots until the next backward's
+    check reuses them: the record keeps its own copy, so between the next scale_loss exit
+    and the next step the answer is still about the last step."""
+    model = _model()
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    for overflow, clean_next in ((True, True), (False, False)):
+        _amp_step(model, opt, overflow)
+        opt.zero_grad()
+        for _ in range(2):  # two more checks: both slots reused
+            loss = model(torch.randn(4, 8)).float().pow(2).sum()
+            if not clean_next:
+                loss = loss * float("inf")
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            assert amp.last_step_skipped(opt) is overflow
+            opt.zero_grad()
+
+
+def test_a_static_scale_never_skips():
+    model = _model()
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16,
+                                loss_scale=1.0, verbosity=0)
+    _amp_step(model, opt, overflow=False)
+    assert amp.last_step_skipped(opt) is False and amp.last_step_skipped() is False
+
+
+def test_a_fused_optimizer_driven_by_torchs_grad_scaler():
+    model = _model()
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    seen = []
+    for overflow in (True, False, True):
+        loss = model(torch.randn(4, 8)).pow(2).sum()
+        if overflow:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        seen.append(amp.last_step_skipped(opt))
+        opt.zero_grad()
+    assert seen == [True, False, True]
+    opt.step()  # a plain step (no scaler) checks nothing: not skipped
+    assert amp.last_step_skipped(opt) is False
+
+
+def test_refusals():
+    with pytest.raises(TypeError, match="SGD keeps no record of its steps"):
+        amp.last_step_skipped(torch.optim.SGD(_model().parameters(), lr=1.0))
+    with pytest.raises(RuntimeError, match="pass the optimizer"):
+        amp.last_step_skipped()
+
+
+@pytest.mark.parametrize("order", ["scheduler-first", "initialize-first"])
+@pytest.mark.parametrize("make_opt", [lambda p: FusedAdam(p, lr=1e-2),
+                                      lambda p: torch.optim.SGD(p, lr=1e-2)],
+                         ids=["FusedAdam", "torch-SGD"])
+def test_a_skipped_first_step_does_not_make_torchs_scheduler_warn(order, make_opt):
+    model = _model()
+    opt = make_opt(model.parameters())
+    if order == "scheduler-first":
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    if order == "initialize-first":
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for overflow in (True, False):
+            _amp_step(model, opt, overflow)
+            sched.step()
+            opt.zero_grad()
+    assert [str(w.message) for w in caught if "lr_scheduler" in str(w.message)
+            or "optimizer.step()" in str(w.message)] == []
+    assert amp.last_step_skipped(opt) is False
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.25)
