@@ -8,9 +8,9 @@ from .axpby import multi_tensor_axpby, multi_tensor_axpby_ref, multi_tensor_scal
 from .check_unscale import (check_unscale, check_unscale_launch, check_unscale_prepare,
                             check_unscale_ref)
 from .l2norm import multi_tensor_l2norm, multi_tensor_l2norm_ref
-from .scale_update import (FLOOR_STREAK, FOUND_INF, FOUND_INF_NEXT, HYSTERESIS, SCALE, SKIPPED,
-                           STATE_SIZE, UNSKIPPED, USED_SCALE, other_found_slot, scale_update,
-                           scale_update_ref)
+from .scale_update import (FLOOR_STREAK, FOUND_INF, FOUND_INF_NEXT, HYSTERESIS, PREV_FOUND, SCALE,
+                           SKIPPED, STATE_SIZE, UNSKIPPED, USED_SCALE, other_found_slot,
+                           scale_update, scale_update_ref)
 
 __all__ = [
     "use_triton", "interpreter_on", "elementwise_settings",
@@ -19,7 +19,7 @@ __all__ = [
     "multi_tensor_scale", "multi_tensor_scale_ref", "multi_tensor_axpby", "multi_tensor_axpby_ref",
     "scale_update", "scale_update_ref",
     "SCALE", "UNSKIPPED", "HYSTERESIS", "FOUND_INF", "USED_SCALE", "SKIPPED", "FLOOR_STREAK",
-    "FOUND_INF_NEXT", "STATE_SIZE", "other_found_slot",
+    "FOUND_INF_NEXT", "PREV_FOUND", "STATE_SIZE", "other_found_slot",
 ]
 
 from .syncbn import (syncbn_backward_input, syncbn_backward_input_ref,  # noqa: E402

@@ -14,6 +14,9 @@ single-program launch and read back (for logging) by one non-blocking copy:
     FOUND_INF_NEXT the other overflow slot: the scaler alternates between FOUND_INF and
                  this one, and each update zeroes the slot the next backward will use,
                  so clearing the flag costs no launch of its own
+    PREV_FOUND   what that other slot held before the update zeroed it: the flag of the
+                 step before (a step's flag stays readable for one more update, with
+                 no launch of its own)
 
 Counters are exact in fp32 up to 2**24, which bounds growth_interval and hysteresis.
 The factors and clamps live in a small fp64 device vector uploaded once per setting.
@@ -34,9 +37,9 @@ import triton.language as tl
 
 from ._dispatch import use_triton
 
-SCALE, UNSKIPPED, HYSTERESIS, FOUND_INF, USED_SCALE, SKIPPED, FLOOR_STREAK, FOUND_INF_NEXT = \
-    range(8)
-STATE_SIZE = 8
+SCALE, UNSKIPPED, HYSTERESIS, FOUND_INF, USED_SCALE, SKIPPED, FLOOR_STREAK, FOUND_INF_NEXT, \
+    PREV_FOUND = range(9)
+STATE_SIZE = 9
 
 
 def other_found_slot(slot):
@@ -90,8 +93,11 @@ def _scale_update_kernel(
     else:
         tl.store(state_ptr + 1, tl.where(found, unskipped, unskipped + 1.0))
     tl.store(state_ptr + 5, tl.where(found, skipped + 1.0, skipped))
-    # The other slot is the one the next backward's check writes into: clear it now.
-    tl.store(state_ptr + (3 + 7 - found_slot), 0.0)
+    # The other slot is the one the next backward's check writes into: keep what it held
+    # (the step before's flag) and clear it now.
+    other = state_ptr + (3 + 7 - found_slot)
+    tl.store(state_ptr + 8, tl.load(other))
+    tl.store(other, 0.0)
 
 
 _configs = {}
@@ -141,7 +147,7 @@ def _written_slots(device, found_slot, dynamic):
     t = _cpu_index.get(key)
     if t is None:
         slots = ((SCALE, UNSKIPPED, HYSTERESIS, FLOOR_STREAK) if dynamic else (UNSKIPPED,)) \
-            + (USED_SCALE, SKIPPED, other_found_slot(found_slot))
+            + (USED_SCALE, SKIPPED, other_found_slot(found_slot), PREV_FOUND)
         t = _cpu_index[key] = torch.tensor(slots, dtype=torch.long).to(device)
     return t
 
@@ -161,6 +167,7 @@ def scale_update_cpu(state, growth_factor=2.0, backoff_factor=0.5, growth_interv
                                                slots[HYSTERESIS], slots[SKIPPED],
                                                slots[FLOOR_STREAK])
     found = slots[found_slot] != 0.0  # NaN counts as an overflow
+    prev = slots[other_found_slot(found_slot)]
     zero = scale.new_zeros(())
     new_skipped = torch.where(found, skipped + 1.0, skipped)
     if dynamic:
@@ -180,10 +187,10 @@ def scale_update_cpu(state, growth_factor=2.0, backoff_factor=0.5, growth_interv
             torch.where(found | grow, zero, clean_count),
             torch.where(grow, float(hysteresis), torch.clamp(hyst_after, min=0.0)),
             torch.where(found & (new_scale.double() <= lo), streak + 1.0, zero),
-            scale, new_skipped, zero])
+            scale, new_skipped, zero, prev])
     else:
         new = torch.stack([torch.where(found, unskipped, unskipped + 1.0), scale, new_skipped,
-                           zero])
+                           zero, prev])
     state.index_copy_(0, _written_slots(state.device, found_slot, bool(dynamic)), new)
 
 
@@ -198,6 +205,7 @@ def scale_update_ref(state, growth_factor=2.0, backoff_factor=0.5, growth_interv
                                                state[FLOOR_STREAK])
     found = state[found_slot] != 0
     new = state.clone()
+    new[PREV_FOUND] = state[other_found_slot(found_slot)]
     new[other_found_slot(found_slot)] = 0.0
     new[USED_SCALE] = scale
     new[SKIPPED] = torch.where(found, skipped + 1.0, skipped)

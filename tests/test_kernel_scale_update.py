@@ -13,7 +13,8 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tritamp.kernels import (FLOOR_STREAK, FOUND_INF, FOUND_INF_NEXT, HYSTERESIS, SCALE, SKIPPED,
+from tritamp.kernels import (FLOOR_STREAK, FOUND_INF, FOUND_INF_NEXT, HYSTERESIS, PREV_FOUND,
+                             SCALE, SKIPPED,
                              STATE_SIZE, UNSKIPPED, USED_SCALE, check_unscale, scale_update,
                              scale_update_ref)
 
@@ -25,7 +26,8 @@ HYPOTHESIS = dict(deadline=None, suppress_health_check=[HealthCheck.function_sco
                                                          HealthCheck.too_slow])
 SLOT_NAMES = {SCALE: "SCALE", UNSKIPPED: "UNSKIPPED", HYSTERESIS: "HYSTERESIS",
               FOUND_INF: "FOUND_INF", USED_SCALE: "USED_SCALE", SKIPPED: "SKIPPED",
-              FLOOR_STREAK: "FLOOR_STREAK", FOUND_INF_NEXT: "FOUND_INF_NEXT"}
+              FLOOR_STREAK: "FLOOR_STREAK", FOUND_INF_NEXT: "FOUND_INF_NEXT",
+              PREV_FOUND: "PREV_FOUND"}
 # Factors exact in fp32 and factors that are not (torch multiplies its fp32 scale by the
 # double factor and rounds once).
 FACTORS = ((2.0, 0.5), (4.0, 0.25), (1.5, 0.75), (1.25, 0.625), (1.5, 0.7), (3.0, 1 / 3),
@@ -57,9 +59,9 @@ def f32(x):
 
 
 def test_state_layout():
-    assert STATE_SIZE == 8
+    assert STATE_SIZE == 9
     assert sorted((SCALE, UNSKIPPED, HYSTERESIS, FOUND_INF, USED_SCALE, SKIPPED,
-                   FLOOR_STREAK, FOUND_INF_NEXT)) == list(range(STATE_SIZE))
+                   FLOOR_STREAK, FOUND_INF_NEXT, PREV_FOUND)) == list(range(STATE_SIZE))
 
 
 @pytest.mark.parametrize("fn", [scale_update, scale_update_ref])
@@ -76,10 +78,16 @@ def test_update_reads_its_slot_and_clears_the_other(fn, slot):
     assert state[SKIPPED].item() == 1.0
     assert state[slot].item() == 1.0      # what the step reads stays
     assert state[other].item() == 0.0     # what the next backward writes is clear
+    assert state[PREV_FOUND].item() == 1.0  # ... and what it held (the step before's) kept
     state = new_state(1024.0)
     state[other] = 1.0                    # a flag in the other slot is not this step's
     fn(state, found_slot=slot)
     assert state[SCALE].item() == 1024.0 and state[SKIPPED].item() == 0.0
+    assert state[PREV_FOUND].item() == 1.0 and state[other].item() == 0.0
+    state[other] = 0.0
+    state[slot] = 0.0
+    fn(state, found_slot=slot)            # a clean step before: PREV_FOUND follows it
+    assert state[PREV_FOUND].item() == 0.0
 
 
 # ------------------------------------------------------------------- kernel vs ref
@@ -384,7 +392,8 @@ def test_static_mode_never_changes_the_scale():
 def test_bad_state_raises(bad, fn):
     state = bad().to(DEVICE)
     before = state.clone()
-    with pytest.raises(ValueError, match=r"state must be a contiguous float32 tensor of shape \(8,\)"):
+    with pytest.raises(ValueError, match=rf"state must be a contiguous float32 tensor "
+                                         rf"of shape \({STATE_SIZE},\)"):
         fn(state)
     assert torch.equal(state, before)
 

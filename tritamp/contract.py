@@ -88,40 +88,49 @@ class MasterPairs:
 
 
 class LastStep:
-    """The overflow flag of an optimizer's last step: ``found_inf`` is the 0-d device flag
-    the step read (non-zero: it was skipped), or None when nothing was checked (it ran).
+    """The overflow flag of an optimizer's last step.
 
-    A driver whose flag is one of its own reusable slots (``tritamp.amp``'s loss scaler)
-    registers the record with ``scaler`` (:meth:`record`); the scaler calls
-    :meth:`detach_from` before it reuses the slot, and the record takes its own copy (one
-    0-d device copy, no host sync)."""
-    __slots__ = ("found_inf", "scaler")
+    ``flag()`` is the 0-d device flag the step read (non-zero: it was skipped), or None
+    when nothing was checked (it ran); ``skipped()`` reads it (a host sync).
+
+    A driver that hands the step one of its own reusable slots (``tritamp.amp``'s loss
+    scaler) records it with :meth:`record` and an ``owner``: the record then keeps the
+    owner's token instead of the tensor, ``flag()`` asks ``owner.flag_of(token)``, and the
+    owner calls :meth:`detach_from` (the record takes its own copy) before the flag could
+    be lost. The scaler keeps a step's flag readable for one more update on the device
+    (its ``PREV_FOUND`` slot), so a training loop pays no copy for this."""
+    __slots__ = ("found_inf", "owner", "token")
 
     def __init__(self):
         self.found_inf = None
-        self.scaler = None
+        self.owner = None
+        self.token = None
 
-    def record(self, found_inf, scaler=None):
-        """The last step read ``found_inf``; ``scaler``: whose slot it is (or None)."""
-        if self.scaler is not None:
-            try:
-                self.scaler._aliases.remove(self)
-            except ValueError:  # the scaler already detached it
-                pass
+    def record(self, found_inf, owner=None):
+        """The last step read ``found_inf``, a slot of ``owner`` (or None: its own)."""
+        if self.owner is not None:
+            self.owner.untrack(self)
         self.found_inf = found_inf
-        self.scaler = scaler if found_inf is not None else None
-        if self.scaler is not None:
-            self.scaler._aliases.append(self)
+        self.owner = owner if found_inf is not None else None
+        self.token = None if self.owner is None else self.owner.track(self)
 
-    def detach_from(self, scaler):
-        """``scaler`` is about to reuse its slots: keep a copy of the flag."""
-        if self.scaler is scaler:
-            self.found_inf = self.found_inf.clone()
-            self.scaler = None
+    def flag(self):
+        """The 0-d device flag of the last step, or None."""
+        if self.owner is None:
+            return self.found_inf
+        return self.owner.flag_of(self.token)
+
+    def detach_from(self, owner):
+        """``owner`` is about to lose the flag: keep a copy of it."""
+        if self.owner is owner:
+            self.found_inf = self.flag().clone()
+            owner.untrack(self)
+            self.owner = self.token = None
 
     def skipped(self):
         """Whether the last step was skipped (reads the device flag: a host sync)."""
-        return self.found_inf is not None and bool(self.found_inf)
+        flag = self.flag()
+        return flag is not None and bool(flag)
 
 
 class StepHandoff:
@@ -194,7 +203,7 @@ class StepHandoff:
         step) is recorded as the last step's; a driver that hands its own reusable slots
         (``tritamp.amp``) records its flag itself (:meth:`LastStep.record`)."""
         self.state = StepState.STEPPED
-        if self.last_step.scaler is None:
+        if self.last_step.owner is None:
             self.last_step.found_inf = self.found_inf
 
     @property

@@ -260,6 +260,11 @@ class LossScaler:
         self._seen_skipped = 0.0
         self._floor_warned = False
         self._aliases = []  # optimizer stashes that refer to this scaler's slots
+        # Records of optimizers' last steps (tritamp.contract.LastStep) whose flag is one of
+        # this scaler's slots, and the number of dynamic updates so far: a record's flag is
+        # its slot until the next update, then PREV_FOUND until the one after.
+        self._records = set()
+        self._updates = 0
         # The overflow slot the next backward's check writes, and whether it is known to
         # be zero (each update zeroes the slot after the one it read: no launch to clear).
         self._slot = K.FOUND_INF
@@ -311,6 +316,8 @@ class LossScaler:
         self._aliases.clear()
         self._slot = K.other_found_slot(self._slot)
         if not self._next_clean:  # no update since the last check zeroed this slot
+            # (two checks without an update: a last step's flag there would be lost)
+            self._detach_records(lambda slot, update: slot == self._slot)
             self._state[self._slot].zero_()
         self._next_clean = False
 
@@ -332,11 +339,39 @@ class LossScaler:
         if not self.dynamic:
             self._state[K.UNSKIPPED:K.UNSKIPPED + 1].add_(1.0)
             return
+        if self._records:  # flags of steps two updates old are not kept on the device
+            self._detach_records(lambda slot, update: update < self._updates)
         K.scale_update(self._state, self.growth_factor, self.backoff_factor,
                        self.growth_interval, self.hysteresis, self.min_loss_scale,
                        self.max_loss_scale, self.dynamic, found_slot=self._slot)
+        self._updates += 1
         self._next_clean = True
         self._queue_report()
+
+    # -- the flags of optimizers' last steps (tritamp.contract.LastStep's owner protocol) --
+    def track(self, record):
+        """Keep ``record`` (a last step that read the current overflow slot) readable;
+        returns its token."""
+        self._records.add(record)
+        return (self._slot, self._updates)
+
+    def untrack(self, record):
+        self._records.discard(record)
+
+    def flag_of(self, token):
+        """The 0-d device flag of the step ``token`` recorded: its slot until the next
+        update, then the PREV_FOUND slot that update copied it into (no launch)."""
+        slot, update = token
+        age = self._updates - update
+        if age == 0:
+            return self._state[slot]
+        if age == 1:
+            return self._state[K.PREV_FOUND]
+        raise AssertionError("a last-step record outlived the scaler's copy of its flag")
+
+    def _detach_records(self, lost):
+        for record in [r for r in self._records if lost(*r.token)]:
+            record.detach_from(self)
 
     # -- reporting without stalls ---------------------------------------------------
     def _make_snapshots(self):
@@ -480,6 +515,8 @@ class LossScaler:
         host[K.HYSTERESIS] = values.get("hysteresis", self.hysteresis)
         host[K.SKIPPED] = values.get("skipped", host[K.SKIPPED])
         host[K.FLOOR_STREAK] = streak = values.get("floor_streak", 0)
+        if self._records:  # the flags of last steps are about to be overwritten
+            self._detach_records(lambda slot, update: True)
         self._state.copy_(torch.tensor(host, dtype=torch.float32))
         if not self.dynamic:
             self._static_scale = scale
