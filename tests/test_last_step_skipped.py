@@ -121,3 +121,31 @@ def test_a_skipped_first_step_does_not_make_torchs_scheduler_warn(order, make_op
             or "optimizer.step()" in str(w.message)] == []
     assert amp.last_step_skipped(opt) is False
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.25)
+
+
+def test_an_optimizer_that_sits_out_updates_keeps_its_answer():
+    """opt_b's last step (skipped) is two and three updates old when asked: the scaler's
+    device state holds a step's flag for one update more; after that the record has its
+    own copy."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+    opt_a = FusedAdam(a.parameters(), lr=1e-2)
+    opt_b = FusedSGD(b.parameters(), lr=1e-2)
+    [a, b], [opt_a, opt_b] = amp.initialize([a, b], [opt_a, opt_b], opt_level="O2",
+                                            half_dtype=torch.bfloat16, loss_scale="dynamic",
+                                            verbosity=0)
+    loss = b(a(torch.randn(4, 8))).float().sum() * float("inf")
+    with amp.scale_loss(loss, [opt_a, opt_b]) as scaled:
+        scaled.backward()
+    opt_a.step()
+    opt_b.step()
+    opt_a.zero_grad()
+    opt_b.zero_grad()
+    for _ in range(3):  # updates opt_b sits out
+        loss = a(torch.randn(4, 8)).float().pow(2).sum()
+        with amp.scale_loss(loss, opt_a) as scaled:
+            scaled.backward()
+        opt_a.step()
+        opt_a.zero_grad()
+        assert amp.last_step_skipped(opt_b) and not amp.last_step_skipped(opt_a)
+        assert amp.last_step_skipped()  # any optimizer's last step
