@@ -155,7 +155,6 @@ def record_specialisations(optimizers=OPTIMIZERS, log=None):
     """Run every scenario under the recorder. Returns (specialisations, sources, errors):
     distinct :class:`~tritamp.kernels.recorder.Specialisation` in order of first use,
     {id(spec): [scenario, ...]} and {scenario: error}."""
-    from tritamp.kernels.recorder import record_launches
     scenarios = {}
     for opt_name in optimizers:
         for level in LEVELS:
@@ -167,23 +166,7 @@ def record_specialisations(optimizers=OPTIMIZERS, log=None):
             scenarios[f"{opt_name} GradScaler fp32{' +odd' if odd else ''}"] = (
                 lambda o=opt_name, od=odd: _grad_scaler_steps(o, od))
     scenarios.update(_direct_calls())
-    specs, sources, errors = [], {}, {}
-    with record_launches() as rec:
-        for name, run in scenarios.items():
-            rec.launches.clear()
-            try:
-                run()
-            except Exception as e:
-                errors[name] = f"{type(e).__name__}: {e}"
-                if log:
-                    log(f"  {name}: {errors[name]}")
-            for launch in rec.launches:
-                spec = launch.specialisation
-                if id(spec) not in sources:
-                    sources[id(spec)] = []
-                    specs.append(spec)
-                if name not in sources[id(spec)]:
-                    sources[id(spec)].append(name)
+    specs, sources, _, errors = record_scenarios(scenarios, log)
     return specs, sources, errors
 
 
@@ -257,13 +240,20 @@ def _syncbn_scenarios():
 
 
 def record_norms(log=None, scenarios=None):
-    """The norm scenarios (or ``scenarios``) under the recorder: (specialisations,
-    sources, launches, errors), launches as {scenario, kernel, grid, spec} (spec: index
-    into specialisations)."""
+    """The norm scenarios (or ``scenarios``) under the recorder: see
+    :func:`record_scenarios`."""
+    return record_scenarios(scenarios or _norm_scenarios(), log)
+
+
+def record_scenarios(scenarios, log=None):
+    """``scenarios`` ({name: callable}) under the recorder: (specialisations, sources,
+    launches, errors): distinct specialisations in order of first use, {id(spec):
+    [scenario, ...]}, launches as {scenario, kernel, grid, spec} (spec: index into
+    specialisations) and {scenario: error}."""
     from tritamp.kernels.recorder import record_launches
     specs, index, sources, launches, errors = [], {}, {}, [], {}
     with record_launches() as rec:
-        for name, run in (scenarios or _norm_scenarios()).items():
+        for name, run in scenarios.items():
             rec.launches.clear()
             try:
                 run()
