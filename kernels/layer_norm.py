@@ -124,6 +124,35 @@ def _xhat(v_row, w_ptr, b_ptr, cols, mask, mean, rstd, IS_RMS: tl.constexpr,
 
 
 @triton.jit
+def _row_terms(row, v_ptr, v_stride, dy_ptr, w, w_ptr, b_ptr, mean_ptr, rstd_ptr, cols, mask,
+               N, IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+               FROM_OUTPUT: tl.constexpr, EMULATE_BF16_ROUNDING: tl.constexpr):
+    """One row's chunk ``cols`` in the backward: (xhat, dy, w * dy, rstd), ``w`` the
+    chunk's weight already loaded (when HAS_WEIGHT)."""
+    rstd = tl.load(rstd_ptr + row)
+    mean = 0.0
+    if not IS_RMS and not FROM_OUTPUT:
+        mean = tl.load(mean_ptr + row)
+    xhat = _xhat(v_ptr + row * v_stride, w_ptr, b_ptr, cols, mask, mean, rstd, IS_RMS,
+                 HAS_WEIGHT, HAS_BIAS, FROM_OUTPUT, EMULATE_BF16_ROUNDING)
+    dy = load_f32(dy_ptr + row * N + cols, mask, EMULATE_BF16_ROUNDING)
+    wdy = dy
+    if HAS_WEIGHT:
+        wdy = dy * w
+    return xhat, dy, wdy, rstd
+
+
+@triton.jit
+def _dx(wdy, xhat, c1, c2, rstd, IS_RMS: tl.constexpr):
+    """dx of one row's chunk from its two row means ``c1 = mean(xhat * w * dy)`` and
+    ``c2 = mean(w * dy)`` (LayerNorm only)."""
+    if IS_RMS:
+        return (wdy - xhat * c1) * rstd
+    else:
+        return (wdy - (xhat * c1 + c2)) * rstd
+
+
+@triton.jit
 def _layer_norm_bwd_kernel(
     dy_ptr,         # [M, N] output gradient, contiguous
     v_ptr,          # [M, N] the input (or the output when FROM_OUTPUT), row stride v_stride
@@ -149,27 +178,21 @@ def _layer_norm_bwd_kernel(
     if ONE_PASS:
         cols = tl.arange(0, BLOCK)
         mask = cols < N
+        w = 1.0
         if HAS_WEIGHT:
             w = load_f32(w_ptr + cols, mask, EMULATE_BF16_ROUNDING)
         dw_acc = tl.zeros([BLOCK], dtype=tl.float32)
         db_acc = tl.zeros([BLOCK], dtype=tl.float32)
         for row in range(row_start, row_end):
-            rstd = tl.load(rstd_ptr + row)
-            mean = 0.0
-            if not IS_RMS and not FROM_OUTPUT:
-                mean = tl.load(mean_ptr + row)
-            xhat = _xhat(v_ptr + row * v_stride, w_ptr, b_ptr, cols, mask, mean, rstd, IS_RMS,
-                         HAS_WEIGHT, HAS_BIAS, FROM_OUTPUT, EMULATE_BF16_ROUNDING)
-            dy = load_f32(dy_ptr + row * N + cols, mask, EMULATE_BF16_ROUNDING)
-            wdy = dy
-            if HAS_WEIGHT:
-                wdy = dy * w
+            xhat, dy, wdy, rstd = _row_terms(row, v_ptr, v_stride, dy_ptr, w, w_ptr, b_ptr,
+                                             mean_ptr, rstd_ptr, cols, mask, N, IS_RMS,
+                                             HAS_WEIGHT, HAS_BIAS, FROM_OUTPUT,
+                                             EMULATE_BF16_ROUNDING)
             c1 = tl.div_rn(tl.sum(xhat * wdy, axis=0), n)
-            if IS_RMS:
-                dx = (wdy - xhat * c1) * rstd
-            else:
+            c2 = 0.0
+            if not IS_RMS:
                 c2 = tl.div_rn(tl.sum(wdy, axis=0), n)
-                dx = (wdy - (xhat * c1 + c2)) * rstd
+            dx = _dx(wdy, xhat, c1, c2, rstd, IS_RMS)
             store_cast(dx_ptr + row * N + cols, dx, mask, EMULATE_BF16_ROUNDING)
             dw_acc += dy * xhat
             db_acc += dy
@@ -208,27 +231,21 @@ def _layer_norm_bwd_kernel(
         for start in range(0, N, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < N
+            w = 1.0
             if HAS_WEIGHT:
                 w = load_f32(w_ptr + cols, mask, EMULATE_BF16_ROUNDING)
             dw_acc = tl.zeros([BLOCK], dtype=tl.float32)
             db_acc = tl.zeros([BLOCK], dtype=tl.float32)
             for row in range(row_start, row_end):
-                rstd = tl.load(rstd_ptr + row)
-                mean = 0.0
-                if not IS_RMS and not FROM_OUTPUT:
-                    mean = tl.load(mean_ptr + row)
+                xhat, dy, wdy, rstd = _row_terms(row, v_ptr, v_stride, dy_ptr, w, w_ptr, b_ptr,
+                                                 mean_ptr, rstd_ptr, cols, mask, N, IS_RMS,
+                                                 HAS_WEIGHT, HAS_BIAS, FROM_OUTPUT,
+                                                 EMULATE_BF16_ROUNDING)
                 c1 = tl.load(stats_ptr + 2 * row)
-                xhat = _xhat(v_ptr + row * v_stride, w_ptr, b_ptr, cols, mask, mean, rstd,
-                             IS_RMS, HAS_WEIGHT, HAS_BIAS, FROM_OUTPUT, EMULATE_BF16_ROUNDING)
-                dy = load_f32(dy_ptr + row * N + cols, mask, EMULATE_BF16_ROUNDING)
-                wdy = dy
-                if HAS_WEIGHT:
-                    wdy = dy * w
-                if IS_RMS:
-                    dx = (wdy - xhat * c1) * rstd
-                else:
+                c2 = 0.0
+                if not IS_RMS:
                     c2 = tl.load(stats_ptr + (2 * row + 1))
-                    dx = (wdy - (xhat * c1 + c2)) * rstd
+                dx = _dx(wdy, xhat, c1, c2, rstd, IS_RMS)
                 store_cast(dx_ptr + row * N + cols, dx, mask, EMULATE_BF16_ROUNDING)
                 dw_acc += dy * xhat
                 db_acc += dy
