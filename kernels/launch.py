@@ -23,6 +23,10 @@ kept launch runs exactly what ``kernel[grid](...)`` would have run; a new key go
 through ``kernel[grid](...)`` once (compiling, or recording under
 :func:`tritamp.kernels.recorder.record_launches`) and keeps what it returns.
 
+A kept variant was compiled with the Triton options in force at its first launch (the
+``debug`` flag, instrumentation knobs): after changing those at run time, call
+:func:`forget_all` so that every kernel is bound again.
+
 Kernels defined while ``TRITON_INTERPRET=1`` are not ``JITFunction``s: they are called
 the usual way, and so is every kernel when the environment sets
 ``TRITAMP_DIRECT_LAUNCH=0`` when tritamp is imported (an escape hatch should a Triton
@@ -32,12 +36,14 @@ parameters is also called the usual way (the direct argument list could not be b
 from the two parts).
 """
 import os
+import weakref
 
 import torch
 
-__all__ = ["KeptKernel", "kept_kernel", "arg_key", "DIRECT_LAUNCH"]
+__all__ = ["KeptKernel", "kept_kernel", "forget_all", "arg_key", "DIRECT_LAUNCH"]
 
 DIRECT_LAUNCH = os.environ.get("TRITAMP_DIRECT_LAUNCH", "1") != "0"
+_ALL = weakref.WeakSet()  # every KeptKernel, for forget_all
 
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 _I64_MAX = (1 << 63) - 1
@@ -71,12 +77,14 @@ class KeptKernel:
     ``num_warps``), ``constexpr_key`` a hashable the caller derives from them (callers
     keep it with their launch settings, so it is not rebuilt per call)."""
 
-    __slots__ = ("fn", "direct", "_kept", "_caches", "_n_runtime", "_driver", "_knobs")
+    __slots__ = ("fn", "direct", "_kept", "_caches", "_n_runtime", "_driver", "_knobs",
+                 "__weakref__")
 
     def __init__(self, fn):
         self.fn = fn
         self.direct = DIRECT_LAUNCH and _is_jit_function(fn)
         self._kept = {}
+        _ALL.add(self)
         self._caches = None
         self._n_runtime = None
         if self.direct:
@@ -146,3 +154,10 @@ def kept_kernel(fn):
     if kept is None:
         kept = _KEPT[fn] = KeptKernel(fn)
     return kept
+
+
+def forget_all():
+    """Drop every kept variant of every kernel (each is bound by Triton again at its next
+    launch): after changing Triton's run-time options."""
+    for kept in list(_ALL):
+        kept.forget()

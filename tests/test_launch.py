@@ -79,6 +79,11 @@ CHILD = textwrap.dedent(r"""
         out["second_session"] = [[l.name, list(l.grid)] for l in rec.launches]
         out["runs_in_second"] = runs[0]
         out["specs_in_second"] = len(rec.specialisations)
+        from tritamp.kernels.launch import forget_all
+        forget_all()  # the next launch is bound by Triton again (a cache hit: no new variant)
+        kept.launch((3,), cases["bf16"], ce, ck)
+        out["runs_after_forget"] = runs[0]
+        out["specs_after_forget"] = len(rec.specialisations)
     print(json.dumps(out))
 """)
 
@@ -102,6 +107,7 @@ def test_kept_launches_use_the_variant_triton_would_bind():
     assert out["kept"] == n
     assert out["second_session"] == [["_layer_norm_fwd_kernel", [3, 1, 1]]] * 2
     assert out["runs_in_second"] == 1 and out["specs_in_second"] == 1
+    assert out["runs_after_forget"] == 2 and out["specs_after_forget"] == 1
 
 
 def test_arg_key_is_what_triton_specialises_on():
