@@ -236,10 +236,10 @@ class LayoutPrepared:
         self.device = prepared.device
         self.cpu_plans = {}  # the CPU path's per-group plans (by group index), made once
 
-    def launch(self, kernel, args, constexprs):
+    def launch(self, kernel, args, constexprs, group_args=None):
         """Refresh the read copies, launch once per dtype group, copy results back."""
         self.layouts.before()
-        self.prepared.launch(kernel, args, constexprs)
+        self.prepared.launch(kernel, args, constexprs, group_args)
         self.layouts.after()
 
     @property

@@ -40,9 +40,9 @@ def _module(name):
     return importlib.import_module(f"{__package__}.{name}")
 
 
-_adagrad, _adam, _axpby, _cu, _l2norm, _lamb, _ln, _novograd, _su, _sgd, _bn = map(_module, (
-    "adagrad", "adam", "axpby", "check_unscale", "l2norm", "lamb", "layer_norm", "novograd",
-    "scale_update", "sgd", "syncbn"))
+_adagrad, _adam, _axpby, _cu, _l2norm, _lamb, _ln, _novograd, _su, _sgd, _bn, _ovf = map(
+    _module, ("adagrad", "adam", "axpby", "check_unscale", "l2norm", "lamb", "layer_norm",
+              "novograd", "scale_update", "sgd", "syncbn", "overflow"))
 
 # Odd shapes: one element, a partial block, a 2-D tensor whose rows are not a power of two.
 SHAPES = ((1,), (1000,), (3, 257))
@@ -253,6 +253,23 @@ def _check_unscale_samples(device="cpu", shapes=SHAPES):
         out.append(Sample(f"unscale {n}", dt, (grads(),), amp()))
         out.append(Sample(f"unscale {n} into fp32", dt, (grads(),), dict(
             amp(), dsts=[torch.full(s, 7.0, device=device) for s in shapes])))
+    return out
+
+
+def _count_nonfinite_samples(device="cpu", shapes=SHAPES):
+    out = []
+    for dt in DTYPES:
+        n = DTYPE_NAMES[dt]
+        g = _gen(2)
+        for found in (1.0, 0.0):
+            srcs = [_randn(s, dt, device, g) for s in shapes]
+            srcs[0].view(-1)[0] = math.inf
+            srcs[-1].view(-1)[1::3] = math.nan  # NaNs in every third element of the last
+            counts = torch.full((len(shapes),), 5, dtype=torch.int32, device=device)
+            state = torch.zeros(_su.STATE_SIZE, device=device)
+            state[_su.FOUND_INF] = found
+            what = "skipped" if found else "clean"
+            out.append(Sample(f"count {n} {what}", dt, (srcs, counts, state[_su.FOUND_INF])))
     return out
 
 
@@ -668,6 +685,12 @@ OPS = (
            prepare=_cu.check_unscale_prepare, launch=_cu.check_unscale_launch,
            multi_tensor=True, kernel_family="check_unscale", register_budget=48,
            benchmarks={"amp check": _bench_check, "amp unscale->fp32": _bench_unscale}),
+    OpInfo("count_nonfinite", _ovf.count_nonfinite, _ovf.count_nonfinite_ref,
+           _count_nonfinite_samples,
+           # whole counts: exact
+           tol={"kernel": ALL_EXACT, "cpu": ALL_EXACT}, cpu=_ovf.count_nonfinite_cpu,
+           prepare=_ovf.count_nonfinite_prepare, launch=_ovf.count_nonfinite_launch,
+           multi_tensor=True, kernel_family="count_nonfinite", register_budget=48),
     OpInfo("multi_tensor_l2norm", _l2norm.multi_tensor_l2norm, _l2norm.multi_tensor_l2norm_ref,
            _l2norm_samples,
            # fp32 sums in another order: a few fp32 ulps (the flag exactly)

@@ -1,0 +1,121 @@
+"""Which tensors overflowed: per-tensor counts of non-finite values, on skipped steps only.
+
+``count_nonfinite(srcs, counts, found_inf)`` adds to ``counts[i]`` (int32, one per
+tensor) the number of inf and NaN elements of ``srcs[i]`` **when ``found_inf`` is
+non-zero**, and does nothing otherwise. The flag is read on the device: every program
+of the launch reads it first and returns at once on a clean step, so a training loop
+launches this once per step and it reads no gradient unless the step is being skipped
+(the second pass over the gradients that names what overflowed happens on skipped steps
+only). Counts accumulate (atomic adds of whole integers: exact, in any order) until the
+caller reads and zeroes them; nothing is read back to the host here.
+
+The sweep is declared once (``COUNT_NONFINITE``) and goes through the multi-tensor
+engine; sources must be dense (every gradient of a dense parameter is): a non-dense one
+is refused before anything is written. Keep :func:`count_nonfinite_prepare`'s result
+while the tensors stay the same and call :func:`count_nonfinite_launch` on it.
+
+On a CPU without the interpreter, :func:`count_nonfinite_cpu` reads the flag from host
+memory (a CPU tensor: no device to wait for) and counts with torch ops only when it is
+set.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._multi_tensor import Column, Sweep, _dense
+from ._tl_utils import column, load_f32, sweep_block
+from .check_unscale import LayoutPrepared, Layouts, check_lists
+
+COUNT_NONFINITE = Sweep("count_nonfinite", [Column("srcs", "param")])
+_S = COUNT_NONFINITE.col("srcs")
+_ROW = COUNT_NONFINITE.row_width
+
+
+@triton.jit
+def _count_nonfinite_kernel(
+    meta_ptr,        # int64 [n_tensors, 2]: the source's address, then numel
+    blocks_ptr,      # int32 [n_blocks, 2]: tensor index, block index within that tensor
+    counters_ptr,    # unused (the sweep has no step column)
+    src_proto,       # a source tensor of the group: carries the element type
+    rows_ptr,        # int32 [n_tensors]: each tensor's index in the caller's list
+    counts_ptr,      # int32 [caller's list]: non-finite elements, accumulated
+    found_inf_ptr,   # fp32 scalar: count only when non-zero (a skipped step)
+    VEC: tl.constexpr,             # > 1: every address 16-byte aligned, numel % VEC == 0
+    EMULATE_BF16_ROUNDING: tl.constexpr,  # interpreter only: see _tl_utils
+    BLOCK: tl.constexpr,
+):
+    if tl.load(found_inf_ptr) != 0.0:
+        tensor, row, offs, mask = sweep_block(meta_ptr, blocks_ptr, found_inf_ptr, _ROW, False,
+                                              VEC, BLOCK)
+        x = load_f32(column(row, _S, offs, src_proto, VEC), mask, EMULATE_BF16_ROUNDING)
+        bad = mask & ((x != x) | (tl.abs(x) == float("inf")))
+        n = tl.sum(bad.to(tl.int32), axis=0)
+        if n > 0:
+            tl.atomic_add(counts_ptr + tl.load(rows_ptr + tensor), n)
+
+
+def count_nonfinite_prepare(srcs):
+    """Validate and plan a count over ``srcs`` (dense fp32/fp16/bf16 tensors on one
+    device): keep the result while the tensors stay the same. Bad lists raise before
+    anything is written."""
+    srcs = list(srcs)
+    op = COUNT_NONFINITE.name
+    check_lists(op, [("srcs", srcs)])
+    for i, t in enumerate(srcs):
+        if not _dense(t):
+            raise ValueError(f"{op}: srcs[{i}] of shape {tuple(t.shape)} has strides "
+                             f"{t.stride()}, not a dense layout; pass a dense tensor "
+                             f"(srcs[{i}].contiguous())")
+    prepared = COUNT_NONFINITE.prepare(dict(srcs=srcs))
+    rows = [torch.tensor(g.rows, dtype=torch.int32).to(prepared.device)
+            for g in prepared.groups]
+    return LayoutPrepared(prepared, dict(srcs=srcs), Layouts(), dict(rows=rows))
+
+
+def _check_counts(counts, n, device):
+    if not isinstance(counts, torch.Tensor) or counts.dtype != torch.int32 \
+            or counts.shape != (n,) or counts.device != device or not counts.is_contiguous():
+        got = (f"{counts.dtype} {tuple(counts.shape)} on {counts.device}"
+               if isinstance(counts, torch.Tensor) else type(counts).__name__)
+        raise ValueError(f"count_nonfinite: counts must be a contiguous int32 tensor of shape "
+                         f"({n},) on {device} (one count per source), got {got}; pass "
+                         f"torch.zeros({n}, dtype=torch.int32, device=...)")
+
+
+def count_nonfinite_launch(prepared, counts, found_inf):
+    """One count over a prepared sweep (see the module docstring): one launch per dtype
+    group on the Triton path; nothing synchronised with the host."""
+    _check_counts(counts, prepared.n, prepared.device)
+    if prepared.n == 0:
+        return
+    if not prepared.triton:
+        count_nonfinite_cpu(prepared, counts, found_inf)
+        return
+    prepared.launch(_count_nonfinite_kernel, (counts, found_inf), None,
+                    group_args=[(r,) for r in prepared.options["rows"]])
+
+
+@torch.no_grad()
+def count_nonfinite_cpu(prepared, counts, found_inf):
+    """The production CPU path: the flag read from host memory (no device to wait for),
+    then, on a skipped step only, one count per tensor."""
+    if float(found_inf.detach().numpy()) == 0.0:
+        return
+    srcs = prepared.lists["srcs"]
+    counts.add_(torch.stack([(~torch.isfinite(x)).sum() for x in srcs]).to(torch.int32))
+
+
+def count_nonfinite(srcs, counts, found_inf):
+    """Add the number of inf/NaN elements of each ``srcs[i]`` to ``counts[i]`` (int32)
+    when ``found_inf`` is non-zero (see the module docstring)."""
+    count_nonfinite_launch(count_nonfinite_prepare(srcs), counts, found_inf)
+
+
+@torch.no_grad()
+def count_nonfinite_ref(srcs, counts, found_inf):
+    """Torch reference of :func:`count_nonfinite`."""
+    srcs = list(srcs)
+    if not srcs:
+        return
+    n = torch.stack([(~torch.isfinite(x)).sum() for x in srcs]).to(torch.int32)
+    counts.add_(torch.where(found_inf != 0, n, torch.zeros_like(n)))
