@@ -14,6 +14,10 @@ from tritamp import amp
 INF = float("inf")
 NAN = float("nan")
 APEX_MESSAGE = "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0"
+# What follows Apex's words on a skip: the gradients that held inf/NaN (mlp() below), most
+# first; with an inf loss, every value of every gradient.
+EVERY_GRADIENT = ("; non-finite gradients on rank 0: 0.weight (128 values), 2.weight "
+                  "(64 values), 0.bias (16 values), 2.bias (4 values)")
 
 
 def mlp():
@@ -106,7 +110,9 @@ def test_overflow_skips_the_step_bitwise(level, kind, poison, caplog):
         handle.remove()
     assert_same(before, snapshot(model, opt))
     assert loss_scale() == 32768.0
-    assert [r.getMessage() for r in amp_records(caplog)] == [APEX_MESSAGE]
+    names = EVERY_GRADIENT if poison == "inf_loss" else \
+        "; non-finite gradients on rank 0: 0.weight (8 values)"  # the row the hook filled
+    assert [r.getMessage() for r in amp_records(caplog)] == [APEX_MESSAGE + names]
 
     step(model, opt, *batches[2])  # a clean step updates again
     after = snapshot(model, opt)
@@ -136,8 +142,10 @@ def test_overflow_message_per_loss_id(caplog):
     with amp.scale_loss(mse(model(x), y) * INF, opt, loss_id=1) as scaled:
         scaled.backward()
     opt.step()
+    # (a unit the ReLU cut for every sample keeps finite gradients: 0 * x)
     assert [r.getMessage() for r in amp_records(caplog)] == \
-        [APEX_MESSAGE.replace("scaler 0", "scaler 1")]
+        [APEX_MESSAGE.replace("scaler 0", "scaler 1") + "; non-finite gradients on rank 0: "
+         "0.weight (120 values), 2.weight (64 values), 0.bias (15 values), 2.bias (4 values)"]
 
 
 # --------------------------------------------------------------------------------------

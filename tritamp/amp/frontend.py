@@ -9,6 +9,7 @@ import torch
 from .model import (check_models, check_params_fp32, convert_network, patch_forward,
                      planned_param_dtypes, register_fp32_state_dict)
 from .optimizer import process_optimizer
+from .overflow import param_names
 from .state import _amp_state, maybe_print
 from .properties import (HALF_DTYPES, Properties, check_dtype_arg, check_half_dtype,
                          check_opt_level, opt_levels)
@@ -245,6 +246,9 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
 
     for opt in opt_list:
         process_optimizer(opt, props)
+    names = param_names(model_list, opt_list)
+    for opt in opt_list:
+        opt._amp_stash.param_names = names
     if before_cast:
         _masters_from(opt_list, before_cast)
     del before_cast

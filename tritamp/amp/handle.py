@@ -85,6 +85,9 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
     # any gradient of the backward overflowed, whichever optimizer it belongs to.
     for opt in optimizers:
         opt._amp_stash.take_overflow(scaler)
+    if scaler.dynamic and _amp_state.verbosity > 0:  # names for the skip warning
+        for opt in optimizers:
+            opt._amp_stash.count_overflows(scaler)
     if not delay_overflow_check:
         scaler.update_scale()
 

@@ -43,6 +43,7 @@ def _clear_grads(params):
     collections.deque(map(setattr, params, itertools.repeat("grad"), _no_grads), maxlen=0)
 
 
+from . import overflow
 from .model import MASTER_ATTR
 from .state import logger
 
@@ -68,6 +69,9 @@ class AmpStash:
         self.params_have_scaled_gradients = False  # SCALED (delay_unscale)
         self.grads_zeroed = False  # zero_grad(set_to_none=False) left zeroed gradients
         self._sweeps = {}          # cached check/unscale sweeps, by purpose
+        self.param_names = {}      # id(parameter) -> name, for the overflow warning
+        self._count_src = None     # (gradients, key) this backward checked, in the steady state
+        self._ledger = None        # counts of non-finite gradient values (overflow.Ledger)
         # the overflow flag of the last step(): the handoff's record when there is one
         self.last_step = self.handoff.last_step if self.handoff is not None else LastStep()
 
@@ -212,6 +216,7 @@ class AmpStash:
             # parameter's gradient, so its shape and dtype are fixed and only the address
             # and strides can change.
             key = layout_key(grads)
+            self._count_src = (grads, key)
             if check is not None:
                 if any(map(_is_none, grads)):
                     grads = [g for g in grads if g is not None]
@@ -219,6 +224,7 @@ class AmpStash:
                                     rebind_on=key[1])
             self._pending(carried)
             return
+        self._count_src = None
         master_fresh = []  # (index, half gradient) of masters without a gradient yet
         acc = []  # (gradient, destination, addend): a second loss into the same step
         for i, (p, m) in enumerate(zip(self.model_params, self.masters)):
@@ -288,6 +294,33 @@ class AmpStash:
         elif self.scaler is not scaler:
             self.found_inf = torch.maximum(self.found_inf, found)
             self._drop_alias()  # an own tensor now, no longer a view of a scaler's slot
+
+    def count_overflows(self, scaler):
+        """Count each checked gradient's inf/NaN values into this optimizer's ledger when
+        the step is being skipped: decided on the device (one launch that returns at once
+        on a clean step; on a CPU the flag is read from host memory), so a clean step reads
+        no gradient and nothing comes back to the host (tritamp.amp.overflow)."""
+        found = self.found_inf
+        if found is None:
+            return
+        params = self.model_params + self.plain_params
+        if self._count_src is not None:
+            grads, key = self._count_src
+        else:
+            grads = list(map(_grad_of, params))
+            key = layout_key(grads)
+        ledger = self._ledger
+        if ledger is None or ledger.layout != key[1]:  # which gradients are there, and dense
+            keep = [i for i, g in enumerate(grads) if g is not None and overflow.dense(g)]
+            if not keep:
+                return
+            if ledger is None or ledger.keep != keep:
+                names = [self.param_names.get(id(params[i]), "a parameter") for i in keep]
+                ledger = self._ledger = overflow.Ledger(keep, names, key[1],
+                                                        grads[keep[0]].device)
+            ledger.layout = key[1]
+        ledger.count(grads, key, found, K.use_triton(found))
+        scaler.note_ledger(ledger)
 
     def _alias(self, scaler):
         self.scaler = scaler

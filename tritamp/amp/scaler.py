@@ -17,6 +17,7 @@ import torch
 
 from tritamp import kernels as K
 
+from . import overflow
 from .state import _amp_state, logger
 
 FLOOR_WARN_STEPS = 10
@@ -265,6 +266,10 @@ class LossScaler:
         # its slot until the next update, then PREV_FOUND until the one after.
         self._records = set()
         self._updates = 0
+        # Counts of non-finite gradient values (tritamp.amp.overflow.Ledger) the next skip
+        # report may list, and its rate limit.
+        self._ledgers = {}
+        self._details = overflow.Details()
         # The overflow slot the next backward's check writes, and whether it is known to
         # be zero (each update zeroes the slot after the one it read: no launch to clear).
         self._slot = K.FOUND_INF
@@ -418,8 +423,8 @@ class LossScaler:
             scale, used = snapshot[K.SCALE], snapshot[K.USED_SCALE]
             verb = "reducing loss scale to" if scale < used else "keeping loss scale at"
             more = "" if new_skips == 1 else f" ({new_skips} steps skipped since the last report)"
-            logger.warning("Gradient overflow.  Skipping step, loss scaler %d %s %s%s",
-                           self.loss_id, verb, scale, more)
+            logger.warning("Gradient overflow.  Skipping step, loss scaler %d %s %s%s%s",
+                           self.loss_id, verb, scale, more, self._overflowed())
         streak = snapshot[K.FLOOR_STREAK]
         if streak >= FLOOR_WARN_STEPS and not self._floor_warned:
             self._floor_warned = True
@@ -432,6 +437,21 @@ class LossScaler:
                 "min_loss_scale to initialize.", RuntimeWarning, stacklevel=3)
         elif streak == 0:
             self._floor_warned = False
+
+    def note_ledger(self, ledger):
+        """``ledger`` counts gradients this scaler's skip reports may name."""
+        self._ledgers[id(ledger)] = ledger
+
+    def _overflowed(self):
+        """The names of the gradients that held inf/NaN since the last list (read from the
+        device: this runs for a skip report only), at most once per DETAIL_INTERVAL_S."""
+        if not self._ledgers or not self._details.due():
+            return ""
+        found = []
+        for ledger in self._ledgers.values():
+            found += ledger.take()
+        self._ledgers.clear()
+        return overflow.describe(found, overflow.rank()) if found else ""
 
     # -- checkpoints ------------------------------------------------------------------
     def _drain_reports(self):

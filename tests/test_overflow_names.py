@@ -1,0 +1,146 @@
+"""The skip warning names the gradients that overflowed; nonfinite_gradients on demand."""
+import logging
+
+import pytest
+import torch
+
+from tritamp import amp
+from tritamp.amp import overflow
+from tritamp.optimizers import FusedAdam
+from tritamp.testing import force_cpu_path
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def _poison(values):
+    def hook(g):
+        g = g.clone()
+        g.view(-1)[:len(values)] = torch.tensor(values, dtype=g.dtype)
+        return g
+    return hook
+
+
+def _step(model, opt):
+    loss = model(torch.randn(4, 8)).float().sum()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _warnings(caplog):
+    out = [r.getMessage() for r in caplog.records if r.name == "tritamp.amp"
+           and r.getMessage().startswith("Gradient overflow")]
+    caplog.clear()
+    return out
+
+
+@pytest.fixture
+def no_rate_limit(monkeypatch):
+    monkeypatch.setattr(overflow, "DETAIL_INTERVAL_S", 0.0)
+
+
+@pytest.mark.parametrize("path", ["kernel", "cpu"])
+@pytest.mark.parametrize("make_opt,level", [
+    (lambda p: FusedAdam(p, lr=1e-3), "O2"),
+    (lambda p: torch.optim.SGD(p, lr=0.1), "O1"),
+], ids=["FusedAdam-O2", "torch-SGD-O1"])
+def test_the_skip_warning_names_what_overflowed(caplog, no_rate_limit, make_opt, level, path):
+    caplog.set_level(logging.WARNING, logger="tritamp.amp")
+    model = _model()
+    opt = make_opt(model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=1)
+    hooks = [model[2].weight.register_hook(_poison([float("nan")] * 3)),
+             model[0].bias.register_hook(_poison([float("inf")]))]
+    ctx = force_cpu_path() if path == "cpu" else torch.no_grad.__new__(torch.no_grad)
+    with (force_cpu_path() if path == "cpu" else _nothing()):
+        _step(model, opt)
+        assert _warnings(caplog) == [
+            "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0; "
+            "non-finite gradients on rank 0: 2.weight (3 values), 0.bias (1 value)"]
+        hooks.pop().remove()
+        _step(model, opt)  # counts since the last list only: 2.weight's three again
+        assert _warnings(caplog) == [
+            "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 16384.0; "
+            "non-finite gradients on rank 0: 2.weight (3 values)"]
+        hooks.pop().remove()
+        _step(model, opt)  # clean: no warning, nothing counted
+        assert _warnings(caplog) == []
+    del ctx
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_names_are_rate_limited_and_clean_steps_read_nothing(caplog, monkeypatch):
+    caplog.set_level(logging.WARNING, logger="tritamp.amp")
+    takes = []
+    take = overflow.Ledger.take
+    monkeypatch.setattr(overflow.Ledger, "take", lambda self: takes.append(1) or take(self))
+    model = _model()
+    opt = FusedAdam(model.parameters(), lr=1e-3)
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=1)
+    for _ in range(3):
+        _step(model, opt)  # clean steps: the counts are never read
+    assert takes == [] and _warnings(caplog) == []
+    hook = model[2].bias.register_hook(_poison([float("inf")] * 2))
+    _step(model, opt)
+    _step(model, opt)  # within DETAIL_INTERVAL_S of the first list: no names
+    hook.remove()
+    first, second = _warnings(caplog)
+    assert first.endswith("non-finite gradients on rank 0: 2.bias (2 values)")
+    assert second.endswith("reducing loss scale to 16384.0")
+    assert len(takes) == 1
+    monkeypatch.setattr(overflow, "DETAIL_INTERVAL_S", 0.0)
+    hook = model[2].bias.register_hook(_poison([float("inf")]))
+    _step(model, opt)  # the counts the unlisted skip left (2) and this one's (1)
+    hook.remove()
+    assert _warnings(caplog)[0].endswith("non-finite gradients on rank 0: 2.bias (3 values)")
+
+
+def test_verbosity_0_counts_nothing():
+    model = _model()
+    opt = FusedAdam(model.parameters(), lr=1e-3)
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    model[2].weight.register_hook(_poison([float("nan")]))
+    _step(model, opt)
+    assert amp.last_step_skipped(opt)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 32768.0
+    from tritamp.testing import stash_of
+    assert stash_of(opt)._ledger is None
+
+
+def test_nonfinite_gradients_names_by_group_and_index_without_amp():
+    model = _model()
+    opt = FusedAdam([{"params": model[0].parameters()}, {"params": model[2].parameters()}],
+                    lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    model[2].weight.register_hook(_poison([float("inf"), float("nan")]))
+    scaler.scale(model(torch.randn(4, 8)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert amp.last_step_skipped(opt)
+    assert amp.nonfinite_gradients(opt) == [("param_groups[1][0] (shape [2, 8])", 2)]
+
+
+def test_nonfinite_gradients_under_amp_uses_module_paths():
+    a, b = _model(), _model()
+    opt = torch.optim.SGD(list(a.parameters()) + list(b.parameters()), lr=0.1)
+    [a, b], opt = amp.initialize([a, b], opt, opt_level="O2", half_dtype=torch.bfloat16,
+                                 loss_scale="dynamic", verbosity=0)
+    b[0].weight.register_hook(_poison([float("nan")] * 4))
+    loss = (a(torch.randn(4, 8)) + b(torch.randn(4, 8))).float().sum()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    assert amp.nonfinite_gradients(opt) == [("model1.0.weight", 4)]
