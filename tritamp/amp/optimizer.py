@@ -70,7 +70,7 @@ class AmpStash:
         self.grads_zeroed = False  # zero_grad(set_to_none=False) left zeroed gradients
         self._sweeps = {}          # cached check/unscale sweeps, by purpose
         self.param_names = {}      # id(parameter) -> name, for the overflow warning
-        self._count_src = None     # (gradients, key) this backward checked, in the steady state
+        self._count_key = None     # the layout key of the gradients this exit checked
         self._ledger = None        # counts of non-finite gradient values (overflow.Ledger)
         # the overflow flag of the last step(): the handoff's record when there is one
         self.last_step = self.handoff.last_step if self.handoff is not None else LastStep()
@@ -216,7 +216,7 @@ class AmpStash:
             # parameter's gradient, so its shape and dtype are fixed and only the address
             # and strides can change.
             key = layout_key(grads)
-            self._count_src = (grads, key)
+            self._count_key = key  # (the key only: holding the gradients keeps them alive)
             if check is not None:
                 if any(map(_is_none, grads)):
                     grads = [g for g in grads if g is not None]
@@ -224,7 +224,7 @@ class AmpStash:
                                     rebind_on=key[1])
             self._pending(carried)
             return
-        self._count_src = None
+        self._count_key = None
         master_fresh = []  # (index, half gradient) of masters without a gradient yet
         acc = []  # (gradient, destination, addend): a second loss into the same step
         for i, (p, m) in enumerate(zip(self.model_params, self.masters)):
@@ -304,11 +304,9 @@ class AmpStash:
         if found is None:
             return
         params = self.model_params + self.plain_params
-        if self._count_src is not None:
-            grads, key = self._count_src
-        else:
-            grads = list(map(_grad_of, params))
-            key = layout_key(grads)
+        grads = list(map(_grad_of, params))
+        key = self._count_key if self._count_key is not None else layout_key(grads)
+        self._count_key = None
         ledger = self._ledger
         if ledger is None or ledger.layout != key[1]:  # which gradients are there, and dense
             keep = [i for i, g in enumerate(grads) if g is not None and overflow.dense(g)]
