@@ -79,6 +79,11 @@ def _build_optimizer(name, params):
     return FusedSGD(params, lr=0.1, momentum=0.9)
 
 
+# amp's verbosity: 0 by default (no logging); 1 adds the overflow counts' launch per dtype
+# group that names what overflowed (it returns at once on these clean steps).
+VERBOSITY = 0
+
+
 class Case:
     """One configuration: its model, optimizer, amp state and gradients."""
 
@@ -92,7 +97,7 @@ class Case:
         opt = _build_optimizer(opt_name, model.parameters())
         self.model, self.opt = amp.initialize(model, opt, opt_level=level,
                                               half_dtype=DTYPES[dtype_name],
-                                              loss_scale="dynamic", verbosity=0)
+                                              loss_scale="dynamic", verbosity=VERBOSITY)
         self.amp_state = (amp_state().opt_properties, list(amp_state().loss_scalers))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.groups = len({p.dtype for p in self.params})
@@ -435,9 +440,14 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps-per-round", type=int, default=None)
     ap.add_argument("--out", default=OUT)
+    ap.add_argument("--verbosity", type=int, default=0,
+                    help="amp's verbosity: 1 counts non-finite gradients for the skip "
+                         "warning (one more launch per dtype group)")
     ap.add_argument("--norms-only", action="store_true",
                     help="only the FusedLayerNorm / FusedRMSNorm host cost")
     args = ap.parse_args(argv)
+    global VERBOSITY
+    VERBOSITY = args.verbosity
     torch.set_num_threads(1)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if args.quick:
