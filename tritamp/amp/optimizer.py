@@ -303,11 +303,19 @@ class AmpStash:
         found = self.found_inf
         if found is None:
             return
+        key, self._count_key = self._count_key, None
+        ledger = self._ledger
+        triton = K.use_triton(found)
+        if not triton and float(found.detach().numpy()) == 0.0:
+            return  # the CPU path: a clean step (the flag is host memory) counts nothing
+        if triton and key is not None and ledger is not None and ledger.key == key:
+            ledger.launch(found)  # the steady state: the same gradients as last time
+            scaler.note_ledger(ledger)
+            return
         params = self.model_params + self.plain_params
         grads = list(map(_grad_of, params))
-        key = self._count_key if self._count_key is not None else layout_key(grads)
-        self._count_key = None
-        ledger = self._ledger
+        if key is None:
+            key = layout_key(grads)
         if ledger is None or ledger.layout != key[1]:  # which gradients are there, and dense
             keep = [i for i, g in enumerate(grads) if g is not None and overflow.dense(g)]
             if not keep:
@@ -317,7 +325,7 @@ class AmpStash:
                 ledger = self._ledger = overflow.Ledger(keep, names, key[1],
                                                         grads[keep[0]].device)
             ledger.layout = key[1]
-        ledger.count(grads, key, found, K.use_triton(found))
+        ledger.count(grads, key, found, triton)
         scaler.note_ledger(ledger)
 
     def _alias(self, scaler):

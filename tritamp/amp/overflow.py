@@ -60,9 +60,13 @@ class Ledger:
                 # their addresses)
                 self.prepared = count_nonfinite_prepare(borrowed([grads[i] for i in self.keep]))
                 self.key = key
-            count_nonfinite_launch(self.prepared, self.counts, found_inf)
+            self.launch(found_inf)
         elif float(found_inf.detach().numpy()) != 0.0:
             count_nonfinite([grads[i] for i in self.keep], self.counts, found_inf)
+
+    def launch(self, found_inf):
+        """The prepared count over the same gradients as the last :meth:`count`."""
+        count_nonfinite_launch(self.prepared, self.counts, found_inf)
 
     def take(self):
         """[(name, count)] of the gradients with non-finite values since the last take
