@@ -7,6 +7,7 @@ shape, the tile arithmetic of the real kernel helper runs in the interpreter on 
 geometry, and the kernels compiled for sm_90 are checked to compute those offsets in int64.
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -418,3 +419,33 @@ def test_fused_optimizers_name_the_sparse_gradient_and_the_fix(cls, kw):
         opt.step()
     assert "param_groups[0] gradient 1 is a sparse_coo tensor" in str(err.value)
     assert len(opt.state) == 0
+
+
+# --------------------------------------------------------------------------------------
+# count_nonfinite (the skip warning's counts)
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda: torch.zeros(2, dtype=torch.int64), r"counts must be a contiguous int32 tensor "
+                                                 r"of shape \(3,\)"),
+    (lambda: torch.zeros(4, dtype=torch.int32), r"of shape \(3,\).*got torch.int32 \(4,\)"),
+    (lambda: torch.zeros(6, dtype=torch.int32)[::2], r"contiguous int32"),
+], ids=["int64", "short", "strided"])
+def test_count_nonfinite_refuses_bad_counts_and_counts_nothing(bad, match):
+    from tritamp.kernels.overflow import count_nonfinite
+    srcs = [torch.full((5,), math.inf), torch.zeros(3), torch.full((2, 2), math.nan)]
+    counts = bad()
+    before = counts.clone()
+    with pytest.raises(ValueError, match=match):
+        count_nonfinite(srcs, counts, torch.ones(()))
+    assert torch.equal(counts, before)
+
+
+def test_count_nonfinite_refuses_a_non_dense_source_by_name():
+    from tritamp.kernels.overflow import count_nonfinite
+    counts = torch.zeros(2, dtype=torch.int32)
+    expanded = torch.full((1, 4), math.inf).expand(3, 4)
+    with pytest.raises(ValueError, match=r"count_nonfinite: srcs\[1\] of shape \(3, 4\) has "
+                                         r"strides \(0, 1\), not a dense layout"):
+        count_nonfinite([torch.zeros(4), expanded], counts, torch.ones(()))
+    assert torch.equal(counts, torch.zeros(2, dtype=torch.int32))

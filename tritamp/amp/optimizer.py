@@ -23,7 +23,7 @@ import torch
 
 from tritamp import kernels as K
 from tritamp.contract import LastStep, StepState, handoff_of
-from tritamp.kernels.engine import SweepCache, borrowed, layout_key, zero_grads_
+from tritamp.kernels.engine import SweepCache, borrowed, is_dense, layout_key, zero_grads_
 
 _grad_of = operator.attrgetter("grad")
 _shape_of = operator.attrgetter("shape")
@@ -317,7 +317,8 @@ class AmpStash:
         if key is None:
             key = layout_key(grads)
         if ledger is None or ledger.layout != key[1]:  # which gradients are there, and dense
-            keep = [i for i, g in enumerate(grads) if g is not None and overflow.dense(g)]
+            # (a non-dense gradient, of an expanded parameter, is left out of the counts)
+            keep = [i for i, g in enumerate(grads) if g is not None and is_dense(g)]
             if not keep:
                 return
             if ledger is None or ledger.keep != keep:

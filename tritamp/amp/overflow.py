@@ -28,11 +28,9 @@ DETAIL_INTERVAL_S = 10.0  # at most one list of names per scaler in this many se
 MAX_NAMES = 8             # names in one warning (the rest are counted)
 
 
-def dense(t):
-    """Whether the count sweep reads ``t`` as it is (every gradient of a dense parameter
-    is; an expanded one is left out of the counts)."""
-    return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last) or (
-        t.dim() == 2 and t.t().is_contiguous())
+def _model_of(stash):
+    """{id(fp32 master): the half model parameter it feeds} of an amp stash (or None)."""
+    return {} if stash is None else dict(zip(map(id, stash.masters), stash.model_params))
 
 
 class Ledger:
@@ -52,17 +50,18 @@ class Ledger:
 
     def count(self, grads, key, found_inf, triton):
         """Add this step's counts of ``grads`` (the full checked list, under layout key
-        ``key``): nothing on a clean step (decided on the device; on a CPU the flag is
-        host memory)."""
+        ``key``). On the Triton path the device decides (nothing on a clean step); the
+        CPU path is called on a skipped step only (the caller read the flag)."""
+        kept = [grads[i] for i in self.keep]
         if triton:
             if self.key != key:
                 # borrowed: the sweep does not keep the gradients alive (the key holds
                 # their addresses)
-                self.prepared = count_nonfinite_prepare(borrowed([grads[i] for i in self.keep]))
+                self.prepared = count_nonfinite_prepare(borrowed(kept))
                 self.key = key
             self.launch(found_inf)
-        elif float(found_inf.detach().numpy()) != 0.0:
-            count_nonfinite([grads[i] for i in self.keep], self.counts, found_inf)
+        else:
+            count_nonfinite(kept, self.counts, found_inf)
 
     def launch(self, found_inf):
         """The prepared count over the same gradients as the last :meth:`count`."""
@@ -87,8 +86,7 @@ def param_names(models, optimizers):
         for name, p in model.named_parameters():
             names.setdefault(id(p), prefix + name)
     for opt in optimizers:
-        stash = getattr(opt, "_amp_stash", None)
-        model_of = {} if stash is None else dict(zip(map(id, stash.masters), stash.model_params))
+        model_of = _model_of(getattr(opt, "_amp_stash", None))
         for g, group in enumerate(opt.param_groups):
             for i, p in enumerate(group["params"]):
                 holder = model_of.get(id(p), p)
@@ -135,7 +133,7 @@ def nonfinite_gradients(optimizer):
     ``zero_grad``), not one for every step."""
     stash = getattr(optimizer, "_amp_stash", None)
     names = getattr(stash, "param_names", None) or {}
-    model_of = {} if stash is None else dict(zip(map(id, stash.masters), stash.model_params))
+    model_of = _model_of(stash)
     named, grads = [], []
     for g, group in enumerate(optimizer.param_groups):
         for i, p in enumerate(group["params"]):
