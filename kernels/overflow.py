@@ -1,8 +1,8 @@
 """Which tensors overflowed: per-tensor counts of non-finite values, on skipped steps only.
 
-``count_nonfinite(srcs, counts, found_inf)`` adds to ``counts[i]`` (int32, one per
-tensor) the number of inf and NaN elements of ``srcs[i]`` **when ``found_inf`` is
-non-zero**, and does nothing otherwise. The flag is read on the device: every program
+``count_nonfinite(srcs, counts, found_inf, index=None)`` adds to ``counts[index[i]]``
+(int32; ``index[i] = i`` by default, one count per tensor) the number of inf and NaN
+elements of ``srcs[i]`` **when ``found_inf`` is non-zero**, and does nothing otherwise. The flag is read on the device: every program
 of the launch reads it first and returns at once on a clean step, so a training loop
 launches this once per step and it reads no gradient unless the step is being skipped
 (the second pass over the gradients that names what overflowed happens on skipped steps
@@ -37,8 +37,8 @@ def _count_nonfinite_kernel(
     blocks_ptr,      # int32 [n_blocks, 2]: tensor index, block index within that tensor
     counters_ptr,    # unused (the sweep has no step column)
     src_proto,       # a source tensor of the group: carries the element type
-    rows_ptr,        # int32 [n_tensors]: each tensor's index in the caller's list
-    counts_ptr,      # int32 [caller's list]: non-finite elements, accumulated
+    rows_ptr,        # int32 [n_tensors]: each tensor's position in counts
+    counts_ptr,      # int32: non-finite elements, accumulated
     found_inf_ptr,   # fp32 scalar: count only when non-zero (a skipped step)
     VEC: tl.constexpr,             # > 1: every address 16-byte aligned, numel % VEC == 0
     EMULATE_BF16_ROUNDING: tl.constexpr,  # interpreter only: see _tl_utils
@@ -54,10 +54,10 @@ def _count_nonfinite_kernel(
             tl.atomic_add(counts_ptr + tl.load(rows_ptr + tensor), n)
 
 
-def count_nonfinite_prepare(srcs):
+def count_nonfinite_prepare(srcs, index=None):
     """Validate and plan a count over ``srcs`` (dense fp32/fp16/bf16 tensors on one
-    device): keep the result while the tensors stay the same. Bad lists raise before
-    anything is written."""
+    device) into ``counts[index[i]]`` (default ``index[i] = i``): keep the result while
+    the tensors stay the same. Bad lists raise before anything is written."""
     srcs = list(srcs)
     op = COUNT_NONFINITE.name
     check_lists(op, [("srcs", srcs)])
@@ -66,26 +66,46 @@ def count_nonfinite_prepare(srcs):
             raise ValueError(f"{op}: srcs[{i}] of shape {tuple(t.shape)} has strides "
                              f"{t.stride()}, not a dense layout; pass a dense tensor "
                              f"(srcs[{i}].contiguous())")
+    index = _check_index(index, len(srcs))
     prepared = COUNT_NONFINITE.prepare(dict(srcs=srcs))
-    rows = [torch.tensor(g.rows, dtype=torch.int32).to(prepared.device)
+    rows = [torch.tensor([index[r] for r in g.rows], dtype=torch.int32).to(prepared.device)
             for g in prepared.groups]
-    return LayoutPrepared(prepared, dict(srcs=srcs), Layouts(), dict(rows=rows))
+    return LayoutPrepared(prepared, dict(srcs=srcs), Layouts(), dict(rows=rows, index=index))
 
 
-def _check_counts(counts, n, device):
-    if not isinstance(counts, torch.Tensor) or counts.dtype != torch.int32 \
-            or counts.shape != (n,) or counts.device != device or not counts.is_contiguous():
+def _check_index(index, n):
+    if index is None:
+        return list(range(n))
+    index = list(index)
+    if len(index) != n or any(not isinstance(i, int) or i < 0 for i in index):
+        raise ValueError(f"count_nonfinite: index must hold one int >= 0 per source ({n}), "
+                         f"got {index!r}; pass each source's position in counts")
+    return index
+
+
+def _check_counts(counts, index, device):
+    """``counts``: contiguous int32 on ``device``, one entry per source (``index`` the
+    default) or at least ``max(index) + 1``."""
+    n = len(index)
+    default = index == list(range(n))
+    need = max(index, default=-1) + 1
+    ok = (isinstance(counts, torch.Tensor) and counts.dtype == torch.int32
+          and counts.dim() == 1 and counts.device == device and counts.is_contiguous()
+          and (counts.shape == (n,) if default else counts.numel() >= need))
+    if not ok:
         got = (f"{counts.dtype} {tuple(counts.shape)} on {counts.device}"
                if isinstance(counts, torch.Tensor) else type(counts).__name__)
-        raise ValueError(f"count_nonfinite: counts must be a contiguous int32 tensor of shape "
-                         f"({n},) on {device} (one count per source), got {got}; pass "
-                         f"torch.zeros({n}, dtype=torch.int32, device=...)")
+        size = f"of shape ({n},)" if default else f"of at least {need} entries"
+        raise ValueError(f"count_nonfinite: counts must be a contiguous int32 tensor {size} "
+                         f"on {device} (one count per source), got {got}; pass "
+                         f"torch.zeros({n if default else need}, dtype=torch.int32, "
+                         "device=...)")
 
 
 def count_nonfinite_launch(prepared, counts, found_inf):
     """One count over a prepared sweep (see the module docstring): one launch per dtype
     group on the Triton path; nothing synchronised with the host."""
-    _check_counts(counts, prepared.n, prepared.device)
+    _check_counts(counts, prepared.options["index"], prepared.device)
     if prepared.n == 0:
         return
     if not prepared.triton:
@@ -102,20 +122,24 @@ def count_nonfinite_cpu(prepared, counts, found_inf):
     if float(found_inf.detach().numpy()) == 0.0:
         return
     srcs = prepared.lists["srcs"]
-    counts.add_(torch.stack([(~torch.isfinite(x)).sum() for x in srcs]).to(torch.int32))
+    n = torch.stack([(~torch.isfinite(x)).sum() for x in srcs]).to(torch.int32)
+    counts.index_add_(0, torch.tensor(prepared.options["index"]), n)
 
 
-def count_nonfinite(srcs, counts, found_inf):
-    """Add the number of inf/NaN elements of each ``srcs[i]`` to ``counts[i]`` (int32)
-    when ``found_inf`` is non-zero (see the module docstring)."""
-    count_nonfinite_launch(count_nonfinite_prepare(srcs), counts, found_inf)
+def count_nonfinite(srcs, counts, found_inf, index=None):
+    """Add the number of inf/NaN elements of each ``srcs[i]`` to ``counts[index[i]]``
+    (int32; ``index`` defaults to ``i``) when ``found_inf`` is non-zero (see the module
+    docstring)."""
+    count_nonfinite_launch(count_nonfinite_prepare(srcs, index), counts, found_inf)
 
 
 @torch.no_grad()
-def count_nonfinite_ref(srcs, counts, found_inf):
+def count_nonfinite_ref(srcs, counts, found_inf, index=None):
     """Torch reference of :func:`count_nonfinite`."""
     srcs = list(srcs)
     if not srcs:
         return
+    index = _check_index(index, len(srcs))
     n = torch.stack([(~torch.isfinite(x)).sum() for x in srcs]).to(torch.int32)
-    counts.add_(torch.where(found_inf != 0, n, torch.zeros_like(n)))
+    n = torch.where(found_inf != 0, n, torch.zeros_like(n))
+    counts.index_add_(0, torch.tensor(index, device=counts.device), n)

@@ -449,3 +449,13 @@ def test_count_nonfinite_refuses_a_non_dense_source_by_name():
                                          r"strides \(0, 1\), not a dense layout"):
         count_nonfinite([torch.zeros(4), expanded], counts, torch.ones(()))
     assert torch.equal(counts, torch.zeros(2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("index", [[0], [0, -1], [0, 1.5]], ids=["short", "negative", "float"])
+def test_count_nonfinite_refuses_a_bad_index(index):
+    from tritamp.kernels.overflow import count_nonfinite
+    counts = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"index must hold one int >= 0 per source \(2\)"):
+        count_nonfinite([torch.full((3,), math.inf), torch.zeros(2)], counts, torch.ones(()),
+                        index=index)
+    assert torch.equal(counts, torch.zeros(4, dtype=torch.int32))

@@ -135,3 +135,35 @@ def test_nonfinite_gradients_under_amp_uses_module_paths():
     with amp.scale_loss(loss, opt) as scaled:
         scaled.backward()
     assert amp.nonfinite_gradients(opt) == [("model1.0.weight", 4)]
+
+
+@pytest.mark.parametrize("path", ["kernel", "cpu"])
+def test_count_nonfinite_lands_counts_at_their_index(path):
+    from tritamp.kernels.overflow import count_nonfinite, count_nonfinite_ref
+    srcs = [torch.full((1000,), float("nan")), torch.tensor([1.0, float("inf"), 2.0])]
+    got, want = (torch.full((5,), 7, dtype=torch.int32) for _ in range(2))
+    found = torch.ones(())
+    with force_cpu_path() if path == "cpu" else contextlib.nullcontext():
+        count_nonfinite(srcs, got, found, index=[4, 0])
+    count_nonfinite_ref(srcs, want, found, index=[4, 0])
+    assert want.tolist() == [8, 7, 7, 7, 1007]
+    assert torch.equal(got, want)
+
+
+def test_counts_survive_a_change_of_which_gradients_are_present(caplog, monkeypatch):
+    """A skip counted while one set of gradients was present is still listed after the
+    set changed (the counts are kept per parameter, not per set)."""
+    caplog.set_level(logging.WARNING, logger="tritamp.amp")
+    model = _model()
+    opt = FusedAdam(model.parameters(), lr=1e-3)
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=1)
+    model[2].bias.register_hook(_poison([float("inf")]))
+    _step(model, opt)                       # listed: 2.bias (1 value)
+    _step(model, opt)                       # rate-limited: counted, not listed
+    model[0].weight.requires_grad_(False)   # another set of gradients from now on
+    monkeypatch.setattr(overflow, "DETAIL_INTERVAL_S", 0.0)
+    _step(model, opt)
+    messages = _warnings(caplog)
+    assert messages[0].endswith("non-finite gradients on rank 0: 2.bias (1 value)")
+    assert messages[2].endswith("non-finite gradients on rank 0: 2.bias (2 values)")

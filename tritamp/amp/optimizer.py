@@ -316,16 +316,15 @@ class AmpStash:
         grads = list(map(_grad_of, params))
         if key is None:
             key = layout_key(grads)
-        if ledger is None or ledger.layout != key[1]:  # which gradients are there, and dense
+        if ledger is None or len(ledger.names) != len(params):  # (a new param group)
+            names = [self.param_names.get(id(p), "a parameter") for p in params]
+            ledger = self._ledger = overflow.Ledger(names, found.device)
+        if ledger.layout != key[1]:  # which gradients are there, and dense
             # (a non-dense gradient, of an expanded parameter, is left out of the counts)
-            keep = [i for i, g in enumerate(grads) if g is not None and is_dense(g)]
-            if not keep:
-                return
-            if ledger is None or ledger.keep != keep:
-                names = [self.param_names.get(id(params[i]), "a parameter") for i in keep]
-                ledger = self._ledger = overflow.Ledger(keep, names, key[1],
-                                                        grads[keep[0]].device)
+            ledger.keep = [i for i, g in enumerate(grads) if g is not None and is_dense(g)]
             ledger.layout = key[1]
+        if not ledger.keep:
+            return
         ledger.count(grads, key, found, triton)
         scaler.note_ledger(ledger)
 

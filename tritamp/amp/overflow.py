@@ -34,17 +34,19 @@ def _model_of(stash):
 
 
 class Ledger:
-    """Device counts of non-finite values for one optimizer's checked gradients: those at
-    positions ``keep`` of the list amp checks (present and dense), named ``names``. The
-    counts stay while the same parameters have gradients; the sweep that fills them is
-    prepared again when the gradients move (kept under their addresses, ``key``)."""
-    __slots__ = ("keep", "names", "layout", "counts", "prepared", "key")
+    """Device counts of non-finite values, one per parameter an optimizer's amp stash
+    checks (``names``), for its whole life: whichever gradients are present, the counts
+    land at their parameter's position, so nothing counted is lost when the set of
+    gradients changes. The sweep that fills them covers the present, dense gradients
+    (positions ``keep``, decided under ``layout``) and is prepared again when they move
+    (kept under their addresses, ``key``)."""
+    __slots__ = ("names", "keep", "layout", "counts", "prepared", "key")
 
-    def __init__(self, keep, names, layout, device):
-        self.keep = keep
+    def __init__(self, names, device):
         self.names = names
-        self.layout = layout  # the gradients' strides (None where absent): what keep follows
-        self.counts = torch.zeros(len(keep), dtype=torch.int32, device=device)
+        self.keep = None
+        self.layout = None  # the gradients' strides (None where absent): what keep follows
+        self.counts = torch.zeros(len(names), dtype=torch.int32, device=device)
         self.prepared = None
         self.key = None
 
@@ -57,11 +59,11 @@ class Ledger:
             if self.key != key:
                 # borrowed: the sweep does not keep the gradients alive (the key holds
                 # their addresses)
-                self.prepared = count_nonfinite_prepare(borrowed(kept))
+                self.prepared = count_nonfinite_prepare(borrowed(kept), self.keep)
                 self.key = key
             self.launch(found_inf)
         else:
-            count_nonfinite(kept, self.counts, found_inf)
+            count_nonfinite(kept, self.counts, found_inf, self.keep)
 
     def launch(self, found_inf):
         """The prepared count over the same gradients as the last :meth:`count`."""

@@ -535,8 +535,6 @@ class LossScaler:
         host[K.HYSTERESIS] = values.get("hysteresis", self.hysteresis)
         host[K.SKIPPED] = values.get("skipped", host[K.SKIPPED])
         host[K.FLOOR_STREAK] = streak = values.get("floor_streak", 0)
-        if self._records:  # the flags of last steps are about to be overwritten
-            self._detach_records(lambda slot, update: True)
         self._state.copy_(torch.tensor(host, dtype=torch.float32))
         if not self.dynamic:
             self._static_scale = scale
