@@ -217,16 +217,17 @@ def _lamb_apply_kernel(
 class LambPrepared(StagedPrepared):
     """A prepared ``LAMB`` sweep and what its three stages share, built once: the
     per-group slices of the partials and norms buffers and the segment table."""
-    __slots__ = ("partials", "norms", "segments", "moments_args", "apply_args", "cpu")
+    __slots__ = ("partials", "norms", "segments", "moments_args", "apply_args", "cpu",
+                 "layout", "_rows")
 
     def __init__(self, prepared):
         super().__init__(prepared)
-        self.partials = self.norms = self.segments = None
+        self.partials = self.norms = self.segments = self.layout = self._rows = None
         self.moments_args = self.apply_args = ()
         self.cpu = None  # the CPU path's per-group lists (_CpuLists), built on first use
         if not self.triton or not prepared.groups:
             return
-        layout = SegmentLayout(prepared)
+        layout = self.layout = SegmentLayout(prepared)
         # Rows: p*p, u*u. Reused every step: launches on one stream are ordered.
         self.partials = torch.empty((2, layout.n_partials), dtype=torch.float32,
                                     device=self.device)
@@ -235,6 +236,19 @@ class LambPrepared(StagedPrepared):
         self.moments_args = [(self.partials[0, b:], self.partials[1, b:])
                              for b in layout.block_bases]
         self.apply_args = [(self.norms[0, b:], self.norms[1, b:]) for b in layout.result_bases]
+
+    def row_norms(self):
+        """(rows, results): device index tensors pairing each non-empty row of the
+        prepared lists with its column of ``norms`` (built on first use, for a caller
+        that reduces the per-tensor norms across processes by row)."""
+        if self._rows is None:
+            rows, results = [], []
+            for g, base in zip(self.prepared.groups, self.layout.result_bases):
+                rows += g.rows
+                results += range(base, base + len(g.rows))
+            self._rows = (torch.tensor(rows, dtype=torch.int64, device=self.device),
+                          torch.tensor(results, dtype=torch.int64, device=self.device))
+        return self._rows
 
 
 def lamb_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None):
@@ -248,12 +262,19 @@ def lamb_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None):
 def lamb_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=True,
                 grad_averaging=True, bias_correction=True, use_nvlamb=False,
                 global_grad_norm=None, max_grad_norm=1.0, grad_scale=None, found_inf=None,
-                write_grads=False):
+                write_grads=False, norm_reduce=None):
     """One LAMB step over a prepared sweep: per dtype group the moments and apply
     launches, and one segment launch between them where the trust ratio applies.
     ``write_grads`` (or a :class:`~._cpu_optim.GradWrites` for ``prepared``) stores each
     unscaled gradient back into its gradient, unless the step is skipped; without a
-    ``grad_scale`` there is nothing to write."""
+    ``grad_scale`` there is nothing to write.
+
+    ``norm_reduce`` (sharded tensors): called with an fp32 ``[2, k]`` tensor of the
+    squared norms of ``p`` and ``u`` per tensor, which it must sum in place over the
+    processes holding the other shards (an all-reduce). On the Triton path ``k`` is the
+    number of rows (0 for an empty local shard), on the CPU path the rows of one dtype
+    group, in row order, group after group (the same sequence on every process whose
+    lists hold the same dtypes)."""
     prepared, write_grads = take_grad_writes(prepared, write_grads)
     if prepared.n == 0:
         return
@@ -264,15 +285,18 @@ def lamb_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=Tr
                       grad_averaging=grad_averaging, bias_correction=bias_correction,
                       use_nvlamb=use_nvlamb, global_grad_norm=global_grad_norm,
                       max_grad_norm=max_grad_norm, grad_scale=grad_scale, found_inf=found_inf,
-                      write_grads=write_grads)
+                      write_grads=write_grads, norm_reduce=norm_reduce)
         return
     prepared.prepared.advance_empty_steps(found_inf)
+    has_decay = weight_decay != 0
+    use_ratio = bool(use_nvlamb) or has_decay
     if not prepared.moments_args:
+        if norm_reduce is not None and use_ratio:  # the other processes' reduce
+            norm_reduce(torch.zeros((2, prepared.n), dtype=torch.float32,
+                                    device=prepared.device))
         return  # every tensor is empty
     device = prepared.device
     lr = scalar_arg(lr, "lr", device)
-    has_decay = weight_decay != 0
-    use_ratio = bool(use_nvlamb) or has_decay
     anchor = prepared.partials
     betas = device_constants(device, (beta1, beta2))
     flags = dict(HAS_FOUND_INF=found_inf is not None, ADAM_W=bool(adam_w_mode),
@@ -290,9 +314,17 @@ def lamb_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=Tr
     if write_grads:
         # Before stage 3's launch refreshes the dense copies from the gradients.
         write_staged_grads(prepared.prepared)
-    if use_ratio:
+    if use_ratio and norm_reduce is None:
         reduce_segments(prepared.partials, prepared.segments, prepared.norms.shape[1],
                         sqrt=True, out=prepared.norms)
+    elif use_ratio:
+        norms = reduce_segments(prepared.partials, prepared.segments,
+                                prepared.norms.shape[1], sqrt=False, out=prepared.norms)
+        rows, results = prepared.row_norms()
+        full = norms.new_zeros((2, prepared.n))
+        full[:, rows] = norms[:, results]
+        norm_reduce(full)
+        norms[:, results] = full[:, rows].sqrt()
     prepared.prepared.launch(_lamb_apply_kernel, (lr, betas, float(eps), float(weight_decay), skip),
                              dict(flags, LR_IS_TENSOR=isinstance(lr, torch.Tensor)),
                              group_args=prepared.apply_args)
@@ -483,7 +515,7 @@ def bias_correction_f32(steps, beta):
 def lamb_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=True,
                   grad_averaging=True, bias_correction=True, use_nvlamb=False,
                   global_grad_norm=None, max_grad_norm=1.0, grad_scale=None, found_inf=None,
-                  write_grads=False):
+                  write_grads=False, norm_reduce=None):
     """The production CPU path of :func:`lamb_launch`: :func:`lamb_step_ref`'s stages on
     torch's multi-tensor CPU ops, per dtype group, with no Python work per tensor and no
     host read.
@@ -539,6 +571,10 @@ def lamb_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=
         if use_ratio:
             p_norm = torch.stack(torch._foreach_norm(p))
             u_norm = torch.stack(torch._foreach_norm(u))
+            if norm_reduce is not None:  # sharded: the norms of the whole tensors
+                sq = torch.stack((p_norm, u_norm)).square_()
+                norm_reduce(sq)
+                p_norm, u_norm = sq.sqrt_().unbind(0)
             ratio = torch.where((p_norm != 0) & (u_norm != 0), lr32 * (p_norm / u_norm), lr32)
             torch._foreach_mul_(u, ratio.unbind(0))
         else:

@@ -104,21 +104,30 @@ def _novograd_blend_kernel(
     tensors_ptr,     # int64 [n_tensors, 4]: first partial, number of partials, v address,
                      # step address (every non-empty tensor of every group)
     partials_ptr,    # fp32 [n_partials]: from _novograd_norm_kernel
+    sums_ptr,        # fp32 [n_tensors]: each tensor's reduced norm (STAGE 1 writes, 2 reads)
     beta2, one_minus_beta2,
     found_inf_ptr,   # fp32 scalar: non-zero means skip this step (HAS_FOUND_INF)
     HAS_FOUND_INF: tl.constexpr,
     MAX_NORM: tl.constexpr,
     INIT_ZERO: tl.constexpr,       # v starts at 0 rather than at the first norm
+    STAGE: tl.constexpr,           # 0: reduce and blend; 1: reduce into sums; 2: blend sums
     BLOCK_R: tl.constexpr,
 ):
-    # One program per tensor, a fixed summation order: deterministic.
+    # One program per tensor, a fixed summation order: deterministic. Sharded tensors
+    # run STAGE 1, sum (or max) the sums over the processes, then STAGE 2.
     t = tl.program_id(0).to(tl.int64)
     start = tl.load(tensors_ptr + 4 * t)
     count = tl.load(tensors_ptr + 4 * t + 1)
     v_ptr = tl.load(tensors_ptr + 4 * t + 2).to(tl.pointer_type(tl.float32))
     step_ptr = tl.load(tensors_ptr + 4 * t + 3).to(tl.pointer_type(tl.float32))
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-    if MAX_NORM:
+    if STAGE == 2:
+        if MAX_NORM:
+            n = tl.load(sums_ptr + t)
+        else:
+            sq = tl.load(sums_ptr + t)
+            n = tl.sqrt_rn(sq)
+    elif MAX_NORM:
         # tl.max drops NaN (the GPU's max.f32 and the interpreter alike): count it apart.
         bad = tl.zeros([BLOCK_R], dtype=tl.int32)
         for off in range(0, count, BLOCK_R):
@@ -133,6 +142,12 @@ def _novograd_blend_kernel(
             acc += tl.load(partials_ptr + start + idx, mask=idx < count, other=0.0)
         sq = tl.sum(acc, axis=0)
         n = tl.sqrt_rn(sq)
+    if STAGE == 1:
+        if MAX_NORM:
+            tl.store(sums_ptr + t, n)
+        else:
+            tl.store(sums_ptr + t, sq)
+        return
     v = tl.load(v_ptr)
     if not INIT_ZERO:
         v = tl.where(tl.load(step_ptr) == 0.0, n, v)
@@ -217,11 +232,11 @@ class NovoGradPrepared(StagedPrepared):
     """A prepared ``NOVOGRAD`` sweep and what its three stages share, built once: the
     per-group slices of the partials buffer and the blend stage's table (per non-empty
     tensor: its run of partials, the addresses of its v and step)."""
-    __slots__ = ("partials", "tensors", "n_tensors", "norm_args", "cpu")
+    __slots__ = ("partials", "tensors", "n_tensors", "norm_args", "cpu", "_rows")
 
     def __init__(self, prepared):
         super().__init__(prepared)
-        self.partials = self.tensors = None
+        self.partials = self.tensors = self._rows = None
         self.n_tensors = 0
         self.norm_args = ()
         self.cpu = None  # the CPU path's per-group lists (_NovoGradCpuLists), on first use
@@ -237,6 +252,15 @@ class NovoGradPrepared(StagedPrepared):
         self.n_tensors = len(rows)
         self.tensors = _upload(torch.tensor(rows, dtype=torch.int64), self.device)
 
+    def blend_rows(self):
+        """The row of the prepared lists of each blend program (non-empty tensors, group
+        after group), as a device index tensor (built on first use, for a caller that
+        reduces the norms across processes by row)."""
+        if self._rows is None:
+            rows = [i for g in self.prepared.groups for i in g.rows]
+            self._rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        return self._rows
+
 
 def novograd_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None):
     """Validate and plan a NovoGrad sweep over these lists (see _multi_tensor;
@@ -249,12 +273,20 @@ def novograd_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None):
 
 def novograd_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, reg_inside_moment=False,
                     grad_averaging=True, norm_type=2, init_zero=False, bias_correction=True,
-                    grad_scale=None, found_inf=None, write_grads=False):
+                    grad_scale=None, found_inf=None, write_grads=False, norm_reduce=None):
     """One NovoGrad step over a prepared sweep: per dtype group the norm and step
     launches, and one blend launch (every tensor of every group) between them.
     ``write_grads`` (or a :class:`~._cpu_optim.GradWrites` for ``prepared``) stores each
     unscaled gradient back into its gradient, unless the step is skipped; without a
-    ``grad_scale`` there is nothing to write."""
+    ``grad_scale`` there is nothing to write.
+
+    ``norm_reduce`` (sharded tensors): called as ``norm_reduce(t, op)`` with an fp32
+    tensor of per-tensor squared L2 norms (``op="sum"``) or max norms (``op="max"``),
+    which it must reduce in place over the processes holding the other shards. On the
+    Triton path ``t`` has one entry per row (0 for an empty local shard; the blend
+    stage then runs in two launches around it); on the CPU path one per row of a dtype
+    group, group after group. A tensor whose local shard is empty keeps its moment on
+    that process (no update reads it there)."""
     _check_norm_type(norm_type)
     prepared, write_grads = take_grad_writes(prepared, write_grads)
     if prepared.n == 0:
@@ -265,10 +297,14 @@ def novograd_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, reg_inside
                           weight_decay=weight_decay, reg_inside_moment=reg_inside_moment,
                           grad_averaging=grad_averaging, norm_type=norm_type,
                           init_zero=init_zero, bias_correction=bias_correction,
-                          grad_scale=grad_scale, found_inf=found_inf, write_grads=write_grads)
+                          grad_scale=grad_scale, found_inf=found_inf, write_grads=write_grads,
+                          norm_reduce=norm_reduce)
         return
     prepared.prepared.advance_empty_steps(found_inf)
+    op = "max" if norm_type == 0 else "sum"
     if not prepared.norm_args:
+        if norm_reduce is not None:  # the other processes' reduce
+            norm_reduce(torch.zeros(prepared.n, dtype=torch.float32, device=prepared.device), op)
         return  # every tensor is empty
     device = prepared.device
     lr = scalar_arg(lr, "lr", device)
@@ -282,10 +318,22 @@ def novograd_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, reg_inside
                              dict(HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=has_inf,
                                   MAX_NORM=max_norm, HAS_COPIES=False),
                              group_args=prepared.norm_args)
-    _novograd_blend_kernel[(prepared.n_tensors,)](
-        prepared.tensors, prepared.partials, float(beta2), 1.0 - beta2, skip,
-        HAS_FOUND_INF=has_inf, MAX_NORM=max_norm, INIT_ZERO=bool(init_zero),
-        BLOCK_R=SEGMENT_BLOCK, num_warps=4)
+    blend = dict(HAS_FOUND_INF=has_inf, MAX_NORM=max_norm, INIT_ZERO=bool(init_zero),
+                 BLOCK_R=SEGMENT_BLOCK, num_warps=4)
+    if norm_reduce is None:
+        _novograd_blend_kernel[(prepared.n_tensors,)](
+            prepared.tensors, prepared.partials, anchor, float(beta2), 1.0 - beta2, skip,
+            STAGE=0, **blend)
+    else:
+        sums = anchor.new_empty(prepared.n_tensors)
+        args = (prepared.tensors, prepared.partials, sums, float(beta2), 1.0 - beta2, skip)
+        _novograd_blend_kernel[(prepared.n_tensors,)](*args, STAGE=1, **blend)
+        rows = prepared.blend_rows()
+        full = sums.new_zeros(prepared.n)
+        full[rows] = sums
+        norm_reduce(full, op)
+        sums.copy_(full[rows])
+        _novograd_blend_kernel[(prepared.n_tensors,)](*args, STAGE=2, **blend)
     prepared.prepared.launch(_novograd_step_kernel, (
         lr, device_constants(device, (beta1, beta2)), float(beta1),
         1.0 - beta1 if grad_averaging else 1.0, float(eps), float(weight_decay), scale, skip),
@@ -355,7 +403,7 @@ class _NovoGradCpuLists(_CpuLists):
 def novograd_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay,
                       reg_inside_moment=False, grad_averaging=True, norm_type=2,
                       init_zero=False, bias_correction=True, grad_scale=None, found_inf=None,
-                      write_grads=False):
+                      write_grads=False, norm_reduce=None):
     """The production CPU path of :func:`novograd_launch`: :func:`novograd_step_ref`'s
     stages as torch foreach ops, per dtype group, with no Python work per tensor and no
     host read.
@@ -403,10 +451,14 @@ def novograd_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay,
         v_old = torch.cat(plan.moments)
         if norm_type == 0:
             norm = _max_abs(engine, g, grad, plan)
+            if norm_reduce is not None:
+                norm_reduce(norm, "max")
         else:
             # The reference's g (bitwise): its fp32 squares overflow where the
             # reference's do.
             sq = plan.sums(grad)().float()
+            if norm_reduce is not None:
+                norm_reduce(sq, "sum")
             norm = sq.double().sqrt().float()
         steps = torch.cat(plan.steps)
         v = v_old if init_zero else torch.where(steps == 0, norm, v_old)

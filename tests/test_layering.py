@@ -10,6 +10,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 POLICY = ("tritamp.amp", "tritamp.optimizers", "tritamp.normalization", "tritamp.parallel",
+          "tritamp.sharding",
           "tritamp.fp16_utils", "tritamp.convert", "tritamp.contract", "tritamp.testing")
 
 

@@ -6,6 +6,8 @@ import weakref
 
 import torch
 
+from tritamp.sharding import any_dtensor, overflow_group
+
 from .model import (check_models, check_params_fp32, convert_network, patch_forward,
                      planned_param_dtypes, register_fp32_state_dict)
 from .optimizer import process_optimizer
@@ -196,6 +198,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         raise RuntimeError("The same model appears more than once in the list passed to "
                            "amp.initialize; pass each model once.")
     _check_optimizers(opt_list, model_list, props)
+    overflow_process_group = _check_sharded(model_list, opt_list, props, opt_level,
+                                            overflow_process_group)
     if overflow_process_group is not None:
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()):
@@ -257,6 +261,32 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     _amp_state.loss_scalers = scalers
     _amp_state.optimizers = weakref.WeakSet(opt_list)
     return _shape(model_list, models_was_list, opt_list, optimizers_was_list)
+
+
+def _check_sharded(models, optimizers, props, opt_level, overflow_process_group):
+    """DTensor parameters (FSDP2's ``fully_shard`` before ``initialize``): O0 and O1 work
+    on them; casting the model (O2, O3) or fp32 master weights are refused, FSDP2's own
+    ``MixedPrecisionPolicy`` does that part. With a dynamic loss scale the ranks agree on
+    the overflow flag over the mesh (unless ``overflow_process_group`` says otherwise).
+    Returns the overflow group to use."""
+    params = [p for m in models for p in m.parameters()]
+    params += [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+    if not any_dtensor(params):
+        return overflow_process_group
+    if props.cast_model_type or props.master_weights:
+        what = (f"opt_level={opt_level!r} casts the model to {props.cast_model_type}"
+                if props.cast_model_type else "master_weights=True keeps fp32 masters")
+        raise RuntimeError(
+            f"amp.initialize: {what}, but the model's parameters are DTensors (sharded with "
+            "FSDP2's fully_shard). FSDP2 casts sharded parameters itself: give "
+            "fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16 "
+            "or torch.float16, reduce_dtype=torch.float32)) and keep the fp32 sharded "
+            "parameters as the masters, with amp.initialize(..., opt_level='O0', "
+            "loss_scale='dynamic') for float16 (or no amp for bfloat16); or use "
+            "opt_level='O1' (autocast) on the fp32 sharded model. Nothing was changed.")
+    if overflow_process_group is None and props.loss_scale == "dynamic":
+        return overflow_group(params)
+    return overflow_process_group
 
 
 @torch.no_grad()

@@ -24,6 +24,7 @@ import torch
 from tritamp import kernels as K
 from tritamp.contract import LastStep, StepState, handoff_of
 from tritamp.kernels.engine import SweepCache, borrowed, is_dense, layout_key, zero_grads_
+from tritamp.sharding import is_dtensor, locals_of
 
 _grad_of = operator.attrgetter("grad")
 _shape_of = operator.attrgetter("shape")
@@ -72,6 +73,7 @@ class AmpStash:
         self.param_names = {}      # id(parameter) -> name, for the overflow warning
         self._count_key = None     # the layout key of the gradients this exit checked
         self._ledger = None        # counts of non-finite gradient values (overflow.Ledger)
+        self.sharded = False       # DTensor parameters (FSDP2): checks read local shards
         # the overflow flag of the last step(): the handoff's record when there is one
         self.last_step = self.handoff.last_step if self.handoff is not None else LastStep()
 
@@ -88,6 +90,10 @@ class AmpStash:
         instead of being prepared again."""
         if not srcs:
             return
+        if self.sharded:
+            srcs = locals_of(srcs)
+            dsts = None if dsts is None else locals_of(dsts)
+            adds = None if adds is None else locals_of(adds)
         if key is None:
             tensors = (*srcs, *(dsts or ()), *(adds or ()))
             # layout_key refuses a sparse gradient by name (it has no address to key on)
@@ -127,6 +133,8 @@ class AmpStash:
             if not p.is_floating_point():
                 raise TypeError(f"Optimizer's parameters must be floating point tensors; received "
                                 f"{p.dtype}")
+            if is_dtensor(p):
+                self.sharded = True
             if self.master_weights and p.dtype != torch.float32 and p.requires_grad:
                 master = p.detach().clone().float()
                 master.requires_grad_(True)
@@ -212,6 +220,8 @@ class AmpStash:
             # Check them read-only; the step unscales them as it reads them.
             grads = list(map(_grad_of, self.model_params))
             grads.extend(map(_grad_of, self.plain_params))
+            if self.sharded:
+                grads = locals_of(grads)
             # Keyed per parameter (None kept in place): a position always holds the same
             # parameter's gradient, so its shape and dtype are fixed and only the address
             # and strides can change.
@@ -248,7 +258,8 @@ class AmpStash:
                 acc.append((g, g, s))
         srcs = [g for _, g in master_fresh]
         # A sparse gradient is refused by name before anything below changes.
-        layout_key(srcs + plain_fresh + [a[0] for a in acc], op="amp")
+        checked = srcs + plain_fresh + [a[0] for a in acc]
+        layout_key(locals_of(checked) if self.sharded else checked, op="amp")
         self.plain_stash = [None] * len(self.plain_params)
         for p, s in restore:
             p.grad = s
@@ -314,6 +325,8 @@ class AmpStash:
             return
         params = self.model_params + self.plain_params
         grads = list(map(_grad_of, params))
+        if self.sharded:
+            grads = locals_of(grads)
         if key is None:
             key = layout_key(grads)
         if ledger is None or len(ledger.names) != len(params):  # (a new param group)

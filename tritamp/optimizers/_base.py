@@ -29,6 +29,7 @@ import torch
 from torch.optim.optimizer import required
 
 from tritamp.contract import StepHandoff
+from tritamp.sharding import DTensor, ShardReduce, is_dtensor, local, locals_of
 from tritamp.kernels.engine import (GradWrites, SweepCache, borrowed, check_grads_writable,
                                     layout_key, restride_like, zero_grads_)
 
@@ -186,10 +187,15 @@ class _GroupLinks:
     """What each parameter of a group reads and writes in a step (see
     :meth:`FusedOptimizer._links`)."""
     __slots__ = ("params", "targets", "copies", "models", "model_rows", "masters",
-                 "lazy_sources", "written")
+                 "lazy_sources", "written", "sharded", "shards")
 
-    def __init__(self, params, targets, copies, models):
+    def __init__(self, params, targets, copies, models, sharded=False):
         self.params = list(params)
+        # DTensor parameters (FSDP2): the step updates their local shards, read again
+        # from the parameters at every step (a parameter whose local tensor was replaced,
+        # as fully_shard's reset does, rebuilds the links).
+        self.sharded = sharded
+        self.shards = locals_of(self.params) if sharded else None
         self.targets = targets            # what the step updates: the parameter or a master
         self.copies = copies              # the half copy written in the same pass, or None
         self.models = models              # amp's model parameter of a master, or None
@@ -214,6 +220,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
     # what to use instead for parameters of other dtypes (named in the error)
     _TORCH_ALTERNATIVE = None
+    # whether a step reads norms of whole tensors (LAMB, NovoGrad): with DTensor
+    # parameters they are reduced over the processes holding the other shards
+    _NORMS_OF_WHOLE_TENSORS = False
 
     def __init__(self, params, defaults, *, set_grad_none=True, capturable=False,
                  master_weights=False):
@@ -566,7 +575,14 @@ class FusedOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _restride_state(value, p):
         """fp32 copy of a state tensor on ``p``'s device, laid out as ``p`` when it has
-        ``p``'s shape."""
+        ``p``'s shape (for a DTensor parameter: sharded as ``p``; a full tensor saved
+        unsharded is split as ``p`` is)."""
+        if is_dtensor(p) and value.shape == p.shape and value.dim() > 0:
+            if is_dtensor(value):
+                return value.detach().to(device=p.device, dtype=torch.float32, copy=True)
+            from torch.distributed.tensor import distribute_tensor
+            return distribute_tensor(value.detach().to(device=p.device, dtype=torch.float32),
+                                     p.device_mesh, p.placements)
         if value.shape == p.shape and value.dim() > 0:
             value = value.to(device=p.device)
             return restride_like(value, p, dtype=torch.float32)
@@ -584,10 +600,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         pairs = self.step_handoff.masters
         gen = (self._generation, pairs.version)
         if cache is not None and cache[0] is params and cache[1] == len(params) \
-                and cache[2] == gen:
+                and cache[2] == gen and (not cache[3].sharded or all(
+                    map(operator.is_, cache[3].shards, locals_of(params)))):
             return cache[3]
         targets, copies, models = [], [], []
         model_of = pairs.model_of
+        sharded = DTensor is not None and any(isinstance(p, DTensor) for p in params)
         for p in params:
             model = model_of(p)
             if model is not None:
@@ -597,16 +615,17 @@ class FusedOptimizer(torch.optim.Optimizer):
             elif self._keeps_master(p):
                 st = self.state[p]
                 if "master_param" not in st:
-                    dict.__setitem__(st, "master_param",
-                                     restride_like(p.detach(), p, dtype=torch.float32))
-                targets.append(st["master_param"])
-                copies.append(p)
+                    master = (p.detach().to(torch.float32, copy=True) if is_dtensor(p)
+                              else restride_like(p.detach(), p, dtype=torch.float32))
+                    dict.__setitem__(st, "master_param", master)
+                targets.append(local(st["master_param"]))
+                copies.append(local(p))
                 models.append(None)
             else:
-                targets.append(p)
+                targets.append(local(p))
                 copies.append(None)
                 models.append(None)
-        links = _GroupLinks(params, targets, copies, models)
+        links = _GroupLinks(params, targets, copies, models, sharded)
         self._links_cache[gi] = (params, len(params), gen, links)
         return links
 
@@ -616,6 +635,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         return self.master_weights and p.dtype != torch.float32
 
     def _group_grads(self, links, grad_scale):
+        if links.sharded:  # each rank steps its shards: the gradients' local tensors
+            return locals_of(map(_grad_of, links.params))
         if links.model_rows and grad_scale is not None:
             # amp left this step's half gradients scaled for us to read directly (without
             # a grad_scale they are stale, not this step's): a master without a gradient
@@ -676,6 +697,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             fresh.extend(params[i] for i in rows
                          if set(self.state.get(params[i], ())) <= _LINK_STATE)
         states = [self._state_for(params[i], targets[i], group) for i in rows]
+        if links.sharded:  # DTensor state (sharded as its parameter): its local shards
+            states = [{k: local(v) for k, v in st.items()} for st in states]
         # Borrowed gradients: the kept plan must not keep this step's gradients alive.
         prepared = self._prepare(group, rows_targets, borrowed([grads[i] for i in rows]),
                                  [copies[i] for i in rows], states)
@@ -690,14 +713,21 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._generation = getattr(self, "_generation", 0)
         return self._links(gi, group)
 
+    def _zero_state(self, p, target):
+        """A new fp32 state tensor of zeros for parameter ``p``, laid out as ``target``.
+        For a DTensor parameter it is a DTensor sharded as the parameter (or its master),
+        which torch.distributed.checkpoint saves and loads by shard; its local tensor is
+        laid out as the target."""
+        like = self.state[p].get("master_param", p) if is_dtensor(p) else target
+        return torch.zeros_like(like, dtype=torch.float32, memory_format=torch.preserve_format)
+
     def _state_for(self, p, target, group):
         """The state of parameter ``p`` (created on first use: fp32, laid out as ``target``)."""
         st = self.state[p]
         # Created with dict.__setitem__: a plan being built is not a change of state.
         for key in self._STATE_LIKE:
             if key not in st:
-                dict.__setitem__(st, key, torch.zeros_like(target, dtype=torch.float32,
-                                                           memory_format=torch.preserve_format))
+                dict.__setitem__(st, key, self._zero_state(p, target))
         for key in self._STATE_SCALARS:
             if key not in st:
                 dict.__setitem__(st, key, torch.zeros((), dtype=torch.float32,
@@ -714,6 +744,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         _, grad_scale, found_inf, write_grads = handoff.take(self)
         fresh = []
         try:
+            if self._NORMS_OF_WHOLE_TENSORS:
+                self._shard_reduce()  # a set of parameters it cannot reduce over is refused
             plans = [self._group_plan(gi, group, grad_scale, write_grads, fresh)
                      for gi, group in enumerate(self.param_groups)]
         except Exception:
@@ -741,6 +773,22 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise
         handoff.stepped()
         return loss
+
+    def _shard_reduce(self):
+        """The :class:`~tritamp.sharding.ShardReduce` of this optimizer's DTensor
+        parameters (None without them), kept while its parameters stay the same."""
+        cached = getattr(self, "_shard_reduce_cache", None)
+        if cached is None or cached[0] != self._generation:
+            params = [p for group in self.param_groups for p in group["params"]]
+            cached = (self._generation, ShardReduce.for_params(params, type(self).__name__))
+            self._shard_reduce_cache = cached
+        return cached[1]
+
+    def _norm_reduce(self):
+        """What the LAMB and NovoGrad sweeps call to reduce per-tensor norms across the
+        shards (their ``norm_reduce``), or None."""
+        reduce = self._shard_reduce()
+        return None if reduce is None else reduce.reduce_
 
     def _plan_depends_on(self, group):
         """Hyperparameters that change what a group's plan holds (SGD: momentum or not)."""

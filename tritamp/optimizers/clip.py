@@ -2,6 +2,7 @@
 import torch
 
 from tritamp.kernels import multi_tensor_l2norm, multi_tensor_scale
+from tritamp.sharding import ShardReduce, locals_of
 
 
 @torch.no_grad()
@@ -13,6 +14,11 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     read back to the host. Returns the total norm as a 0-d device tensor. Use it on
     ``amp.master_params(optimizer)`` after ``scale_loss`` exits. Other norm types, and
     ``error_if_nonfinite=True`` (which must read the norm), go to torch's implementation.
+
+    Sharded gradients (DTensors, FSDP2's ``fully_shard``): each rank's shards are
+    clipped by the norm of the whole gradients, their local norms summed over the shard
+    group (one all-reduce, no host sync); every gradient must then be a DTensor on one
+    mesh.
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
@@ -25,7 +31,12 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     if len({g.device for g in grads}) > 1:
         raise ValueError("clip_grad_norm_: gradients on several devices; clip each device's "
                          "parameters separately, or use torch.nn.utils.clip_grad_norm_")
+    reduce = ShardReduce.for_params(grads, "clip_grad_norm_")
+    if reduce is not None:
+        grads = locals_of(grads)
     total, _ = multi_tensor_l2norm(grads)
+    if reduce is not None:
+        total = reduce.norm(total)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     multi_tensor_scale(grads, grads, coef, None)
     return total

@@ -82,6 +82,7 @@ class FusedLAMB(FusedOptimizer):
 
     _STATE_LIKE = ("exp_avg", "exp_avg_sq")
     _STATE_SCALARS = ("step",)
+    _NORMS_OF_WHOLE_TENSORS = True
 
     def _prepare(self, group, targets, grads, copies, states):
         prepared = lamb_prepare(targets, grads, [s["exp_avg"] for s in states],
@@ -92,8 +93,10 @@ class FusedLAMB(FusedOptimizer):
     def _before_groups(self, plans, grad_scale):
         max_grad_norm = self.defaults["max_grad_norm"]
         live = [plan for plan in plans if plan is not None]
+        reduce = self._shard_reduce()
+        norm_reduce = None if reduce is None else reduce.sum_
         if not (live and max_grad_norm):
-            return dict(global_norm=None)
+            return dict(global_norm=None, norm_reduce=norm_reduce)
         # One norm over every gradient of every group, of the unscaled gradients; planned
         # once while every group keeps its plan. On the CPU path the plans keep no
         # gradient between steps: the norm takes this step's (rebind) and drops them.
@@ -107,9 +110,11 @@ class FusedLAMB(FusedOptimizer):
         norm = multi_tensor_l2norm_launch(cached[1], scale=grad_scale)[0]
         if cached[1].rebindable:
             cached[1].release("tensors")
-        return dict(global_norm=norm)
+        if reduce is not None:  # sharded: the norm of the whole gradients
+            norm = reduce.norm(norm)
+        return dict(global_norm=norm, norm_reduce=norm_reduce)
 
-    def _launch(self, group, plan, grad_scale, found_inf, global_norm=None):
+    def _launch(self, group, plan, grad_scale, found_inf, global_norm=None, norm_reduce=None):
         plan, write_grads = take_grad_writes(plan)
         beta1, beta2 = group["betas"]
         lamb_launch(plan.prepared, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
@@ -118,7 +123,8 @@ class FusedLAMB(FusedOptimizer):
                     bias_correction=bool(group["bias_correction"]),
                     use_nvlamb=bool(self.use_nvlamb), global_grad_norm=global_norm,
                     max_grad_norm=self.defaults["max_grad_norm"] or 0.0,
-                    grad_scale=grad_scale, found_inf=found_inf, write_grads=write_grads)
+                    grad_scale=grad_scale, found_inf=found_inf, write_grads=write_grads,
+                    norm_reduce=norm_reduce)
 
 
 _HALF = (torch.float16, torch.bfloat16)

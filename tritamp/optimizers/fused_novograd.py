@@ -47,6 +47,7 @@ class FusedNovoGrad(FusedOptimizer):
 
     _STATE_LIKE = ("exp_avg",)
     _STATE_SCALARS = ("step", "exp_avg_sq")  # NovoGrad's second moment is one per tensor
+    _NORMS_OF_WHOLE_TENSORS = True
     # Apex's FusedNovoGrad keeps the step count and the second moments per group
     _SAVED_ONLY_GROUP_KEYS = FusedOptimizer._SAVED_ONLY_GROUP_KEYS + ("exp_avg_sq",)
 
@@ -106,4 +107,5 @@ class FusedNovoGrad(FusedOptimizer):
                         grad_averaging=bool(group["grad_averaging"]),
                         norm_type=group["norm_type"], init_zero=bool(group["init_zero"]),
                         bias_correction=bool(group["bias_correction"]),
-                        grad_scale=grad_scale, found_inf=found_inf)
+                        grad_scale=grad_scale, found_inf=found_inf,
+                        norm_reduce=self._norm_reduce())

@@ -56,8 +56,7 @@ class FusedSGD(FusedOptimizer):
                 # The buffer starts from the gradient of the first step actually taken:
                 # the device step count (0 until then) decides, so a skipped first step
                 # leaves the buffer unused.
-                dict.__setitem__(st, "momentum_buffer", torch.zeros_like(
-                    target, dtype=torch.float32, memory_format=torch.preserve_format))
+                dict.__setitem__(st, "momentum_buffer", self._zero_state(p, target))
                 dict.__setitem__(st, "step", torch.zeros((), dtype=torch.float32,
                                                          device=target.device))
             elif "step" not in st:  # state loaded from torch.optim.SGD: already started

@@ -1,0 +1,131 @@
+"""DTensor parameters (FSDP2's ``fully_shard``): what a tritamp step needs of them.
+
+A fused step updates each rank's local shard: the sweeps take the local tensors of
+DTensor parameters, gradients and state (:func:`local`), and the state a step creates
+for a DTensor parameter is a DTensor laid out as the parameter (so
+``torch.distributed.checkpoint`` saves and loads it sharded). What needs more than the
+local shard goes through :class:`ShardReduce`: the per-tensor and global norms of
+FusedLAMB, FusedNovoGrad and ``clip_grad_norm_`` are summed (or maxed) over the mesh
+dimensions the parameters are sharded on, and amp agrees on the overflow flag over the
+mesh (:func:`overflow_group`).
+"""
+import operator
+
+try:  # a torch built without torch.distributed has no DTensor
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Partial, Shard
+except ImportError:  # pragma: no cover
+    dist = DTensor = Partial = Shard = None
+
+_local_of = operator.attrgetter("_local_tensor")
+
+
+def is_dtensor(t):
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def any_dtensor(tensors):
+    return DTensor is not None and any(isinstance(t, DTensor) for t in tensors)
+
+
+def local(t):
+    """The local tensor of a DTensor (the tensor itself, which in-place updates reach);
+    anything else as it is."""
+    return t._local_tensor if DTensor is not None and isinstance(t, DTensor) else t
+
+
+def locals_of(tensors):
+    """:func:`local` of each tensor, None kept in place."""
+    return [None if t is None else local(t) for t in tensors]
+
+
+def _shard_dims(t, what):
+    """The mesh dimensions a DTensor is sharded on; a Partial placement is refused (its
+    local values are partial sums, not a shard of the tensor)."""
+    dims = []
+    for d, placement in enumerate(t.placements):
+        if isinstance(placement, Partial):
+            raise ValueError(
+                f"{what} is a DTensor with placements {tuple(t.placements)}: a Partial "
+                "placement holds partial sums, not a shard. Reduce it first "
+                "(t.redistribute(placements=[Shard(0)] or [Replicate()])), as FSDP2's "
+                "fully_shard does for the gradients it reduce-scatters.")
+        if placement.is_shard():
+            dims.append(d)
+    return tuple(dims)
+
+
+class ShardReduce:
+    """Sums (or maxima) over the ranks that hold the shards of one set of parameters:
+    the process groups of the mesh dimensions they are sharded on. Every DTensor of the
+    set must share one mesh and be sharded on the same dimensions; a set that mixes
+    DTensors and plain tensors is refused (a plain tensor's norm would be counted once
+    per rank). ``for_params`` returns None for a set without DTensors."""
+    __slots__ = ("groups",)
+
+    def __init__(self, groups):
+        self.groups = groups
+
+    @classmethod
+    def for_params(cls, params, op):
+        params = [p for p in params if p is not None]
+        if not any_dtensor(params):
+            return None
+        mesh = dims = None
+        for i, p in enumerate(params):
+            if not is_dtensor(p):
+                raise ValueError(
+                    f"{op}: tensor {i} (shape {tuple(p.shape)}) is a plain tensor among "
+                    "DTensors; its norm would be summed over the ranks as if it were a "
+                    "shard. Shard every parameter of the model with fully_shard (or keep "
+                    f"the plain ones in a separate {op}).")
+            p_dims = _shard_dims(p, f"{op}: tensor {i}")
+            if mesh is None:
+                mesh, dims = p.device_mesh, p_dims
+            elif p.device_mesh != mesh or p_dims != dims:
+                raise ValueError(
+                    f"{op}: tensor {i} is sharded on mesh dimensions {p_dims} of "
+                    f"{p.device_mesh}, tensor 0 on {dims} of {mesh}; the norms here are "
+                    "reduced over one set of ranks. Use one fully_shard mesh for every "
+                    f"parameter of this {op}.")
+        return cls(tuple(mesh.get_group(d) for d in dims))
+
+    def sum_(self, t):
+        """``t`` summed over the shard groups, in place (asynchronous on NCCL)."""
+        for group in self.groups:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        return t
+
+    def max_(self, t):
+        for group in self.groups:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t
+
+    def reduce_(self, t, op):
+        return self.max_(t) if op == "max" else self.sum_(t)
+
+    def norm(self, local_norm):
+        """The L2 norm of sharded tensors from the local shards' norm (a 0-d tensor)."""
+        sq = local_norm.float() * local_norm.float()
+        return self.sum_(sq.reshape(1)).reshape(()).sqrt()
+
+
+def overflow_group(params):
+    """The process group over which amp agrees on the overflow flag for sharded
+    parameters: the group of a one-dimensional mesh, the world for a mesh that spans it;
+    None without DTensors. Other meshes need ``overflow_process_group`` given."""
+    meshes = {p.device_mesh for p in params if is_dtensor(p)}
+    if not meshes:
+        return None
+    if len(meshes) == 1:
+        mesh = next(iter(meshes))
+        if mesh.ndim == 1:
+            return mesh.get_group()
+        if mesh.size() == dist.get_world_size():
+            return dist.group.WORLD
+    raise ValueError(
+        "amp.initialize: the model's DTensor parameters live on "
+        f"{', '.join(map(str, meshes))}; amp cannot tell which ranks must agree on a "
+        "skipped step. Pass overflow_process_group=<a process group over every rank that "
+        "holds a shard> to amp.initialize.")
