@@ -21,7 +21,12 @@ starts) plus ``optimizer.step()``. ``zero_grad()`` is timed apart. Two gradient 
   sweeps are reused): a training loop whose allocator hands back the same blocks;
 - ``fresh``: new gradient tensors every step, allocated before the clock starts while
   the previous two sets are still alive, so every step sees new addresses (the cached
-  sweeps are rebuilt).
+  sweeps are rebuilt);
+- ``fsdp2`` (O1 only: O2 and O3 leave the casts to FSDP2): the model sharded with
+  FSDP2's ``fully_shard`` over a one-process gloo world, so its parameters and their
+  gradients are DTensors, and new DTensor gradients (new local tensors) every step, as
+  FSDP2's reduce-scatter gives them; amp's overflow flag goes through a (one-rank) gloo
+  all-reduce, as it does over the shard group of a real run.
 
 First step (cache misses: plans, state creation, which on a CPU includes filling the
 fp32 state with real stores; no compilation, the recorder stubs it) is reported apart
@@ -63,13 +68,26 @@ TARGET_LAUNCHES = 3.0       # per dtype group
 LEVELS = ("O1", "O2")
 OPTIMIZERS = ("adam", "sgd")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-REGIMES = ("same", "fresh")
+REGIMES = ("same", "fresh", "fsdp2")
 
 
 def _resnet50():
     import torchvision
     torch.manual_seed(0)
     return torchvision.models.resnet50()
+
+
+def _one_rank_mesh():
+    """A one-process gloo world (made once) and a one-rank CPU mesh for fully_shard."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return init_device_mesh("cpu", (1,))
+
+
+def _local_ptr(t):
+    return getattr(t, "_local_tensor", t).data_ptr()
 
 
 def _build_optimizer(name, params):
@@ -94,6 +112,9 @@ class Case:
         self.regime = regime
         self.name = f"{level} {'FusedAdam' if opt_name == 'adam' else 'FusedSGD'} {dtype_name}"
         model = _resnet50()
+        if regime == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+            fully_shard(model, mesh=_one_rank_mesh())
         opt = _build_optimizer(opt_name, model.parameters())
         self.model, self.opt = amp.initialize(model, opt, opt_level=level,
                                               half_dtype=DTYPES[dtype_name],
@@ -111,6 +132,11 @@ class Case:
         self.error = None
 
     def _new_grads(self):
+        if self.regime == "fsdp2":
+            from torch.distributed.tensor import DTensor
+            return [DTensor.from_local(torch.full_like(p.to_local(), 1e-3), p.device_mesh,
+                                       p.placements, run_check=False, shape=p.shape,
+                                       stride=p.stride()) for p in self.params]
         return [torch.full_like(p, 1e-3) for p in self.params]
 
     def activate(self):
@@ -119,11 +145,11 @@ class Case:
         amp_state().loss_scalers = list(scalers)
 
     def prepare_grads(self):
-        if self.regime == "fresh" and self.steps > 0:
-            old = {g.data_ptr() for g in self.grads}
+        if self.regime in ("fresh", "fsdp2") and self.steps > 0:
+            old = set(map(_local_ptr, self.grads))
             self.grads = self._new_grads()       # the previous two sets are still alive
             self.live = (self.live + [self.grads])[-3:]
-            self.new_addresses += not (old & {g.data_ptr() for g in self.grads})
+            self.new_addresses += not (old & set(map(_local_ptr, self.grads)))
 
     def begin(self):
         """What happens before the timed part: gradients ready, scale_loss entered."""
@@ -286,7 +312,7 @@ def run_regime(regime, configs, rounds, steps_per_round, warmup, recording, log)
                    launches=launches.get(id(c)))
         if isinstance(c, Case):
             row["first_step_launches"] = getattr(c, "first_launches", None)
-            if regime == "fresh":
+            if regime in ("fresh", "fsdp2"):
                 row["steps_with_all_new_addresses"] = f"{c.new_addresses}/{max(c.steps - 1, 0)}"
         if isinstance(c, Baseline):
             row["fused"] = c.fused
@@ -451,7 +477,7 @@ def main(argv=None):
     torch.set_num_threads(1)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if args.quick:
-        configs = [("O2", o, "fp16") for o in OPTIMIZERS]
+        configs = [(lv, o, "fp16") for lv in LEVELS for o in OPTIMIZERS]
         rounds, per_round, warmup = 3, 3, 2
     else:
         configs = [(lv, o, d) for lv in LEVELS for o in OPTIMIZERS for d in DTYPES]
@@ -475,9 +501,11 @@ def main(argv=None):
     try:
         with record_launches() as recording:
             for regime in (REGIMES if configs else ()):
-                log(f"regime {regime}: {len(configs)} configurations, {rounds} rounds x "
+                # O2 and O3 refuse DTensor parameters (FSDP2 casts them itself)
+                these = [c for c in configs if regime != "fsdp2" or c[0] == "O1"]
+                log(f"regime {regime}: {len(these)} configurations, {rounds} rounds x "
                     f"{per_round} steps")
-                rows += run_regime(regime, configs, rounds, per_round, warmup, recording, log)
+                rows += run_regime(regime, these, rounds, per_round, warmup, recording, log)
     except Exception as e:
         print(f"host_overhead: the recorder could not run ({type(e).__name__}: {e}).")
         traceback.print_exc()

@@ -306,7 +306,7 @@ def _upload(array: torch.Tensor, device: torch.device) -> torch.Tensor:
 class GroupPlan:
     """One launch: the rows of one dtype group, their device tables and constexprs."""
     __slots__ = ("rows", "meta", "blocks", "n_blocks", "counters", "protos", "constexprs",
-                 "block", "warps", "launch_key")
+                 "block", "warps", "launch_key", "host_meta", "present")
 
     def __init__(self, sweep, lists, rows, device, block, warps, emulate):
         self.rows = rows
@@ -341,6 +341,8 @@ class GroupPlan:
         block_idx = (np.arange(total, dtype=np.int64) - np.repeat(starts, per_tensor)).astype(np.int32)
         blocks = np.ascontiguousarray(np.stack([tensor_idx, block_idx], axis=1))
         self.meta = _upload(torch.from_numpy(meta), device)
+        self.host_meta = meta  # the table as uploaded, for new_addresses / set_addresses
+        self.present = [col is not None for col in cols]
         self.blocks = _upload(torch.from_numpy(blocks), device)
         self.n_blocks = total
         has_scalar = any(c.role == "scalar" and present[c.name] for c in sweep.columns)
@@ -356,6 +358,31 @@ class GroupPlan:
         self.warps = warps
         cx["num_warps"] = warps
         self.launch_key = tuple(cx.items())  # the kept-launch key of these constexprs
+
+    def new_addresses(self, j, col):
+        """Column ``j``'s addresses for this group's rows of ``col`` (a full column of
+        tensors laid out as the ones planned), or None when the kernels' alignment
+        (``VEC``) would not hold for them; ``()`` for a column absent here."""
+        if not self.present[j]:
+            return ()
+        ptrs = np.fromiter(map(_data_ptr, map(col.__getitem__, self.rows)), dtype=np.int64,
+                           count=len(self.rows))
+        if self.constexprs["VEC"] > 1 and (ptrs % VECTOR_BYTES).any():
+            return None
+        return ptrs
+
+    def set_addresses(self, j, ptrs):
+        """Write column ``j``'s addresses into the device table: one host-to-device copy,
+        ordered on the stream after the launches that read the old ones; none when the
+        addresses are those already there."""
+        if len(ptrs) == 0 or np.array_equal(self.host_meta[:, j], ptrs):
+            return
+        self.host_meta[:, j] = ptrs
+        host = torch.from_numpy(self.host_meta)
+        if self.meta.device.type == "cuda":
+            # a fresh pinned block: an earlier copy may still be reading the last one
+            host = host.pin_memory()
+        self.meta.copy_(host, non_blocking=True)
 
 
 class Prepared:
@@ -463,17 +490,41 @@ class Prepared:
 
     @property
     def rebindable(self):
-        """CPU path with nothing staged: :meth:`rebind` may swap a column's tensors."""
-        return not self.triton and not self.staged and not self.writeback
+        """Nothing staged (every tensor swept as it is): :meth:`rebind` may swap a column's
+        tensors."""
+        return not self.staged and not self.writeback
 
-    def rebind(self, name, tensors):
-        """The production CPU path holds no device tables: the same validated sweep runs
-        over new tensors in column ``name`` (this step's gradients, at new addresses) when
-        the caller's key says that nothing else changed (same strides, hence same shapes,
-        dtypes and layouts: torch keeps a ``.grad``'s dtype and shape its parameter's)."""
-        col = self._lists[name] = list(tensors)
-        for g in self.cpu_groups:
-            g.lists[name] = g.pick(col)
+    def rebind(self, name, tensors, *same_as):
+        """The same validated sweep over new tensors in column ``name`` (and in the
+        columns ``same_as``, given the same tensors): this step's gradients, at new
+        addresses, when the caller's key says that nothing else changed (same strides,
+        hence same shapes, dtypes and layouts: torch keeps a ``.grad``'s dtype and shape
+        its parameter's). Returns whether it did.
+
+        The production CPU path holds no device tables: its lists take the tensors. The
+        Triton path writes their addresses into its device tables (one small
+        host-to-device copy per group, only for addresses that changed) and keeps no
+        reference to them (the column's list is dropped: nothing on that path reads it);
+        it refuses, changing nothing, tensors whose addresses break the 16-byte alignment
+        its kernels were specialised for: the caller then prepares the sweep again."""
+        col = list(tensors)
+        names = (name,) + same_as
+        if self.triton:
+            index = [j for j, c in enumerate(self.sweep.columns) if c.name in names]
+            found = [[g.new_addresses(j, col) for j in index] for g in self.groups]
+            if any(p is None for ptrs in found for p in ptrs):
+                return False
+            for g, ptrs in zip(self.groups, found):
+                for j, p in zip(index, ptrs):
+                    g.set_addresses(j, p)
+            for n in names:
+                self._lists[n] = None
+            return True
+        for n in names:
+            self._lists[n] = col
+            for g in self.cpu_groups:
+                g.lists[n] = g.pick(col)
+        return True
 
     def release(self, name):
         """Drop the references to column ``name``'s tensors until the next :meth:`rebind`
@@ -599,8 +650,8 @@ class StagedPrepared:
     def rebindable(self):
         return self.prepared.rebindable
 
-    def rebind(self, name, tensors):
-        self.prepared.rebind(name, tensors)
+    def rebind(self, name, tensors, *same_as):
+        return self.prepared.rebind(name, tensors, *same_as)
 
     def release(self, name):
         self.prepared.release(name)

@@ -244,18 +244,21 @@ class LayoutPrepared:
 
     @property
     def rebindable(self):
-        """A read-only check on the CPU path over the sources themselves (no stand-in):
+        """A read-only check over the sources themselves (no stand-in):
         :meth:`rebind_sources` may give it another step's gradients."""
         return (not self.options["write"] and self.prepared.rebindable
                 and not self.layouts.reads and not self.layouts.writeback)
 
     def rebind_sources(self, srcs):
         """The same checked sweep over ``srcs`` (this step's gradients: the caller's key
-        says they have the kept ones' strides, shapes and dtypes)."""
+        says they have the kept ones' strides, shapes and dtypes); returns whether it
+        could (see :meth:`~._multi_tensor.Prepared.rebind`: the Triton path refuses
+        addresses that break its alignment, and keeps no reference to the sources)."""
         srcs = list(srcs)
-        self.lists["srcs"] = srcs
-        self.prepared.rebind("srcs", srcs)
-        self.prepared.rebind("dsts", srcs)
+        if not self.prepared.rebind("srcs", srcs, "dsts"):
+            return False
+        self.lists["srcs"] = None if self.triton else srcs
+        return True
 
     def release(self):
         """Drop the references to the sources until the next :meth:`rebind_sources`."""

@@ -230,8 +230,8 @@ class L2NormPrepared(StagedPrepared):
     def rebind(self, name, tensors):
         """The same validated norm over new tensors (see :meth:`Prepared.rebind`); the CPU
         plans hold views of the old ones and are made again at the next launch."""
-        self.prepared.rebind(name, tensors)
         self.cpu = {}
+        return self.prepared.rebind(name, tensors)
 
     def release(self, name):
         self.prepared.release(name)

@@ -108,14 +108,17 @@ class AmpStash:
             cache = self._sweeps[purpose] = SweepCache()
         prepared = cache.get(key)
         if prepared is None and rebind_on is not None and cache.prepared is not None \
-                and cache.prepared.rebindable and cache.key[1:] == key[1:]:
-            # The CPU path keeps no device tables: this step's gradients (at new
-            # addresses on a CPU, every step) go through the kept, validated check.
+                and cache.prepared.rebindable and cache.key[1:] == key[1:] \
+                and cache.prepared.rebind_sources(srcs):
+            # Only the gradients' addresses changed (on a CPU they do every step; under
+            # FSDP2 the gradients are new tensors): the kept, validated check takes them.
             prepared = cache.prepared
-            prepared.rebind_sources(srcs)
             K.check_unscale_launch(prepared, scale=scale, found_inf=found)
-            prepared.release()  # no gradient kept alive between steps
-            cache.key = (None, *key[1:])
+            if prepared.triton:
+                cache.key = key  # its tables now hold these addresses
+            else:
+                prepared.release()  # no gradient kept alive between steps
+                cache.key = (None, *key[1:])
             return
         if prepared is None:
             # Borrowed tensors: the kept sweep must not keep this step's gradients alive.

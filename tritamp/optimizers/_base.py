@@ -679,12 +679,12 @@ class FusedOptimizer(torch.optim.Optimizer):
                 check_grads_writable(found)
             return found
         found = cache.prepared
-        if found is not None and cache.key[1] == rest and found.rebindable:
-            # The CPU path keeps no device tables: only the gradients' addresses changed
-            # (on a CPU they do every step), so the validated sweep takes this step's.
-            if any(map(_is_none, grads)):
-                grads = [g for g in grads if g is not None]
-            found.rebind("grads", grads)
+        if found is not None and cache.key[1] == rest and found.rebindable and found.rebind(
+                "grads", [g for g in grads if g is not None] if any(map(_is_none, grads))
+                else grads):
+            # Only the gradients' addresses changed (on a CPU they do every step; under
+            # FSDP2 the gradients are new tensors): the validated sweep takes this step's
+            # (the Triton path writes their addresses into its tables).
             cache.key = key
             return found
         rows = [i for i, g in enumerate(grads) if g is not None]
@@ -763,7 +763,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             for gi, (group, prepared) in enumerate(zip(self.param_groups, plans)):
                 if prepared is not None:
                     self._launch(group, launched[gi], grad_scale, found_inf, **extra)
-                    if prepared.rebindable:
+                    if prepared.rebindable and not prepared.triton:
                         # A kept CPU sweep holds this step's gradients only while it runs.
                         prepared.release("grads")
                         cache = self._plans[gi]

@@ -26,11 +26,13 @@ class _LambPlan:
 
     @property
     def rebindable(self):
-        return self.prepared.rebindable
+        # The CPU path only: on the Triton path the global norm's kept sweep reads the
+        # gradients too, so new addresses prepare both again.
+        return self.prepared.rebindable and not self.prepared.triton
 
     def rebind(self, name, tensors):
-        self.prepared.rebind(name, tensors)
         self.grads = list(tensors)
+        return self.prepared.rebind(name, tensors)
 
     def release(self, name):
         self.prepared.release(name)
@@ -105,10 +107,10 @@ class FusedLAMB(FusedOptimizer):
         if cached is None or len(cached[0]) != len(live) \
                 or any(a is not b for a, b in zip(cached[0], live)):
             cached = self._norm_plan = (live, multi_tensor_l2norm_prepare(grads))
-        elif cached[1].rebindable:
+        elif cached[1].rebindable and not cached[1].triton:
             cached[1].rebind("tensors", grads)
         norm = multi_tensor_l2norm_launch(cached[1], scale=grad_scale)[0]
-        if cached[1].rebindable:
+        if cached[1].rebindable and not cached[1].triton:
             cached[1].release("tensors")
         if reduce is not None:  # sharded: the norm of the whole gradients
             norm = reduce.norm(norm)

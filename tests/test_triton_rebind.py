@@ -1,0 +1,130 @@
+"""On the Triton path (here in Triton's interpreter), gradients that are new tensors
+every step (FSDP2's reduce-scatter gives them; so does an allocator that hands out other
+blocks) go through the kept sweep: their addresses are written into its device tables
+instead of the sweep being prepared again. Steps match sweeps prepared anew each step;
+the kept sweep holds no gradient between steps; addresses that break the alignment the
+kernels were specialised for make it prepare again."""
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tritamp import amp
+from tritamp.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
+from tritamp.testing import plans_of, reset_amp, stash_of
+
+OPTIMIZERS = {
+    "adam": lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1),
+    "sgd": lambda p: FusedSGD(p, lr=1e-2, momentum=0.9),
+    "adagrad": lambda p: FusedAdagrad(p, lr=1e-2),
+    "novograd": lambda p: FusedNovoGrad(p, lr=1e-2),
+    # LAMB's global norm keeps a sweep over the gradients too: it prepares both again
+    "lamb": lambda p: FusedLAMB(p, lr=1e-2),
+}
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _backward(model, step):
+    torch.manual_seed(100 + step)
+    model(torch.randn(5, 8)).square().mean().backward()
+
+
+def _misaligned(t):
+    """A copy of ``t`` at an address 4 bytes past a 16-byte boundary."""
+    buf = torch.empty(t.numel() + 4, dtype=t.dtype)
+    start = next(i for i in range(4) if (buf[i:].data_ptr() % 16) == 4)
+    out = buf[start:start + t.numel()].view_as(t)
+    out.copy_(t)
+    return out
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_new_gradient_tensors_rebind_the_kept_sweep_and_match_fresh_sweeps(name):
+    a, b = _model(), _model()
+    opt_a, opt_b = OPTIMIZERS[name](a.parameters()), OPTIMIZERS[name](b.parameters())
+    alive = []  # every step's gradients stay alive: each step's land at new addresses
+    for step in range(3):
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad(set_to_none=True)
+            _backward(model, step)
+            alive.append([p.grad for p in model.parameters()])
+        opt_b._plans.clear()  # b prepares its sweep anew every step
+        opt_b.__dict__.pop("_norm_plan", None)
+        opt_a.step()
+        opt_b.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+    (cache,) = plans_of(opt_a).values()
+    assert cache.prepared.triton is True
+    assert cache.builds == (3 if name == "lamb" else 1)
+
+
+def test_the_rebound_sweep_holds_no_gradient_between_steps():
+    model = _model()
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    _backward(model, 0)
+    opt.step()
+    keep = model[0].weight.grad
+    opt.zero_grad(set_to_none=True)
+    _backward(model, 1)  # new addresses: the kept sweep is rebound
+    opt.step()
+    assert plans_of(opt)[0].builds == 1
+    grad = weakref.ref(model[0].weight.grad)
+    opt.zero_grad(set_to_none=True)
+    del keep
+    gc.collect()
+    assert grad() is None
+
+
+def test_a_misaligned_gradient_prepares_the_sweep_again():
+    a, b = _model(), _model()
+    opt_a = FusedAdam(a.parameters(), lr=1e-2)
+    opt_b = FusedAdam(b.parameters(), lr=1e-2)
+    for step in range(2):
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad(set_to_none=True)
+            _backward(model, step)
+        if step == 1:
+            a[0].weight.grad = _misaligned(a[0].weight.grad)
+        opt_a.step()
+        opt_b.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+    cache = plans_of(opt_a)[0]
+    assert cache.builds == 2  # aligned first (16-byte loads), then the misaligned one
+    assert cache.prepared.groups[0].constexprs["VEC"] == 1
+
+
+def test_amp_check_is_rebound_on_the_triton_path_and_still_catches_an_overflow():
+    reset_amp()
+    model = _model()
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    alive = []
+    for step in range(3):
+        opt.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        with amp.scale_loss(model(torch.randn(5, 8)).square().mean(), opt) as scaled:
+            scaled.backward()
+        alive.append([p.grad for p in model.parameters()])
+        opt.step()
+    check = stash_of(opt)._sweeps["check"]
+    assert check.builds == 1 and check.prepared.triton is True
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad(set_to_none=True)
+    with amp.scale_loss(model(torch.randn(5, 8)).square().mean(), opt) as scaled:
+        scaled.backward()
+        model[2].bias.grad[1] = float("nan")  # in this step's new gradient tensor
+    alive.append([p.grad for p in model.parameters()])
+    opt.step()
+    assert check.builds == 1
+    assert amp.last_step_skipped(opt)
+    assert all(torch.equal(x, p) for x, p in zip(before, model.parameters()))
+    reset_amp()
