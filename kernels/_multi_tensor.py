@@ -359,25 +359,27 @@ class GroupPlan:
         cx["num_warps"] = warps
         self.launch_key = tuple(cx.items())  # the kept-launch key of these constexprs
 
-    def new_addresses(self, j, col):
-        """Column ``j``'s addresses for this group's rows of ``col`` (a full column of
-        tensors laid out as the ones planned), or None when the kernels' alignment
-        (``VEC``) would not hold for them; ``()`` for a column absent here."""
-        if not self.present[j]:
-            return ()
-        ptrs = np.fromiter(map(_data_ptr, map(col.__getitem__, self.rows)), dtype=np.int64,
-                           count=len(self.rows))
-        if self.constexprs["VEC"] > 1 and (ptrs % VECTOR_BYTES).any():
+    def new_addresses(self, col):
+        """The addresses of this group's rows of ``col`` (a full column of tensors laid out
+        as the ones planned), or None when the kernels' alignment (``VEC``) would not hold
+        for them."""
+        rows = self.rows
+        picked = col if len(rows) == len(col) else [col[i] for i in rows]
+        ptrs = np.fromiter(map(_data_ptr, picked), dtype=np.int64, count=len(rows))
+        if self.constexprs["VEC"] > 1 and np.bitwise_and(ptrs, VECTOR_BYTES - 1).any():
             return None
         return ptrs
 
-    def set_addresses(self, j, ptrs):
-        """Write column ``j``'s addresses into the device table: one host-to-device copy,
+    def set_addresses(self, columns, ptrs):
+        """Write ``ptrs`` as the addresses of the columns ``columns`` (indices; those absent
+        from this group are skipped) into the device table: one host-to-device copy,
         ordered on the stream after the launches that read the old ones; none when the
         addresses are those already there."""
-        if len(ptrs) == 0 or np.array_equal(self.host_meta[:, j], ptrs):
+        columns = [j for j in columns if self.present[j]]
+        if not columns or all(np.array_equal(self.host_meta[:, j], ptrs) for j in columns):
             return
-        self.host_meta[:, j] = ptrs
+        for j in columns:
+            self.host_meta[:, j] = ptrs
         host = torch.from_numpy(self.host_meta)
         if self.meta.device.type == "cuda":
             # a fresh pinned block: an earlier copy may still be reading the last one
@@ -511,12 +513,11 @@ class Prepared:
         names = (name,) + same_as
         if self.triton:
             index = [j for j, c in enumerate(self.sweep.columns) if c.name in names]
-            found = [[g.new_addresses(j, col) for j in index] for g in self.groups]
-            if any(p is None for ptrs in found for p in ptrs):
+            found = [g.new_addresses(col) for g in self.groups]
+            if any(ptrs is None for ptrs in found):
                 return False
             for g, ptrs in zip(self.groups, found):
-                for j, p in zip(index, ptrs):
-                    g.set_addresses(j, p)
+                g.set_addresses(index, ptrs)
             for n in names:
                 self._lists[n] = None
             return True

@@ -110,3 +110,10 @@ def test_amp_o2_o3_refuse_dtensors_and_point_at_mixed_precision_policy(reports, 
         assert f"opt_level='{level}' casts the model" in r["message"], r
         assert "MixedPrecisionPolicy" in r["message"], r
         assert r["unchanged"] and r["dtypes"] == ["torch.float32"], r
+
+
+def test_amp_o0_dynamic_scale_with_fsdp2_mixed_precision_policy(reports):
+    # FSDP2 computes in fp16 from fp32 shards (which stay the masters); amp scales the loss
+    for r in _both(reports, "amp/O0/mp_policy"):
+        assert r["last"] < 0.7 * r["first"], r
+        assert r["scale"] == 65536.0 and r["dtypes"] == ["torch.float32"], r

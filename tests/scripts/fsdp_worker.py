@@ -244,6 +244,34 @@ def amp_overflow_one_rank(rank):
                 state_before=state_before, trained_after=moved)
 
 
+def amp_o0_with_mixed_precision_policy(rank):
+    """FSDP2 casts (MixedPrecisionPolicy: fp16 compute, fp32 gradient reduction); amp O0
+    with a dynamic scale scales the loss and skips overflowing steps."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    reset_amp()
+    torch.manual_seed(0)
+    model = Net()
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    for module in (model.fc1, model.fc2, model):
+        fully_shard(module, mp_policy=policy)
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O0", loss_scale="dynamic",
+                                verbosity=0)
+    losses = []
+    for step in range(8):
+        x, y = batch(0)
+        opt.zero_grad()
+        loss = loss_of(model, x, y)
+        losses.append(float(loss))
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+    scale = float(amp.state_dict()["loss_scaler0"]["loss_scale"])
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    reset_amp()
+    return dict(first=losses[0], last=losses[-1], scale=scale, dtypes=dtypes)
+
+
 def amp_refused(level, rank):
     reset_amp()
     model = make()
@@ -277,6 +305,7 @@ def cases(rank, out):
     for half in ("fp16", "bf16"):
         yield f"amp/O1/{half}", lambda half=half: amp_o1(half, rank)
     yield "amp/overflow", lambda: amp_overflow_one_rank(rank)
+    yield "amp/O0/mp_policy", lambda: amp_o0_with_mixed_precision_policy(rank)
     for level in ("O2", "O3"):
         yield f"amp/refused/{level}", lambda level=level: amp_refused(level, rank)
 

@@ -273,9 +273,10 @@ def _check_sharded(models, optimizers, props, opt_level, overflow_process_group)
     params += [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
     if not any_dtensor(params):
         return overflow_process_group
-    if props.cast_model_type or props.master_weights:
+    half_cast = props.cast_model_type not in (None, torch.float32)
+    if half_cast or props.master_weights:
         what = (f"opt_level={opt_level!r} casts the model to {props.cast_model_type}"
-                if props.cast_model_type else "master_weights=True keeps fp32 masters")
+                if half_cast else "master_weights=True keeps fp32 masters")
         raise RuntimeError(
             f"amp.initialize: {what}, but the model's parameters are DTensors (sharded with "
             "FSDP2's fully_shard). FSDP2 casts sharded parameters itself: give "
