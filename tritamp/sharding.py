@@ -9,40 +9,46 @@ FusedLAMB, FusedNovoGrad and ``clip_grad_norm_`` are summed (or maxed) over the 
 dimensions the parameters are sharded on, and amp agrees on the overflow flag over the
 mesh (:func:`overflow_group`).
 """
-import operator
+import sys
 
-try:  # a torch built without torch.distributed has no DTensor
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.placement_types import Partial, Shard
-except ImportError:  # pragma: no cover
-    dist = DTensor = Partial = Shard = None
 
-_local_of = operator.attrgetter("_local_tensor")
+def _dtensor_class():
+    """torch's DTensor class once ``torch.distributed.tensor`` has been imported (no
+    tensor can be a DTensor before), else None: importing it here would add half a
+    second to ``import tritamp``."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else getattr(module, "DTensor", None)
 
 
 def is_dtensor(t):
-    return DTensor is not None and isinstance(t, DTensor)
+    cls = _dtensor_class()
+    return cls is not None and isinstance(t, cls)
 
 
 def any_dtensor(tensors):
-    return DTensor is not None and any(isinstance(t, DTensor) for t in tensors)
+    cls = _dtensor_class()
+    return cls is not None and any(isinstance(t, cls) for t in tensors)
 
 
 def local(t):
     """The local tensor of a DTensor (the tensor itself, which in-place updates reach);
     anything else as it is."""
-    return t._local_tensor if DTensor is not None and isinstance(t, DTensor) else t
+    cls = _dtensor_class()
+    return t._local_tensor if cls is not None and isinstance(t, cls) else t
 
 
 def locals_of(tensors):
     """:func:`local` of each tensor, None kept in place."""
-    return [None if t is None else local(t) for t in tensors]
+    cls = _dtensor_class()
+    if cls is None:
+        return list(tensors)
+    return [t._local_tensor if isinstance(t, cls) else t for t in tensors]
 
 
 def _shard_dims(t, what):
     """The mesh dimensions a DTensor is sharded on; a Partial placement is refused (its
     local values are partial sums, not a shard of the tensor)."""
+    from torch.distributed.tensor.placement_types import Partial
     dims = []
     for d, placement in enumerate(t.placements):
         if isinstance(placement, Partial):
@@ -93,11 +99,13 @@ class ShardReduce:
 
     def sum_(self, t):
         """``t`` summed over the shard groups, in place (asynchronous on NCCL)."""
+        import torch.distributed as dist
         for group in self.groups:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
         return t
 
     def max_(self, t):
+        import torch.distributed as dist
         for group in self.groups:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return t
@@ -122,6 +130,7 @@ def overflow_group(params):
         mesh = next(iter(meshes))
         if mesh.ndim == 1:
             return mesh.get_group()
+        import torch.distributed as dist
         if mesh.size() == dist.get_world_size():
             return dist.group.WORLD
     raise ValueError(

@@ -29,7 +29,7 @@ import torch
 from torch.optim.optimizer import required
 
 from tritamp.contract import StepHandoff
-from tritamp.sharding import DTensor, ShardReduce, is_dtensor, local, locals_of
+from tritamp.sharding import ShardReduce, any_dtensor, is_dtensor, local, locals_of
 from tritamp.kernels.engine import (GradWrites, SweepCache, borrowed, check_grads_writable,
                                     layout_key, restride_like, zero_grads_)
 
@@ -605,7 +605,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             return cache[3]
         targets, copies, models = [], [], []
         model_of = pairs.model_of
-        sharded = DTensor is not None and any(isinstance(p, DTensor) for p in params)
+        sharded = any_dtensor(params)
         for p in params:
             model = model_of(p)
             if model is not None:
