@@ -1,7 +1,7 @@
 """Host cost of one mixed-precision step on the GPU code path, measured without a GPU.
 
     python benchmarks/host_overhead.py            # every configuration (about a minute)
-    python benchmarks/host_overhead.py --quick    # O2, fp16, Adam and SGD, few rounds
+    python benchmarks/host_overhead.py --quick    # O1 and O2, fp16, Adam and SGD, few rounds
 
 What runs: ResNet-50's 161 parameters (torchvision ``resnet50()``, random init, CPU)
 through ``tritamp.amp.initialize`` (O1 and O2, ``half_dtype`` fp16 and bf16, always
@@ -462,7 +462,7 @@ def environment():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="O2 fp16 Adam/SGD, few rounds")
+    ap.add_argument("--quick", action="store_true", help="O1/O2 fp16 Adam/SGD, few rounds")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps-per-round", type=int, default=None)
     ap.add_argument("--out", default=OUT)

@@ -28,6 +28,20 @@ def test_quick_run_reports_launches_and_times(tmp_path):
     assert adam["launches"]["torch_host_reads"] == {}
     torch_row = next(r for r in rows if r["optimizer"] == "torch")
     assert torch_row["error"] is None and torch_row["steady"]["median_us"] > 0
+    # New gradients every step (plain, or FSDP2's DTensors): the kept sweeps take their
+    # addresses (one table copy per sweep and dtype group) instead of being rebuilt.
+    for regime in ("fresh", "fsdp2"):
+        row = next(r for r in rows if r["config"] == "O1 FusedAdam fp16"
+                   and r["regime"] == regime)
+        assert row["error"] is None, row
+        done = int(row["steps_with_all_new_addresses"].split("/")[1])
+        assert done > 0 and row["steps_with_all_new_addresses"] == f"{done}/{done}"
+        la = row["launches"]
+        assert la["triton"] == {"_check_unscale_sweep_kernel": 1, "_scale_update_kernel": 1,
+                                "_adam_step_kernel": 1}, la
+        assert la["torch"]["copy_"] == 3, la  # the scaler's snapshot, two tables
+        assert la["torch"].get("allreduce_", 0) == (regime == "fsdp2"), la
+        assert la["torch_host_reads"] == {}, la
 
 
 def test_norm_host_cost_rows(tmp_path):
