@@ -60,6 +60,7 @@ def test_fused_optimizers_step_dtensors_as_torch_optim_does(reports, key):
 
 @pytest.mark.parametrize("key", ["unsharded/lamb", "unsharded/lamb_nvlamb_clip_small",
                                  "unsharded/novograd", "unsharded/novograd_max",
+                                 "unsharded/mixed_precision_lamb_bf16",
                                  "unsharded/lamb/interpreted", "unsharded/novograd/interpreted",
                                  "unsharded/novograd_max/interpreted"])
 def test_lamb_and_novograd_norms_are_those_of_the_whole_tensors(reports, key):

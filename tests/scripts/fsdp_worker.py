@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 
 from tritamp import amp
-from tritamp.optimizers import (FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD,
-                                clip_grad_norm_)
+from tritamp.optimizers import (FusedAdagrad, FusedAdam, FusedLAMB, FusedMixedPrecisionLamb,
+                                FusedNovoGrad, FusedSGD, clip_grad_norm_)
 from tritamp.testing import plans_of, reset_amp
 
 STEPS = 10
@@ -44,9 +44,11 @@ class Net(nn.Module):
         return self.fc2(self.norm(torch.relu(self.fc1(x + self.emb))))
 
 
-def make(sharded=True):
+def make(sharded=True, dtype=None):
     torch.manual_seed(0)
     model = Net()
+    if dtype is not None:
+        model.to(dtype)
     if sharded:
         fully_shard(model.fc1)
         fully_shard(model.fc2)
@@ -61,6 +63,7 @@ def batch(step, rank=None):
 
 
 def loss_of(model, x, y):
+    x = x.to(model.fc1.weight.dtype)
     return (model(x).float() - y).pow(2).mean()
 
 
@@ -125,12 +128,15 @@ UNSHARDED = {
                                                   max_grad_norm=0.05, use_nvlamb=True),
     "novograd": lambda p: FusedNovoGrad(p, lr=1e-2, weight_decay=0.01),
     "novograd_max": lambda p: FusedNovoGrad(p, lr=1e-2, norm_type=0, grad_averaging=False),
+    # bf16 parameters with fp32 masters (DTensors too) and state
+    "mixed_precision_lamb_bf16": lambda p: FusedMixedPrecisionLamb(p, lr=1e-2),
 }
 
 
 def vs_unsharded(name, rank):
     make_opt = UNSHARDED[name]
-    a, b = make(), make(sharded=False)
+    dtype = torch.bfloat16 if name.endswith("bf16") else None
+    a, b = make(dtype=dtype), make(sharded=False, dtype=dtype)
     opt_a, opt_b = make_opt(a.parameters()), make_opt(b.parameters())
     start = full(b.parameters())
     train(a, opt_a, STEPS)
