@@ -635,20 +635,27 @@ class FusedOptimizer(torch.optim.Optimizer):
         return self.master_weights and p.dtype != torch.float32
 
     def _group_grads(self, links, grad_scale):
+        """This step's gradients, one per parameter (None kept in place), and where the
+        masters' came from: None (their own), ``"models"`` (every master reads its
+        model parameter's) or the rows that read the model parameter's. The origin is
+        part of the plan's key: a master's own gradient (fp32) and its model
+        parameter's (half) have the same shape and strides but not the same dtype."""
         if links.sharded:  # each rank steps its shards: the gradients' local tensors
-            return locals_of(map(_grad_of, links.params))
+            return locals_of(map(_grad_of, links.params)), None
         if links.model_rows and grad_scale is not None:
             # amp left this step's half gradients scaled for us to read directly (without
             # a grad_scale they are stale, not this step's): a master without a gradient
             # of its own reads its model parameter's.
             if not any(map(_is_not_none, map(_grad_of, links.masters))):
-                return list(map(_grad_of, links.lazy_sources))
+                return list(map(_grad_of, links.lazy_sources)), "models"
             grads = list(map(_grad_of, links.params))
+            rows = []
             for i in links.model_rows:
                 if grads[i] is None:
                     grads[i] = links.models[i].grad
-            return grads
-        return list(map(_grad_of, links.params))
+                    rows.append(i)
+            return grads, tuple(rows)
+        return list(map(_grad_of, links.params)), None
 
     def _group_plan(self, gi, group, grad_scale, write_grads=False, fresh=None):
         """The prepared sweep of group ``gi`` for this step's gradients, or None when no
@@ -663,11 +670,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._track_state()
             self._bump()
         links = self._group_links(gi, group)
-        grads = self._group_grads(links, grad_scale)
+        grads, origin = self._group_grads(links, grad_scale)
         # a sparse gradient is refused here, named (group, index) in torch's words
         ptrs, strides = layout_key(grads, op=type(self).__name__,
                                    name=f"param_groups[{gi}] gradient")
-        rest = (strides, tuple(map(_data_ptr, links.written)), self._generation,
+        rest = (strides, origin, tuple(map(_data_ptr, links.written)), self._generation,
                 self.state.epoch.value, self._plan_depends_on(group))
         key = (ptrs, rest)
         cache = self._plans.get(gi)
