@@ -303,10 +303,23 @@ def _upload(array: torch.Tensor, device: torch.device) -> torch.Tensor:
     return array.to(device)
 
 
+_STAND_INS = {}
+
+
+def _stand_in(dtype, device):
+    """A small tensor of ``dtype`` on ``device``, kept for the process: what a kernel is
+    given for a typed column whose own tensors change every step (its dtype is what
+    matters; it is never read)."""
+    t = _STAND_INS.get((dtype, device))
+    if t is None:
+        t = _STAND_INS[(dtype, device)] = torch.zeros(16, dtype=dtype, device=device)
+    return t
+
+
 class GroupPlan:
     """One launch: the rows of one dtype group, their device tables and constexprs."""
     __slots__ = ("rows", "meta", "blocks", "n_blocks", "counters", "protos", "constexprs",
-                 "block", "warps", "launch_key", "host_meta", "present")
+                 "block", "warps", "launch_key", "host_meta", "present", "proto_cols")
 
     def __init__(self, sweep, lists, rows, device, block, warps, emulate):
         self.rows = rows
@@ -351,6 +364,9 @@ class GroupPlan:
         fallback = params[0]
         self.protos = tuple((col[0] if col is not None else fallback)
                             for c, col in zip(sweep.columns, cols) if c.typed)
+        # the column of each proto (a typed column's first tensor: its dtype is what the
+        # kernel is specialised on, its memory is never read)
+        self.proto_cols = [j for j, c in enumerate(sweep.columns) if c.typed]
         cx = {f"HAS_{c.name.upper()}": present[c.name] for c in sweep.columns if c.optional}
         cx.update(VEC=vec if aligned else 1, EMULATE_BF16_ROUNDING=emulate, BLOCK=block)
         self.constexprs = cx
@@ -374,8 +390,17 @@ class GroupPlan:
         """Write ``ptrs`` as the addresses of the columns ``columns`` (indices; those absent
         from this group are skipped) into the device table: one host-to-device copy,
         ordered on the stream after the launches that read the old ones; none when the
-        addresses are those already there."""
+        addresses are those already there. The protos of those columns become stand-ins
+        of their dtype: the tensors they were may be freed, and a launch must not pass
+        a freed tensor (Triton's interpreter copies every tensor argument's memory)."""
         columns = [j for j in columns if self.present[j]]
+        if any(j in self.proto_cols for j in columns):
+            protos = list(self.protos)
+            for j in columns:
+                if j in self.proto_cols:
+                    k = self.proto_cols.index(j)
+                    protos[k] = _stand_in(protos[k].dtype, protos[k].device)
+            self.protos = tuple(protos)
         if not columns or all(np.array_equal(self.host_meta[:, j], ptrs) for j in columns):
             return
         for j in columns:
