@@ -21,6 +21,7 @@ import types
 
 import torch
 
+from tritamp import compiled
 from tritamp import kernels as K
 from tritamp.contract import LastStep, StepState, handoff_of
 from tritamp.kernels.engine import SweepCache, borrowed, is_dense, layout_key, zero_grads_
@@ -408,11 +409,14 @@ def amp_step(old_step):
     overflow flag (every other optimizer, as in Apex); then the masters' copies and the
     return to READY."""
     def step(self, closure=None):
+        if closure is not None:
+            raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
+        if torch.compiler.is_compiling():
+            # torch.compile(optimizer.step): one custom op that runs this eager step
+            return compiled.step(self)
         # torch's LR schedulers: optimizer.step() was called, whether the step runs or is
         # skipped (their wrapper, when they wrapped the step before amp did, may not run)
         self._opt_called = True
-        if closure is not None:
-            raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
         stash = self._amp_stash
         if stash.params_have_scaled_gradients:
             raise RuntimeError("optimizer.step() was called while the gradients are still scaled "
@@ -460,11 +464,11 @@ def amp_step(old_step):
             stash.master_to_model()
         stash.finish_step()
         return retval
-    if getattr(old_step, "_wrapped_by_lr_sched", False):
-        # A scheduler made before amp.initialize wrapped the step amp replaces: this step
-        # stands for it (and sets _opt_called itself), so the scheduler does not warn that
-        # optimizer.step() was overridden.
-        step._wrapped_by_lr_sched = True
+    # This step sets _opt_called itself: a scheduler made before amp.initialize (which
+    # wrapped the step amp replaces) does not warn that optimizer.step() was overridden,
+    # and one made after leaves it unwrapped (its wrapper would break a fullgraph
+    # torch.compile of the step).
+    step._wrapped_by_lr_sched = True
     return step
 
 
@@ -516,6 +520,7 @@ def process_optimizer(optimizer, properties):
     # Recast any existing state to the dtype of the parameters it now belongs to.
     optimizer.load_state_dict(optimizer.state_dict())
     optimizer.step = types.MethodType(amp_step(optimizer.step), optimizer)
+    compiled.register(optimizer)  # (torch's optimizers too: amp's step compiles as one op)
     optimizer.zero_grad = types.MethodType(_new_zero_grad(optimizer.zero_grad), optimizer)
     optimizer.add_param_group = types.MethodType(
         _new_add_param_group(optimizer.add_param_group), optimizer)

@@ -28,6 +28,7 @@ import operator
 import torch
 from torch.optim.optimizer import required
 
+from tritamp import compiled
 from tritamp.contract import StepHandoff
 from tritamp.sharding import ShardReduce, any_dtensor, is_dtensor, local, locals_of
 from tritamp.kernels.engine import (GradWrites, SweepCache, borrowed, check_grads_writable,
@@ -235,6 +236,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._plans = {}
         self.step_handoff = StepHandoff()  # what a driver hands each step (tritamp.contract)
         self._track_state()
+        compiled.register(self)  # the handle a compiled step passes to its custom op
 
     def _track_state(self):
         """Make ``self.state`` count its changes (see :class:`_TrackedState`)."""
@@ -375,6 +377,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             self.step_handoff = StepHandoff()
         self._track_state()
         self._bump()
+        compiled.register(self)
 
     # -- load_state_dict ------------------------------------------------------------------
     # Keys of a saved parameter group that hold per-parameter state here (Apex's FusedAdam,
@@ -743,6 +746,13 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One fused step (see the module docstring). Under ``torch.compile`` the step is
+        one custom op whose implementation is this eager step (:mod:`tritamp.compiled`)."""
+        if torch.compiler.is_compiling():
+            return compiled.step(self, closure)
+        # torch's LR schedulers check that optimizer.step() ran (they leave this step
+        # unwrapped: see _wrapped_by_lr_sched below)
+        self._opt_called = True
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -780,6 +790,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise
         handoff.stepped()
         return loss
+
+    # torch's LR schedulers wrap an optimizer's step to note that it ran, unless it says it
+    # does so itself (as this one does): their wrapper lives in a file Dynamo does not
+    # trace, and would break a torch.compile(optimizer.step, fullgraph=True).
+    step._wrapped_by_lr_sched = True
 
     def _shard_reduce(self):
         """The :class:`~tritamp.sharding.ShardReduce` of this optimizer's DTensor

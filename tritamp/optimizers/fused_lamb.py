@@ -4,6 +4,7 @@ import numbers
 
 import torch
 
+from tritamp import compiled
 from tritamp.kernels.engine import take_grad_writes
 from tritamp.kernels.l2norm import multi_tensor_l2norm_launch, multi_tensor_l2norm_prepare
 from tritamp.kernels.lamb import lamb_launch, lamb_prepare
@@ -258,6 +259,8 @@ class FusedMixedPrecisionLamb(FusedLAMB):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if torch.compiler.is_compiling():  # one custom op runs this eager step
+            return compiled.step(self, closure)
         loss = super().step(closure)
         # Apex's group counts: +1 per step taken, +0 on a skipped one, on the device.
         steps = [group["step"] for group in self.param_groups]
@@ -267,3 +270,5 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         else:
             torch._foreach_add_(steps, found_inf.reshape(()).eq(0).to(torch.int32))
         return loss
+
+    step._wrapped_by_lr_sched = True  # (see FusedOptimizer.step)

@@ -1,0 +1,173 @@
+"""torch.compile: the fused optimizers' step compiles with fullgraph=True to one custom op
+(``tritamp::optimizer_step``), plain and under amp, once, and never again while an LR
+scheduler changes the learning rate (a plain float) every step; the compiled steps are
+the eager steps bit for bit, overflow skips included; Inductor keeps the op; and a model
+compiled after ``amp.initialize`` trains at O1, O2 and O3 in fp16 and bf16 like the eager
+one. The production CPU path runs (TRITON_INTERPRET=0); the op runs the same step code
+on the Triton path (tests/test_triton_rebind.py and the optimizer tests cover that)."""
+import unittest.mock
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._dynamo.testing import CompileCounter
+
+from tritamp import amp, compiled
+from tritamp.optimizers import (FusedAdagrad, FusedAdam, FusedLAMB, FusedMixedPrecisionLamb,
+                                FusedNovoGrad, FusedSGD)
+from tritamp.testing import reset_amp
+
+OPTIMIZERS = {
+    "adam": lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1),
+    "adam_l2": lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1, adam_w_mode=False),
+    "sgd": lambda p: FusedSGD(p, lr=1e-2, momentum=0.9),
+    "lamb": lambda p: FusedLAMB(p, lr=1e-2),
+    "mixed_precision_lamb": lambda p: FusedMixedPrecisionLamb(p, lr=1e-2),
+    "adagrad": lambda p: FusedAdagrad(p, lr=1e-2),
+    "novograd": lambda p: FusedNovoGrad(p, lr=1e-2),
+    "torch_sgd_under_amp": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+}
+STEPS = 20
+OVERFLOW_AT = 7  # amp runs: this step's loss is inf, the step is skipped
+
+
+@pytest.fixture(autouse=True)
+def _production_cpu_path(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    torch._dynamo.reset()
+    reset_amp()
+    yield
+    torch._dynamo.reset()
+    reset_amp()
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _train(name, level, compile_step, backend=None):
+    """20 steps, the learning rate changed by a scheduler after every one; returns the
+    parameters, the loss scale and the number of compiled frames."""
+    model = _model()
+    opt = OPTIMIZERS[name](model.parameters())
+    if level is not None:
+        model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
+                                    loss_scale="dynamic", verbosity=0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s))
+    counter = CompileCounter()
+    step = (torch.compile(opt.step, fullgraph=True, backend=backend or counter)
+            if compile_step else opt.step)
+    for i in range(STEPS):
+        torch.manual_seed(100 + i)
+        loss = model(torch.randn(4, 8)).float().square().mean()
+        opt.zero_grad()
+        if level is None:
+            loss.backward()
+        else:
+            with amp.scale_loss(loss * (float("inf") if i == OVERFLOW_AT else 1.0),
+                                opt) as scaled:
+                scaled.backward()
+        step()
+        sched.step()
+    scale = amp.state_dict()["loss_scaler0"]["loss_scale"] if level is not None else None
+    return [p.detach().clone() for p in model.parameters()], scale, counter.frame_count
+
+
+CASES = [(name, None) for name in OPTIMIZERS if name != "torch_sgd_under_amp"] + \
+        [(name, "O2") for name in OPTIMIZERS] + [("adam", "O1")]
+
+
+@pytest.mark.parametrize("name,level", CASES, ids=[f"{n}-{lv or 'plain'}" for n, lv in CASES])
+def test_a_fullgraph_compiled_step_compiles_once_and_matches_eager(name, level):
+    with warnings.catch_warnings():
+        # no graph break (fullgraph), and no scheduler warning: the compiled step counts
+        # as optimizer.step() for torch's LR schedulers
+        warnings.simplefilter("error")
+        ours, scale, frames = _train(name, level, compile_step=True)
+    eager, eager_scale, _ = _train(name, level, compile_step=False)
+    assert frames == 1  # compiled once, then reused while the learning rate changed
+    for a, b in zip(ours, eager):
+        assert torch.equal(a, b)
+    assert scale == eager_scale
+    if level is not None:
+        assert scale == 2.0 ** 15  # the overflow at OVERFLOW_AT was seen and skipped
+
+
+def test_the_compiled_graph_is_one_call_of_the_op():
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    _train("adam", "O2", compile_step=True, backend=backend)
+    (gm,) = graphs
+    calls = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert calls == [torch.ops.tritamp.optimizer_step.default]
+
+
+def test_inductor_keeps_the_op_and_matches_eager():
+    ours, scale, _ = _train("adam", "O2", compile_step=True, backend="inductor")
+    eager, eager_scale, _ = _train("adam", "O2", compile_step=False)
+    for a, b in zip(ours, eager):
+        assert torch.equal(a, b)
+    assert scale == eager_scale == 2.0 ** 15
+
+
+def test_the_eager_step_never_enters_the_op():
+    with unittest.mock.patch.object(compiled, "optimizer_step",
+                                    side_effect=AssertionError("eager step entered the op")):
+        _train("adam", "O2", compile_step=False)
+        _train("sgd", None, compile_step=False)
+
+
+def test_an_optimizer_that_was_unpickled_or_copied_compiles_its_own_step():
+    import copy
+    model = _model()
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    twin = copy.deepcopy(opt)
+    assert twin._tritamp_step_handle != opt._tritamp_step_handle
+    model(torch.randn(4, 8)).sum().backward()
+    torch.compile(opt.step, fullgraph=True, backend=CompileCounter())()
+    assert len(opt.state) == 2 * 2 and len(twin.state) == 0
+
+
+HALVES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _train_model(level, half, compile_model):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=HALVES[half],
+                                verbosity=0)
+    forward = torch.compile(model) if compile_model else model
+    losses = []
+    torch.manual_seed(100)
+    x, y = torch.randn(16, 8), torch.randn(16, 4)  # one batch, fitted over the steps
+    for _ in range(STEPS):
+        loss = (forward(x).float() - y).square().mean()
+        opt.zero_grad()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses), [p.detach().float().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("half", HALVES)
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_a_model_compiled_after_initialize_trains_like_the_eager_one(level, half):
+    # Inductor fuses the half-precision ops and keeps fp32 between them, where eager
+    # rounds after every op: the runs agree to the half dtype's precision (one ulp at 1).
+    losses, params = _train_model(level, half, compile_model=True)
+    torch._dynamo.reset()
+    reset_amp()
+    eager_losses, eager_params = _train_model(level, half, compile_model=False)
+    eps = torch.finfo(HALVES[half]).eps
+    assert eager_losses[-1] < 0.8 * eager_losses[0]  # it trained
+    torch.testing.assert_close(losses, eager_losses, rtol=eps, atol=eps)
+    for a, b in zip(params, eager_params):
+        torch.testing.assert_close(a, b, rtol=eps, atol=eps)
