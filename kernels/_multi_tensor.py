@@ -375,13 +375,11 @@ class GroupPlan:
         cx["num_warps"] = warps
         self.launch_key = tuple(cx.items())  # the kept-launch key of these constexprs
 
-    def new_addresses(self, col):
-        """The addresses of this group's rows of ``col`` (a full column of tensors laid out
-        as the ones planned), or None when the kernels' alignment (``VEC``) would not hold
-        for them."""
-        rows = self.rows
-        picked = col if len(rows) == len(col) else [col[i] for i in rows]
-        ptrs = np.fromiter(map(_data_ptr, picked), dtype=np.int64, count=len(rows))
+    def new_addresses(self, addresses):
+        """This group's rows of ``addresses`` (an int64 array: the addresses of a full
+        column of tensors laid out as the ones planned), or None when the kernels'
+        alignment (``VEC``) would not hold for them."""
+        ptrs = addresses if len(self.rows) == len(addresses) else addresses[self.rows]
         if self.constexprs["VEC"] > 1 and np.bitwise_and(ptrs, VECTOR_BYTES - 1).any():
             return None
         return ptrs
@@ -521,7 +519,7 @@ class Prepared:
         tensors."""
         return not self.staged and not self.writeback
 
-    def rebind(self, name, tensors, *same_as):
+    def rebind(self, name, tensors, *same_as, addresses=None):
         """The same validated sweep over new tensors in column ``name`` (and in the
         columns ``same_as``, given the same tensors): this step's gradients, at new
         addresses, when the caller's key says that nothing else changed (same strides,
@@ -533,12 +531,17 @@ class Prepared:
         host-to-device copy per group, only for addresses that changed) and keeps no
         reference to them (the column's list is dropped: nothing on that path reads it);
         it refuses, changing nothing, tensors whose addresses break the 16-byte alignment
-        its kernels were specialised for: the caller then prepares the sweep again."""
+        its kernels were specialised for: the caller then prepares the sweep again.
+        ``addresses`` (optional): the tensors' addresses, when the caller has them (its
+        cache key holds them)."""
         col = list(tensors)
         names = (name,) + same_as
         if self.triton:
             index = [j for j, c in enumerate(self.sweep.columns) if c.name in names]
-            found = [g.new_addresses(col) for g in self.groups]
+            if addresses is None:
+                addresses = list(map(_data_ptr, col))
+            addresses = np.array(addresses, dtype=np.int64)
+            found = [g.new_addresses(addresses) for g in self.groups]
             if any(ptrs is None for ptrs in found):
                 return False
             for g, ptrs in zip(self.groups, found):
@@ -676,8 +679,8 @@ class StagedPrepared:
     def rebindable(self):
         return self.prepared.rebindable
 
-    def rebind(self, name, tensors, *same_as):
-        return self.prepared.rebind(name, tensors, *same_as)
+    def rebind(self, name, tensors, *same_as, addresses=None):
+        return self.prepared.rebind(name, tensors, *same_as, addresses=addresses)
 
     def release(self, name):
         self.prepared.release(name)

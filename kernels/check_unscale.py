@@ -249,13 +249,13 @@ class LayoutPrepared:
         return (not self.options["write"] and self.prepared.rebindable
                 and not self.layouts.reads and not self.layouts.writeback)
 
-    def rebind_sources(self, srcs):
+    def rebind_sources(self, srcs, addresses=None):
         """The same checked sweep over ``srcs`` (this step's gradients: the caller's key
         says they have the kept ones' strides, shapes and dtypes); returns whether it
         could (see :meth:`~._multi_tensor.Prepared.rebind`: the Triton path refuses
         addresses that break its alignment, and keeps no reference to the sources)."""
         srcs = list(srcs)
-        if not self.prepared.rebind("srcs", srcs, "dsts"):
+        if not self.prepared.rebind("srcs", srcs, "dsts", addresses=addresses):
             return False
         self.lists["srcs"] = None if self.triton else srcs
         return True

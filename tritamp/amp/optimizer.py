@@ -79,7 +79,7 @@ class AmpStash:
         self.last_step = self.handoff.last_step if self.handoff is not None else LastStep()
 
     def _check_unscale(self, purpose, srcs, scale, found, dsts=None, adds=None, write=True,
-                       key=None, rebind_on=None):
+                       key=None, rebind_on=None, addresses=None):
         """check_unscale over a sweep prepared once and kept while the tensors keep their
         addresses and strides (the steady state of a training loop rebuilds nothing).
 
@@ -88,7 +88,8 @@ class AmpStash:
         lists may be subsets: a position is not tied to one parameter).
         ``rebind_on`` (optional, read-only checks) is the part of ``key`` without the
         addresses: when only those changed, a kept CPU-path check takes the new sources
-        instead of being prepared again."""
+        instead of being prepared again; ``addresses`` are then the sources' (from the
+        key)."""
         if not srcs:
             return
         if self.sharded:
@@ -110,7 +111,7 @@ class AmpStash:
         prepared = cache.get(key)
         if prepared is None and rebind_on is not None and cache.prepared is not None \
                 and cache.prepared.rebindable and cache.key[1:] == key[1:] \
-                and cache.prepared.rebind_sources(srcs):
+                and cache.prepared.rebind_sources(srcs, addresses):
             # Only the gradients' addresses changed (on a CPU they do every step; under
             # FSDP2 the gradients are new tensors): the kept, validated check takes them.
             prepared = cache.prepared
@@ -232,10 +233,12 @@ class AmpStash:
             key = layout_key(grads)
             self._count_key = key  # (the key only: holding the gradients keeps them alive)
             if check is not None:
+                addresses = key[0]
                 if any(map(_is_none, grads)):
+                    addresses = [a for a, g in zip(addresses, grads) if g is not None]
                     grads = [g for g in grads if g is not None]
                 self._check_unscale("check", grads, None, check, write=False, key=key,
-                                    rebind_on=key[1])
+                                    rebind_on=key[1], addresses=addresses)
             self._pending(carried)
             return
         self._count_key = None

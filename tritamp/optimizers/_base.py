@@ -689,9 +689,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 check_grads_writable(found)
             return found
         found = cache.prepared
-        if found is not None and cache.key[1] == rest and found.rebindable and found.rebind(
-                "grads", [g for g in grads if g is not None] if any(map(_is_none, grads))
-                else grads):
+        if found is not None and cache.key[1] == rest and found.rebindable \
+                and self._rebind(found, grads, ptrs):
             # Only the gradients' addresses changed (on a CPU they do every step; under
             # FSDP2 the gradients are new tensors): the validated sweep takes this step's
             # (the Triton path writes their addresses into its tables).
@@ -715,6 +714,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         if write_grads:
             check_grads_writable(prepared)
         return cache.put(key, prepared)
+
+    @staticmethod
+    def _rebind(prepared, grads, ptrs):
+        """``prepared.rebind`` of this step's gradients (None left out), with their
+        addresses from the cache key."""
+        if any(map(_is_none, grads)):
+            ptrs = [a for a, g in zip(ptrs, grads) if g is not None]
+            grads = [g for g in grads if g is not None]
+        return prepared.rebind("grads", grads, addresses=ptrs)
 
     def _group_links(self, gi, group):
         if not hasattr(self, "_links_cache"):  # unpickled, or a subclass skipped __init__
