@@ -227,11 +227,11 @@ class L2NormPrepared(StagedPrepared):
         self.segments = segment_pairs(pairs, self.device)
 
 
-    def rebind(self, name, tensors):
+    def rebind(self, name, tensors, addresses=None):
         """The same validated norm over new tensors (see :meth:`Prepared.rebind`); the CPU
         plans hold views of the old ones and are made again at the next launch."""
         self.cpu = {}
-        return self.prepared.rebind(name, tensors)
+        return self.prepared.rebind(name, tensors, addresses=addresses)
 
     def release(self, name):
         self.prepared.release(name)

@@ -31,9 +31,9 @@ class _LambPlan:
         # gradients too, so new addresses prepare both again.
         return self.prepared.rebindable and not self.prepared.triton
 
-    def rebind(self, name, tensors):
+    def rebind(self, name, tensors, addresses=None):
         self.grads = list(tensors)
-        return self.prepared.rebind(name, tensors)
+        return self.prepared.rebind(name, tensors, addresses=addresses)
 
     def release(self, name):
         self.prepared.release(name)
