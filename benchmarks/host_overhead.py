@@ -20,8 +20,10 @@ starts) plus ``optimizer.step()``. ``zero_grad()`` is timed apart. Two gradient 
 - ``same``: the same preallocated gradient tensors every step (addresses stay, cached
   sweeps are reused): a training loop whose allocator hands back the same blocks;
 - ``fresh``: new gradient tensors every step, allocated before the clock starts while
-  the previous two sets are still alive, so every step sees new addresses (the cached
-  sweeps are rebuilt);
+  the previous two sets are still alive, so every step sees new addresses (the kept
+  sweeps are rebound to them). They are allocated, not written: nothing reads their
+  values (the launches are recorded), and writing 25M values into host memory before
+  each step would evict the host's caches, which gradients in a GPU's memory do not;
 - ``fsdp2`` (O1 only: O2 and O3 leave the casts to FSDP2): the model sharded with
   FSDP2's ``fully_shard`` over a one-process gloo world, so its parameters and their
   gradients are DTensors, and new DTensor gradients (new local tensors) every step, as
@@ -132,12 +134,19 @@ class Case:
         self.error = None
 
     def _new_grads(self):
+        # After the first set, new gradients are allocated and not written: the launches
+        # are recorded, not run, so nothing reads their values, and writing ResNet-50's
+        # 25M values into host memory before every timed step would evict the host's
+        # caches, a cost a GPU's gradients (in device memory) do not put on the host.
+        first = not getattr(self, "steps", 0)
+        make = torch.full_like if first else torch.empty_like
+        fill = dict(fill_value=1e-3) if first else {}
         if self.regime == "fsdp2":
             from torch.distributed.tensor import DTensor
-            return [DTensor.from_local(torch.full_like(p.to_local(), 1e-3), p.device_mesh,
+            return [DTensor.from_local(make(p.to_local(), **fill), p.device_mesh,
                                        p.placements, run_check=False, shape=p.shape,
                                        stride=p.stride()) for p in self.params]
-        return [torch.full_like(p, 1e-3) for p in self.params]
+        return [make(p, **fill) for p in self.params]
 
     def activate(self):
         from tritamp.testing import amp_state

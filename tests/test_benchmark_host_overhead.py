@@ -40,7 +40,8 @@ def test_quick_run_reports_launches_and_times(tmp_path):
         assert la["triton"] == {"_check_unscale_sweep_kernel": 1, "_scale_update_kernel": 1,
                                 "_adam_step_kernel": 1}, la
         assert la["torch"]["copy_"] == 3, la  # the scaler's snapshot, two tables
-        assert la["torch"].get("allreduce_", 0) == (regime == "fsdp2"), la
+        # (a mesh of one rank has nothing to agree on: no all-reduce of the overflow flag)
+        assert "allreduce_" not in la["torch"], la
         assert la["torch_host_reads"] == {}, la
 
 

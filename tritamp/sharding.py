@@ -67,7 +67,8 @@ class ShardReduce:
     the process groups of the mesh dimensions they are sharded on. Every DTensor of the
     set must share one mesh and be sharded on the same dimensions; a set that mixes
     DTensors and plain tensors is refused (a plain tensor's norm would be counted once
-    per rank). ``for_params`` returns None for a set without DTensors."""
+    per rank). ``for_params`` returns None for a set without DTensors, or sharded over
+    one rank only (the local tensors are then whole)."""
     __slots__ = ("groups",)
 
     def __init__(self, groups):
@@ -95,7 +96,11 @@ class ShardReduce:
                     f"{p.device_mesh}, tensor 0 on {dims} of {mesh}; the norms here are "
                     "reduced over one set of ranks. Use one fully_shard mesh for every "
                     f"parameter of this {op}.")
-        return cls(tuple(mesh.get_group(d) for d in dims))
+        import torch.distributed as dist
+        # a dimension of one rank holds the whole tensor: nothing to reduce over it
+        groups = tuple(g for g in (mesh.get_group(d) for d in dims)
+                       if dist.get_world_size(g) > 1)
+        return cls(groups) if groups else None
 
     def sum_(self, t):
         """``t`` summed over the shard groups, in place (asynchronous on NCCL)."""
@@ -122,9 +127,10 @@ class ShardReduce:
 def overflow_group(params):
     """The process group over which amp agrees on the overflow flag for sharded
     parameters: the group of a one-dimensional mesh, the world for a mesh that spans it;
-    None without DTensors. Other meshes need ``overflow_process_group`` given."""
+    None without DTensors, or on a mesh of one rank (nothing to agree on). Other meshes
+    need ``overflow_process_group`` given."""
     meshes = {p.device_mesh for p in params if is_dtensor(p)}
-    if not meshes:
+    if not meshes or all(mesh.size() == 1 for mesh in meshes):
         return None
     if len(meshes) == 1:
         mesh = next(iter(meshes))

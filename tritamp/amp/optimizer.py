@@ -92,7 +92,7 @@ class AmpStash:
         key)."""
         if not srcs:
             return
-        if self.sharded:
+        if self.sharded and rebind_on is None:  # (the steady-state check's are local)
             srcs = locals_of(srcs)
             dsts = None if dsts is None else locals_of(dsts)
             adds = None if adds is None else locals_of(adds)
