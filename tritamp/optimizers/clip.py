@@ -31,9 +31,8 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     if len({g.device for g in grads}) > 1:
         raise ValueError("clip_grad_norm_: gradients on several devices; clip each device's "
                          "parameters separately, or use torch.nn.utils.clip_grad_norm_")
-    reduce = ShardReduce.for_params(grads, "clip_grad_norm_")
-    if reduce is not None:
-        grads = locals_of(grads)
+    reduce = ShardReduce.for_params(grads, "clip_grad_norm_")  # None: nothing to reduce
+    grads = locals_of(grads)  # (a DTensor's local tensor: in place, its shard is clipped)
     total, _ = multi_tensor_l2norm(grads)
     if reduce is not None:
         total = reduce.norm(total)
