@@ -271,3 +271,24 @@ class CountOps(TorchDispatchMode):
         self.count += 1
         self.host_reads += func is torch.ops.aten._local_scalar_dense.default
         return func(*args, **(kwargs or {}))
+
+
+def torchrun(script, *args, nproc=2, timeout=300, keep_interpret=False):
+    """Run ``script`` under ``torch.distributed.run`` on ``nproc`` CPU processes (a free
+    local port, one thread each); returns its stdout, and fails the test with the end of
+    its output when it fails. ``TRITON_INTERPRET`` is left to the script unless
+    ``keep_interpret`` (by default the ranks take the production CPU path)."""
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if not keep_interpret:
+        env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={port}", "--master_addr=127.0.0.1", str(script), *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout

@@ -3,22 +3,15 @@ initialize at every opt level keeps the master weights equal across ranks, and a
 overflow on one rank makes every rank of ``overflow_process_group`` skip the step."""
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from tritamp import amp
 
+from conftest import torchrun
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +19,8 @@ def reports(tmp_path_factory):
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available in this build")
     out = tmp_path_factory.mktemp("amp_dist")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("TRITON_INTERPRET", None)  # the workers run the torch reference paths: quick
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={_free_port()}", "--master_addr=127.0.0.1",
-           os.path.join(HERE, "scripts", "amp_dist_worker.py"), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the workers run the torch reference paths: quick
+    torchrun(os.path.join(HERE, "scripts", "amp_dist_worker.py"), out)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

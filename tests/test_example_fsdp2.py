@@ -4,32 +4,18 @@ after 5 steps and resumed from its torch.distributed.checkpoint logs the same lo
 as one that ran 10 steps straight."""
 import os
 import re
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from conftest import torchrun
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 MAIN = os.path.join(ROOT, "examples", "fsdp2", "main.py")
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(*args):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("TRITON_INTERPRET", None)  # the production CPU path, as a user runs it
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={_free_port()}", "--master_addr=127.0.0.1", MAIN,
-           "--device", "cpu", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    return torchrun(MAIN, "--device", "cpu", *args)  # the production CPU path, as a user runs it
 
 
 def _losses(out):

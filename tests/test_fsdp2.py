@@ -9,12 +9,11 @@ batches are chosen); the cases marked interpreted ran again on the Triton kernel
 Triton's interpreter."""
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from conftest import torchrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Relative difference of the whole parameters after 10 steps: torch's optimizers and
@@ -23,23 +22,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REL = 1e-6
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available in this build")
     out = tmp_path_factory.mktemp("fsdp2")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           f"--master_port={_free_port()}", "--master_addr=127.0.0.1",
-           os.path.join(HERE, "scripts", "fsdp_worker.py"), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(os.path.join(HERE, "scripts", "fsdp_worker.py"), out, timeout=600)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

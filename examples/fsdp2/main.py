@@ -160,6 +160,7 @@ def main(argv=None):
         save(args.checkpoint, model, optimizer, start + args.steps)
         if rank == 0:
             print(f"saved {args.checkpoint}")
+    dist.barrier()  # every rank done with its collectives before the group goes
     dist.destroy_process_group()
     return losses
 

@@ -334,6 +334,7 @@ def main():
                 value[k] = str(v)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f, indent=1)
+    dist.barrier()  # every rank done with its collectives before the group goes
     dist.destroy_process_group()
 
 
