@@ -74,6 +74,13 @@ def test_a_plain_tensor_among_dtensors_is_refused_before_anything_changes(report
         assert r["unchanged"] and r["no_state"], r
 
 
+def test_a_gradient_laid_out_unlike_its_parameter_is_refused(reports):
+    for r in _both(reports, "refused/gradient"):
+        assert "parameter 1 is a DTensor with placements (Shard(dim=0),) but its gradient " \
+               "has placements (Replicate(),)" in r["message"], r
+        assert r["unchanged"] and r["no_state"], r
+
+
 @pytest.mark.parametrize("name", ["adam", "sgd", "lamb"])
 def test_a_distributed_checkpoint_resumes_bitwise(reports, name):
     for r in _both(reports, f"resume/{name}"):

@@ -62,6 +62,26 @@ def _shard_dims(t, what):
     return tuple(dims)
 
 
+def check_shards(params, group_index, op):
+    """Refuse (``ValueError``) a DTensor parameter whose gradient is not laid out as the
+    parameter (a plain tensor, another mesh, other placements such as a Partial one that
+    holds partial sums): the step updates each local shard from the local gradient."""
+    for i, p in enumerate(params):
+        g = p.grad
+        if g is None or not is_dtensor(p):
+            continue
+        if not is_dtensor(g) or g.device_mesh != p.device_mesh \
+                or tuple(g.placements) != tuple(p.placements):
+            got = (f"placements {tuple(g.placements)}" if is_dtensor(g)
+                   else f"a plain {type(g).__name__}")
+            raise ValueError(
+                f"{op}: param_groups[{group_index}] parameter {i} is a DTensor with "
+                f"placements {tuple(p.placements)} but its gradient has {got}: each rank "
+                "steps its shard from the matching shard of the gradient. Redistribute the "
+                "gradient as the parameter (p.grad = p.grad.redistribute(p.device_mesh, "
+                "p.placements)) before the step. Nothing was changed.")
+
+
 class ShardReduce:
     """Sums (or maxima) over the ranks that hold the shards of one set of parameters:
     the process groups of the mesh dimensions they are sharded on. Every DTensor of the

@@ -175,6 +175,24 @@ def refused(rank):
                 no_state=len(opt.state) == 0)
 
 
+def refused_gradient(rank):
+    """A gradient laid out unlike its DTensor parameter: refused before anything changes."""
+    from torch.distributed.tensor import Replicate
+    model = make()
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    x, y = batch(0)
+    loss_of(model, x, y).backward()
+    model.fc1.weight.grad = model.fc1.weight.grad.redistribute(placements=[Replicate()])
+    before = full(model.parameters())
+    try:
+        opt.step()
+        message = None
+    except ValueError as e:
+        message = str(e)
+    return dict(message=message, unchanged=bool(torch.equal(before, full(model.parameters()))),
+                no_state=len(opt.state) == 0)
+
+
 # -- torch.distributed.checkpoint: save, resume, bitwise -----------------------------------------
 def resume(name, rank, folder):
     make_opt = {"adam": lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1),
@@ -306,6 +324,7 @@ def cases(rank, out):
         yield f"unsharded/{name}", lambda name=name: vs_unsharded(name, rank)
     yield "clip", lambda: clip(rank)
     yield "refused", lambda: refused(rank)
+    yield "refused/gradient", lambda: refused_gradient(rank)
     for name in ("adam", "sgd", "lamb"):
         yield f"resume/{name}", lambda name=name: resume(name, rank, out)
     for half in ("fp16", "bf16"):

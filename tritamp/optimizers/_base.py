@@ -30,7 +30,8 @@ from torch.optim.optimizer import required
 
 from tritamp import compiled
 from tritamp.contract import StepHandoff
-from tritamp.sharding import ShardReduce, any_dtensor, is_dtensor, local, locals_of
+from tritamp.sharding import (ShardReduce, any_dtensor, check_shards, is_dtensor, local,
+                              locals_of)
 from tritamp.kernels.engine import (GradWrites, SweepCache, borrowed, check_grads_writable,
                                     layout_key, restride_like, zero_grads_)
 
@@ -700,6 +701,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         if not rows:
             return cache.put(key, None)
         params, targets, copies = links.params, links.targets, links.copies
+        if links.sharded:
+            check_shards(params, gi, type(self).__name__)
         rows_targets = [targets[i] for i in rows]
         if fresh is not None:
             # State made by this plan (or only the master its links made) is new.
