@@ -158,13 +158,9 @@ def clip(rank):
                 total_is_plain=not hasattr(total, "full_tensor"))
 
 
-def refused(rank):
-    """LAMB over DTensors mixed with a plain tensor: refused before anything changes."""
-    model = make()
-    extra = nn.Parameter(torch.ones(3))
-    opt = FusedLAMB(list(model.parameters()) + [extra], lr=1e-2)
-    x, y = batch(0)
-    (loss_of(model, x, y) + extra.sum()).backward()
+def _step_refused(model, opt):
+    """The step's ValueError message (None if it stepped), and whether it changed
+    nothing (parameters, optimizer state)."""
     before = full(model.parameters())
     try:
         opt.step()
@@ -173,6 +169,16 @@ def refused(rank):
         message = str(e)
     return dict(message=message, unchanged=bool(torch.equal(before, full(model.parameters()))),
                 no_state=len(opt.state) == 0)
+
+
+def refused(rank):
+    """LAMB over DTensors mixed with a plain tensor: refused before anything changes."""
+    model = make()
+    extra = nn.Parameter(torch.ones(3))
+    opt = FusedLAMB(list(model.parameters()) + [extra], lr=1e-2)
+    x, y = batch(0)
+    (loss_of(model, x, y) + extra.sum()).backward()
+    return _step_refused(model, opt)
 
 
 def refused_gradient(rank):
@@ -183,14 +189,7 @@ def refused_gradient(rank):
     x, y = batch(0)
     loss_of(model, x, y).backward()
     model.fc1.weight.grad = model.fc1.weight.grad.redistribute(placements=[Replicate()])
-    before = full(model.parameters())
-    try:
-        opt.step()
-        message = None
-    except ValueError as e:
-        message = str(e)
-    return dict(message=message, unchanged=bool(torch.equal(before, full(model.parameters()))),
-                no_state=len(opt.state) == 0)
+    return _step_refused(model, opt)
 
 
 # -- torch.distributed.checkpoint: save, resume, bitwise -----------------------------------------
