@@ -147,6 +147,17 @@ def reduce_segments(partials, segments, n_segments, sqrt=True, out=None, max_nor
     return out
 
 
+def reduce_by_rows(values, rows, n, norm_reduce, op):
+    """``norm_reduce`` (see lamb_launch / novograd_launch) over ``values[..., j]``, the
+    norm of row ``rows[j]`` of lists of ``n`` rows: laid out one entry per row, 0 for the
+    rows not among ``rows`` (a process whose shard of them is empty), so that every
+    process reduces the same layout. Returns the reduced values in ``values``' order."""
+    full = values.new_zeros(values.shape[:-1] + (n,))
+    full[..., rows] = values
+    norm_reduce(full, op)
+    return full[..., rows]
+
+
 def segment_pairs(pairs, device):
     """int64 [n, 2] device table of (first partial, number of partials) pairs."""
     host = torch.tensor(list(pairs), dtype=torch.int64).reshape(-1, 2)

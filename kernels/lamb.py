@@ -59,8 +59,8 @@ from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step
                         load_grad, load_lr, scalar_ptr, store_cast, store_param, sweep_block,
                         tensor_step, unscale_factor)
 from ._cpu_optim import advance_counts, amp_flags, take_grad_writes, write_staged_grads
-from .l2norm import (SegmentLayout, bias_correction_terms, reduce_segments, scalar_views,
-                     segment_pairs)
+from .l2norm import (SegmentLayout, bias_correction_terms, reduce_by_rows, reduce_segments,
+                     scalar_views, segment_pairs)
 
 LAMB = Sweep("lamb_step", [
     Column("params", "param"), Column("grads", "grad"), Column("exp_avgs", "state"),
@@ -269,9 +269,9 @@ def lamb_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=Tr
     unscaled gradient back into its gradient, unless the step is skipped; without a
     ``grad_scale`` there is nothing to write.
 
-    ``norm_reduce`` (sharded tensors): called with an fp32 ``[2, k]`` tensor of the
-    squared norms of ``p`` and ``u`` per tensor, which it must sum in place over the
-    processes holding the other shards (an all-reduce). On the Triton path ``k`` is the
+    ``norm_reduce`` (sharded tensors): called as ``norm_reduce(t, "sum")`` with an fp32
+    ``[2, k]`` tensor of the squared norms of ``p`` and ``u`` per tensor, which it must
+    sum in place over the processes holding the other shards (an all-reduce). On the Triton path ``k`` is the
     number of rows (0 for an empty local shard), on the CPU path the rows of one dtype
     group, in row order, group after group (the same sequence on every process whose
     lists hold the same dtypes)."""
@@ -293,7 +293,7 @@ def lamb_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=Tr
     if not prepared.moments_args:
         if norm_reduce is not None and use_ratio:  # the other processes' reduce
             norm_reduce(torch.zeros((2, prepared.n), dtype=torch.float32,
-                                    device=prepared.device))
+                                    device=prepared.device), "sum")
         return  # every tensor is empty
     device = prepared.device
     lr = scalar_arg(lr, "lr", device)
@@ -321,10 +321,8 @@ def lamb_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=Tr
         norms = reduce_segments(prepared.partials, prepared.segments,
                                 prepared.norms.shape[1], sqrt=False, out=prepared.norms)
         rows, results = prepared.row_norms()
-        full = norms.new_zeros((2, prepared.n))
-        full[:, rows] = norms[:, results]
-        norm_reduce(full)
-        norms[:, results] = full[:, rows].sqrt()
+        norms[:, results] = reduce_by_rows(norms[:, results], rows, prepared.n, norm_reduce,
+                                           "sum").sqrt()
     prepared.prepared.launch(_lamb_apply_kernel, (lr, betas, float(eps), float(weight_decay), skip),
                              dict(flags, LR_IS_TENSOR=isinstance(lr, torch.Tensor)),
                              group_args=prepared.apply_args)
@@ -573,7 +571,7 @@ def lamb_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=
             u_norm = torch.stack(torch._foreach_norm(u))
             if norm_reduce is not None:  # sharded: the norms of the whole tensors
                 sq = torch.stack((p_norm, u_norm)).square_()
-                norm_reduce(sq)
+                norm_reduce(sq, "sum")
                 p_norm, u_norm = sq.sqrt_().unbind(0)
             ratio = torch.where((p_norm != 0) & (u_norm != 0), lr32 * (p_norm / u_norm), lr32)
             torch._foreach_mul_(u, ratio.unbind(0))

@@ -52,7 +52,7 @@ from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step
                         tensor_step, unscale_factor)
 from ._cpu_optim import advance_counts, amp_flags, take_grad_writes, write_staged_grads
 from .l2norm import (SEGMENT_BLOCK, SegmentLayout, SquareSums, bias_correction_terms,
-                     scalar_views)
+                     reduce_by_rows, scalar_views)
 from .lamb import (_CpuLists, bias_correction_f32, cpu_lists, first_moment, fp32_grads,
                    fp32_params, fp32_scalar, gated, unscaled_grads, write_params)
 
@@ -328,11 +328,7 @@ def novograd_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, reg_inside
         sums = anchor.new_empty(prepared.n_tensors)
         args = (prepared.tensors, prepared.partials, sums, float(beta2), 1.0 - beta2, skip)
         _novograd_blend_kernel[(prepared.n_tensors,)](*args, STAGE=1, **blend)
-        rows = prepared.blend_rows()
-        full = sums.new_zeros(prepared.n)
-        full[rows] = sums
-        norm_reduce(full, op)
-        sums.copy_(full[rows])
+        sums.copy_(reduce_by_rows(sums, prepared.blend_rows(), prepared.n, norm_reduce, op))
         _novograd_blend_kernel[(prepared.n_tensors,)](*args, STAGE=2, **blend)
     prepared.prepared.launch(_novograd_step_kernel, (
         lr, device_constants(device, (beta1, beta2)), float(beta1),

@@ -37,9 +37,7 @@ def optimizer_step(handle: int, token: torch.Tensor) -> None:
     if optimizer is None:
         raise RuntimeError(f"tritamp::optimizer_step: no optimizer has handle {handle} (it "
                            "was garbage-collected); compile the step of a live optimizer")
-    # torch's LR schedulers check that optimizer.step() ran before their step()
-    optimizer._opt_called = True
-    optimizer.step()
+    optimizer.step()  # (which tells torch's LR schedulers that it ran)
     token.add_(1)
 
 

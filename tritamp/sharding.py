@@ -122,26 +122,19 @@ class ShardReduce:
                        if dist.get_world_size(g) > 1)
         return cls(groups) if groups else None
 
-    def sum_(self, t):
-        """``t`` summed over the shard groups, in place (asynchronous on NCCL)."""
-        import torch.distributed as dist
-        for group in self.groups:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-        return t
-
-    def max_(self, t):
-        import torch.distributed as dist
-        for group in self.groups:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return t
-
     def reduce_(self, t, op):
-        return self.max_(t) if op == "max" else self.sum_(t)
+        """``t`` summed (``op="sum"``) or maxed (``"max"``) over the shard groups, in
+        place (asynchronous on NCCL)."""
+        import torch.distributed as dist
+        how = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        for group in self.groups:
+            dist.all_reduce(t, op=how, group=group)
+        return t
 
     def norm(self, local_norm):
         """The L2 norm of sharded tensors from the local shards' norm (a 0-d tensor)."""
         sq = local_norm.float() * local_norm.float()
-        return self.sum_(sq.reshape(1)).reshape(()).sqrt()
+        return self.reduce_(sq.reshape(1), "sum").reshape(()).sqrt()
 
 
 def overflow_group(params):

@@ -97,7 +97,7 @@ class FusedLAMB(FusedOptimizer):
         max_grad_norm = self.defaults["max_grad_norm"]
         live = [plan for plan in plans if plan is not None]
         reduce = self._shard_reduce()
-        norm_reduce = None if reduce is None else reduce.sum_
+        norm_reduce = self._norm_reduce()
         if not (live and max_grad_norm):
             return dict(global_norm=None, norm_reduce=norm_reduce)
         # One norm over every gradient of every group, of the unscaled gradients; planned
