@@ -14,7 +14,9 @@ No GPU needed. Two parts:
    aligned, vectorised path ``VEC`` > 1 is taken) and the same model with one odd-sized
    parameter (its dtype group takes the masked path, ``VEC = 1``). Each optimizer also
    steps fp32 parameters under ``torch.amp.GradScaler``, whose steps write the unscaled
-   gradients back (the kernels' ``WRITE_GRAD`` variants). Then every multi-tensor op
+   gradients back (the kernels' ``WRITE_GRAD`` variants); FusedLAMB and FusedNovoGrad
+   also step as over DTensor shards (their per-tensor norms reduced between stages: the
+   NovoGrad blend's two-stage variants). Then every multi-tensor op
    of the op registry (``tritamp.kernels.registry``: check/unscale, l2norm, scale, axpby
    and the optimizer steps) directly, on the registry's samples of each dtype, with both
    kinds of lists.
@@ -126,6 +128,25 @@ def _grad_scaler_steps(opt_name, odd, steps=2):
         opt.zero_grad()
 
 
+def _sharded_steps(opt_name, odd, norm_type=2, steps=2):
+    """FusedLAMB / FusedNovoGrad steps as over DTensor shards: per-tensor norms reduced
+    across processes between stages (``norm_reduce``; here a one-process reduce, which
+    changes nothing), so the stages that run around the reduce are recorded."""
+    torch.manual_seed(0)
+    model = _Model(odd)
+    params = [p for p in model.parameters() if p.requires_grad]
+    import tritamp.optimizers as O
+    opt = (O.FusedNovoGrad(params, lr=1e-3, norm_type=norm_type) if opt_name == "FusedNovoGrad"
+           else O.FusedLAMB(params, lr=1e-3))
+    opt._norm_reduce = lambda: (lambda t, op: t)
+    grads = [torch.full_like(p, 1e-3) for p in params]
+    for _ in range(steps):
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        opt.zero_grad()
+
+
 def _shapes(odd):
     """Every numel a multiple of 8 (the aligned, vectorised path), or with one 7-element
     tensor (its dtype group takes the masked path)."""
@@ -165,6 +186,15 @@ def record_specialisations(optimizers=OPTIMIZERS, log=None):
         for odd in (False, True):
             scenarios[f"{opt_name} GradScaler fp32{' +odd' if odd else ''}"] = (
                 lambda o=opt_name, od=odd: _grad_scaler_steps(o, od))
+    for odd in (False, True):
+        tail = " +odd" if odd else ""
+        if "FusedLAMB" in optimizers:
+            scenarios[f"FusedLAMB sharded fp32{tail}"] = (
+                lambda od=odd: _sharded_steps("FusedLAMB", od))
+        if "FusedNovoGrad" in optimizers:
+            for norm_type in (2, 0):
+                scenarios[f"FusedNovoGrad norm_type={norm_type} sharded fp32{tail}"] = (
+                    lambda od=odd, nt=norm_type: _sharded_steps("FusedNovoGrad", od, nt))
     scenarios.update(_direct_calls())
     specs, sources, _, errors = record_scenarios(scenarios, log)
     return specs, sources, errors

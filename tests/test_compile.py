@@ -171,3 +171,10 @@ def test_a_model_compiled_after_initialize_trains_like_the_eager_one(level, half
     torch.testing.assert_close(losses, eager_losses, rtol=eps, atol=eps)
     for a, b in zip(params, eager_params):
         torch.testing.assert_close(a, b, rtol=eps, atol=eps)
+
+
+def test_the_op_refuses_a_handle_without_a_live_optimizer():
+    token = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="no optimizer has handle 123456789"):
+        torch.ops.tritamp.optimizer_step(123456789, token)
+    assert int(token) == 0  # nothing was run

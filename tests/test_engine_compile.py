@@ -157,3 +157,22 @@ def test_gradient_writing_variants_are_compiled_and_checked(report, family):
 def test_report_finishes_quickly(report):
     # the report must stay a CI-sized job on a 2-core machine
     assert report["record_s"] + report["compile_s"] < 120
+
+
+def test_sharded_norm_stages_compile_without_spills(report):
+    # FusedLAMB / FusedNovoGrad over DTensor shards reduce their per-tensor norms across
+    # processes between stages: NovoGrad's blend runs as STAGE 1 and STAGE 2 around the
+    # reduce, LAMB's segment reduce without its square root. Both are recorded by the
+    # report's sharded scenarios and held to the NovoGrad / LAMB register budgets.
+    rows = [r for r in report["specialisations"]
+            if any("sharded" in s for s in r["sources"])]
+    blend = {r["constexprs"].get("STAGE") for r in rows if "blend" in r["kernel"]}
+    assert blend >= {1, 2}, sorted(r["kernel"] for r in rows)
+    assert any("segment" in r["kernel"] and r["constexprs"].get("SQRT") is False
+               for r in rows), sorted(r["kernel"] for r in rows)
+    for r in rows:
+        if "blend" in r["kernel"] or "segment" in r["kernel"]:
+            assert "reg" in r, (_where(r), r.get("error"))
+            assert r["spills"] == 0, _where(r)
+            assert r["reg"] <= BUDGET["novograd" if "blend" in r["kernel"] else "lamb"], \
+                (_where(r), r["reg"])

@@ -385,3 +385,64 @@ def test_l2norm_launches_one_per_group_and_one_segment(count_launches):
     assert segment.grids[-1] == (1, 1)
     torch.testing.assert_close(per, torch.stack([torch.linalg.vector_norm(x.float())
                                                  for x in xs]), rtol=2e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------
+# norm_reduce: per-tensor norms reduced across processes (DTensor shards)
+# --------------------------------------------------------------------------------------
+def _sharded_case(which, norm_reduce, max_norm=False):
+    """One step over an empty, an fp32 and a bf16 tensor (two dtype groups), through
+    lamb_launch / novograd_launch with ``norm_reduce``."""
+    params = [torch.zeros(0, device=DEVICE), _randn((300,), seed=1),
+              _randn((5, 7), torch.bfloat16, seed=2)]
+    grads = [torch.zeros(0, device=DEVICE), _randn((300,), seed=3),
+             _randn((5, 7), torch.bfloat16, seed=4)]
+    m, v, steps = _state(which, params)
+    if which == "lamb":
+        lamb_mod.lamb_launch(lamb_mod.lamb_prepare(params, grads, m, v, steps),
+                             global_grad_norm=multi_tensor_l2norm(grads)[0],
+                             norm_reduce=norm_reduce, **LAMB_KW)
+    else:
+        novograd_mod.novograd_launch(novograd_mod.novograd_prepare(params, grads, m, v, steps),
+                                     norm_type=0 if max_norm else 2, norm_reduce=norm_reduce,
+                                     **NOVOGRAD_KW)
+    return all_tensors(params, m, v, steps)
+
+
+CASES_SHARDED = [("lamb", False), ("novograd", False), ("novograd", True)]
+
+
+@pytest.mark.parametrize("which,max_norm", CASES_SHARDED,
+                         ids=["lamb", "novograd", "novograd-max"])
+def test_a_one_process_norm_reduce_changes_no_bit(which, max_norm, path):
+    # The sharded stages (LAMB's norms scattered by row and square-rooted after the
+    # reduce; NovoGrad's blend in two launches around it) give the unsharded step's bits
+    # when the reduce changes nothing; the unsharded step is held to the oracle above.
+    calls = []
+
+    def identity(t, op):
+        calls.append((tuple(t.shape), op))
+
+    ours = _sharded_case(which, identity, max_norm)
+    plain = _sharded_case(which, None, max_norm)
+    for a, b in zip(ours, plain):
+        assert torch.equal(a, b)
+    op = "max" if max_norm else "sum"
+    if path == "kernel":  # one reduce, one entry per row (the empty tensor's is 0)
+        assert calls == [((2, 3) if which == "lamb" else (3,), op)]
+    else:  # one reduce per dtype group, one entry per row of the group
+        assert sorted(calls) == sorted([((2, 2) if which == "lamb" else (2,), op),
+                                        ((2, 1) if which == "lamb" else (1,), op)])
+
+
+@pytest.mark.parametrize("which,max_norm", CASES_SHARDED,
+                         ids=["lamb", "novograd", "novograd-max"])
+def test_the_reduced_norms_are_the_ones_used(which, max_norm, path):
+    # A reduce that scales the norms (as other processes' shards would) changes the step
+    # (LAMB's only ||p||: its trust ratio ||p|| / ||u|| would not see both scaled).
+    def scale(t, op):
+        (t[0] if which == "lamb" else t).mul_(4.0)
+
+    ours = _sharded_case(which, scale, max_norm)
+    plain = _sharded_case(which, None, max_norm)
+    assert any(not torch.equal(a, b) for a, b in zip(ours, plain))
