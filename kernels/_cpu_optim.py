@@ -32,6 +32,7 @@ Nothing here reads a tensor's value on the host.
 """
 import torch
 
+from . import rounding
 from ._multi_tensor import Prepared, _dense
 
 
@@ -121,7 +122,9 @@ def fp32_work(prepared, group, params, grads, grad_scale, write_grads=False):
     the gradients themselves when they are to be written back unscaled). Half
     parameters are copied into their scratch here: :func:`write_back` after."""
     work_p = params
-    if params[0].dtype != torch.float32:
+    if rounding.rounds(group):
+        work_p = rounding.cpu_load(prepared, group, params)
+    elif params[0].dtype != torch.float32:
         work_p = prepared.buffers(group, "params", params)
         torch._foreach_copy_(work_p, params)
     if grads[0].dtype == torch.float32 and (grad_scale is None or write_grads):
@@ -131,11 +134,18 @@ def fp32_work(prepared, group, params, grads, grad_scale, write_grads=False):
     return work_p, work_g, grad_scale
 
 
-def write_back(params, work_p, copies, grads=None, work_g=None):
+def write_back(params, work_p, copies, grads=None, work_g=None, rounded=None):
     """Half parameters from their fp32 scratch; ``copies`` (the half model weights of
     fp32 masters) from the updated values; ``grads`` (when written back unscaled) from
-    their fp32 scratch ``work_g``, which the fused op unscaled in place."""
-    if work_p is not params:
+    their fp32 scratch ``work_g``, which the fused op unscaled in place. ``rounded``:
+    ``(prepared, group)`` of a group whose bf16 parameters are stored stochastically or
+    with compensation (see kernels/rounding.py), its step counts already advanced."""
+    if rounded is not None and rounding.rounds(rounded[1]):
+        prepared, group = rounded
+        rounding.cpu_store(prepared, group, params, work_p,
+                           rounding.step_counts(group, True)
+                           if group.lists.get("keys") is not None else None)
+    elif work_p is not params:
         torch._foreach_copy_(params, work_p)
     if copies is not None:
         torch._foreach_copy_(copies, work_p)

@@ -28,16 +28,20 @@ from ._cpu_optim import (advance_counts, amp_flags, fp32_work, take_grad_writes,
                          write_staged_grads)
 from ._multi_tensor import Column, Sweep, device_constants, scalar_arg
 from ._ref_utils import advance_steps, f32 as _f32, sqrt_rn as _sqrt_rn
-from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step, load_f32,
+from ._tl_utils import (bias_corrections, column, column_bf16, finish_tensor_step, load_f32,
                         load_grad, load_lr, store_cast, store_param, sweep_block, tensor_step,
                         unscale_factor)
+from .rounding import (MOMENT_DTYPES, ROUNDING_COLUMNS, load_compensated_ref, load_param_f32,
+                       step_key, store_param_rounded, store_rounded_ref)
 
 ADAM = Sweep("adam_step", [
-    Column("params", "param"), Column("grads", "grad"), Column("exp_avgs", "state"),
-    Column("exp_avg_sqs", "state"), Column("copies", "copy", optional=True),
-    Column("steps", "scalar"),
+    Column("params", "param"), Column("grads", "grad"),
+    Column("exp_avgs", "state", typed=True, dtypes=MOMENT_DTYPES),
+    Column("exp_avg_sqs", "state", typed=True, dtypes=MOMENT_DTYPES),
+    Column("copies", "copy", optional=True), Column("steps", "scalar"),
+    *ROUNDING_COLUMNS,
 ])
-_P, _G, _M, _V, _C, _S = (ADAM.col(n) for n in ADAM.names)
+_P, _G, _M, _V, _C, _S, _K, _R = (ADAM.col(n) for n in ADAM.names)
 _ROW = ADAM.row_width
 
 
@@ -48,6 +52,8 @@ def _adam_step_kernel(
     counters_ptr,    # int32 [n_tensors]: programs done per tensor (step advance), zeroed
     p_proto,         # a param tensor: carries the parameter element type
     g_proto,         # a gradient tensor: carries the gradient element type
+    m_proto,         # a first moment: carries the moments' type (fp32, or bf16 state)
+    v_proto,         # a second moment
     c_proto,         # a copy tensor (or any tensor without copies): carries the copy type
     lr,              # learning rate: a float, or an fp32 scalar tensor when LR_IS_TENSOR
     betas_ptr,       # fp64 [2]: beta1, beta2 (bias corrections in fp64, as torch's)
@@ -62,6 +68,8 @@ def _adam_step_kernel(
     BIAS_CORRECTION: tl.constexpr,
     WRITE_GRAD: tl.constexpr,      # store the unscaled gradient back (torch's GradScaler)
     HAS_COPIES: tl.constexpr,
+    HAS_COMPS: tl.constexpr,       # bf16 parameters with a Kahan compensation
+    HAS_KEYS: tl.constexpr,        # bf16 parameters rounded stochastically
     VEC: tl.constexpr,             # > 1: every address 16-byte aligned, numel % VEC == 0
     EMULATE_BF16_ROUNDING: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -70,6 +78,7 @@ def _adam_step_kernel(
                                           HAS_FOUND_INF, VEC, BLOCK)
     # Per-tensor scalars first: they are live across the element loads otherwise.
     step_ptr, step = tensor_step(row, _S, True)
+    tkey = step_key(row, _R, step, HAS_KEYS)
     inv = unscale_factor(scale_ptr, HAS_SCALE)
     lr_v = load_lr(lr, LR_IS_TENSOR)
     if ADAM_W:
@@ -86,15 +95,18 @@ def _adam_step_kernel(
         step_size = lr_v
 
     p_ptrs = column(row, _P, offs, p_proto, VEC)
-    m_ptrs = column_f32(row, _M, offs, VEC)
-    v_ptrs = column_f32(row, _V, offs, VEC)
+    m_ptrs = column(row, _M, offs, m_proto, VEC)
+    v_ptrs = column(row, _V, offs, v_proto, VEC)
     g_ptrs = column(row, _G, offs, g_proto, VEC)
+    k_ptrs = p_ptrs
+    if HAS_COMPS:
+        k_ptrs = column_bf16(row, _K, offs, VEC)
     g = load_grad(g_ptrs, mask, inv, HAS_SCALE, EMULATE_BF16_ROUNDING)
     if WRITE_GRAD:
         store_cast(g_ptrs, g, mask, EMULATE_BF16_ROUNDING)
-    p = load_f32(p_ptrs, mask, EMULATE_BF16_ROUNDING)
-    m = tl.load(m_ptrs, mask=mask, other=0.0)
-    v = tl.load(v_ptrs, mask=mask, other=0.0)
+    p = load_param_f32(p_ptrs, k_ptrs, mask, HAS_COMPS, EMULATE_BF16_ROUNDING)
+    m = load_f32(m_ptrs, mask, EMULATE_BF16_ROUNDING)
+    v = load_f32(v_ptrs, mask, EMULATE_BF16_ROUNDING)
     if ADAM_W:
         p = p * decay
     else:
@@ -106,19 +118,26 @@ def _adam_step_kernel(
     else:
         denom = tl.sqrt_rn(v) + eps
     p = p - step_size * tl.div_rn(m, denom)
-    store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
-                EMULATE_BF16_ROUNDING)
-    tl.store(m_ptrs, m, mask=mask)
-    tl.store(v_ptrs, v, mask=mask)
+    if HAS_COMPS or HAS_KEYS:
+        store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS, HAS_KEYS)
+    else:
+        store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
+                    EMULATE_BF16_ROUNDING)
+    store_cast(m_ptrs, m, mask, EMULATE_BF16_ROUNDING)
+    store_cast(v_ptrs, v, mask, EMULATE_BF16_ROUNDING)
     finish_tensor_step(counters_ptr, tensor, row, step_ptr, step, found_inf_ptr, _ROW,
                        HAS_FOUND_INF, BLOCK)
 
 
-def adam_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None):
+def adam_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, comps=None,
+                 keys=None):
     """Validate and plan an Adam sweep over these lists (see _multi_tensor): keep the
-    result and pass it to :func:`adam_launch` while the tensors stay the same."""
+    result and pass it to :func:`adam_launch` while the tensors stay the same. ``comps``
+    / ``keys`` (optional, per row or None): bf16 parameters stored with a Kahan
+    compensation, or rounded stochastically (kernels/rounding.py)."""
     return ADAM.prepare(dict(params=params, grads=grads, exp_avgs=exp_avgs,
-                             exp_avg_sqs=exp_avg_sqs, steps=steps, copies=copies))
+                             exp_avg_sqs=exp_avg_sqs, steps=steps, copies=copies,
+                             comps=comps, keys=keys))
 
 
 def adam_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=True,
@@ -155,9 +174,9 @@ def adam_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=Tr
 
 
 @torch.no_grad()
-def adam_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, lr, beta1, beta2,
-              eps, weight_decay, adam_w_mode=True, bias_correction=True, grad_scale=None,
-              found_inf=None, write_grads=False):
+def adam_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, comps=None, keys=None,
+              *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=True, bias_correction=True,
+              grad_scale=None, found_inf=None, write_grads=False):
     """One Adam/AdamW step for lists of same-shaped tensors (see the module docstring).
 
     ``steps`` are fp32 one-element tensors, advanced by one unless ``found_inf`` is
@@ -165,7 +184,8 @@ def adam_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, lr, b
     hold None for parameters without a copy. ``write_grads`` stores the unscaled
     gradients back into ``grads``. Bad lists raise before anything is written. No host
     sync."""
-    adam_launch(adam_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies), lr=lr,
+    adam_launch(adam_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies, comps, keys),
+                lr=lr,
                 beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                 adam_w_mode=adam_w_mode, bias_correction=bias_correction,
                 grad_scale=grad_scale, found_inf=found_inf, write_grads=write_grads)
@@ -212,11 +232,22 @@ def adam_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=
         work_p, work_g, scale = fp32_work(prepared, group, params, grads, grad_scale,
                                           write_grads)
         advance_counts(group.counted("steps"), keep)
-        fused(work_p, work_g, lists["exp_avgs"], lists["exp_avg_sqs"], [],
+        m, v = lists["exp_avgs"], lists["exp_avg_sqs"]
+        work_m, work_v = m, v
+        if m[0].dtype != torch.float32:  # bf16 moments (state_dtype): through fp32 scratch
+            work_m = prepared.buffers(group, "exp_avgs", m)
+            work_v = prepared.buffers(group, "exp_avg_sqs", v)
+            torch._foreach_copy_(work_m, m)
+            torch._foreach_copy_(work_v, v)
+        fused(work_p, work_g, work_m, work_v, [],
               steps if bias_correction else [_NO_BIAS_CORRECTION] * len(steps),
               lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
               amsgrad=False, maximize=False, grad_scale=scale, found_inf=skip)
-        write_back(params, work_p, lists["copies"], grads if write_grads else None, work_g)
+        if work_m is not m:  # unchanged on a skipped step: the round trip is exact
+            torch._foreach_copy_(m, work_m)
+            torch._foreach_copy_(v, work_v)
+        write_back(params, work_p, lists["copies"], grads if write_grads else None, work_g,
+                   rounded=(prepared, group))
 
     prepared.run_cpu(group_step)
     if write_grads:
@@ -229,9 +260,9 @@ def _betas(device, beta1, beta2):
 
 
 @torch.no_grad()
-def adam_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, lr, beta1, beta2,
-                  eps, weight_decay, adam_w_mode=True, bias_correction=True, grad_scale=None,
-                  found_inf=None, write_grads=False):
+def adam_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, comps=None,
+                  keys=None, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=True,
+                  bias_correction=True, grad_scale=None, found_inf=None, write_grads=False):
     """Torch reference of :func:`adam_step` (same order of operations, fp32)."""
     params = list(params)
     if not params:
@@ -246,7 +277,10 @@ def adam_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, l
             g = g * inv
             if write_grads:
                 grads[i].copy_(g if keep is None else torch.where(keep, g, grads[i].float()))
-        pf = p.float()
+        comp = None if comps is None else comps[i]
+        key = None if keys is None or keys[i] is None else int(keys[i])
+        pf = x0 = load_compensated_ref(p, comp)
+        m0, v0 = exp_avgs[i].float(), exp_avg_sqs[i].float()
         lr_v = lr.float() if isinstance(lr, torch.Tensor) else lr
         if adam_w_mode:
             factor = (1.0 - lr_v * weight_decay) if isinstance(lr, torch.Tensor) \
@@ -254,8 +288,8 @@ def adam_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, l
             pf = pf * factor
         else:
             g = g + _f32(weight_decay) * pf
-        m = exp_avgs[i] + _f32(1.0 - beta1) * (g - exp_avgs[i])
-        v = exp_avg_sqs[i] * _f32(beta2) + _f32(1.0 - beta2) * g * g
+        m = m0 + _f32(1.0 - beta1) * (g - m0)
+        v = v0 * _f32(beta2) + _f32(1.0 - beta2) * g * g
         if bias_correction:
             b = _betas(p.device, beta1, beta2)
             t = steps[i].double() + 1.0
@@ -268,10 +302,10 @@ def adam_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, l
             denom = _sqrt_rn(v) + _f32(eps)
         pf = pf - step_size * (m / denom)
         if keep is not None:
-            pf = torch.where(keep, pf, p.float())
-            m = torch.where(keep, m, exp_avgs[i])
-            v = torch.where(keep, v, exp_avg_sqs[i])
-        p.copy_(pf)
+            pf = torch.where(keep, pf, x0)
+            m = torch.where(keep, m, m0)
+            v = torch.where(keep, v, v0)
+        store_rounded_ref(p, pf, comp, key, steps[i].float() + 1.0)
         exp_avgs[i].copy_(m)
         exp_avg_sqs[i].copy_(v)
         if copies is not None and copies[i] is not None:

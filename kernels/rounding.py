@@ -1,0 +1,293 @@
+"""How the fused optimizers store a bf16 parameter that has no fp32 master: stochastic
+rounding and Kahan-compensated summation. Every optimizer kernel, its ``*_ref`` and its
+production CPU path use what is defined here, so the three paths store the same bits for
+the same fp32 update.
+
+**Stochastic rounding.** The update is computed in fp32, then rounded to bf16 up or down
+with probabilities proportional to the distance to each neighbour: 16 random bits are
+added to the low half of the fp32 pattern and the low half is dropped. The expected
+value of the stored bf16 is the fp32 value, so updates far below half a bf16 ulp still
+move the weights on average. Non-finite values round to nearest (a NaN stays a NaN, an
+infinity stays infinite). A bf16 value already exact stays as it is whatever the bits.
+
+The bits come from a counter-based hash (no generator state): per parameter a 32-bit key
+made from the optimizer's ``seed`` and the parameter's position among the optimizer's
+parameters (:func:`param_key`); per step that key mixed with the parameter's step count
+after the step (:func:`tensor_key`); per element the tensor key mixed with the element's
+offset in the parameter's storage (:func:`element_bits`). A run resumed from a
+checkpoint (the seed and the step counts are in the optimizer's state dict) draws the
+same bits as an uninterrupted one: the runs are bitwise equal.
+
+**Kahan summation.** A bf16 compensation ``c`` per parameter holds what rounding the
+parameter dropped. A step reads ``x = p + c`` (fp32, exact), updates ``x`` in fp32, and
+stores ``p = bf16_rn(x)`` and ``c = bf16_trunc(x - p)`` (the remainder, exact in fp32,
+truncated toward zero; a non-finite remainder is stored as 0). Truncation keeps ``c``
+between 0 and the remainder, so ``p + c`` lies between ``p`` and ``x``, its nearest bf16
+is ``p`` and the split of ``p + c`` is ``(p, c)`` again: a step that changes nothing
+(skipped, or an update of 0) stores the same bits. The pair carries about 16 bits of
+mantissa.
+
+The hash is the 32-bit integer mixer ``x ^= x >> 16; x *= 0x21F0AAAD; x ^= x >> 15;
+x *= 0x735A2D97; x ^= x >> 15`` (an invertible map with low bias), in uint32 on the
+device and in int64 masked to 32 bits in torch.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._multi_tensor import Column
+
+# What an Adam moment may be kept in (``state_dtype``).
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+# The optional columns every optimizer sweep has for bf16 parameters without masters:
+# Kahan compensations (bf16, shaped as the parameter) and stochastic rounding keys (one
+# int64 per parameter, :func:`param_key`). A row has at most one of them.
+ROUNDING_COLUMNS = (Column("comps", "state", optional=True, dtypes=(torch.bfloat16,)),
+                    Column("keys", "scalar", optional=True, dtypes=(torch.int64,)))
+
+M32 = 0xFFFFFFFF
+_C1 = 0x21F0AAAD
+_C2 = 0x735A2D97
+# A bf16 pattern in the top half of an fp32: the low half cleared.
+_HIGH_HALF = -65536  # 0xFFFF0000 as an int32
+
+
+def mix32(x):
+    """The hash of the module docstring: a Python int, or an int64 tensor of values in
+    [0, 2**32)."""
+    if isinstance(x, int):
+        x &= M32
+        x ^= x >> 16
+        x = (x * _C1) & M32
+        x ^= x >> 15
+        x = (x * _C2) & M32
+        return x ^ (x >> 15)
+    x = x ^ (x >> 16)
+    x = (x * _C1) & M32
+    x = x ^ (x >> 15)
+    x = (x * _C2) & M32
+    return x ^ (x >> 15)
+
+
+def param_key(seed, index):
+    """The 32-bit key of the parameter at position ``index`` (over every parameter group,
+    in order) of an optimizer seeded with ``seed``: a Python int."""
+    k = mix32(seed & M32)
+    k = mix32(k ^ ((seed >> 32) & M32))
+    return mix32(k ^ (index & M32))
+
+
+def tensor_key(keys, counts):
+    """Per tensor, the key of this step: ``keys`` (int64 [n], from :func:`param_key`) mixed
+    with ``counts``, the step counts after this step (fp32 [n], whole numbers)."""
+    return mix32(keys ^ mix32(counts.to(torch.int64) & M32))
+
+
+def element_bits(tkeys, offsets):
+    """16 random bits per element (int64, [0, 65536)): ``tkeys`` (the element's tensor
+    key) mixed with ``offsets`` (its offset in the parameter's storage)."""
+    return mix32(tkeys ^ (offsets & M32)) >> 16
+
+
+def storage_offsets(p):
+    """Each element's offset from ``p``'s first element in storage (int64, shaped as ``p``;
+    ``p`` dense): the offset a sweep's program gives it."""
+    return torch.arange(p.numel(), dtype=torch.int64, device=p.device).as_strided(
+        p.shape, p.stride())
+
+
+def stochastic_round_(x, bits):
+    """Round fp32 ``x`` in place to bf16-representable values with the random ``bits``
+    (int64 or int32, [0, 65536), shaped as ``x``); non-finite values stay as they are.
+    Returns ``x``, whose values are then exact in bf16."""
+    i = x.view(torch.int32)
+    rounded = (i + bits.to(torch.int32)).bitwise_and_(_HIGH_HALF)
+    i.copy_(torch.where(torch.isfinite(x), rounded, i))
+    return x
+
+
+def kahan_remainder_(r):
+    """The compensation from fp32 remainders ``r`` (``x - bf16_rn(x)``), in place:
+    truncated toward zero to bf16-representable values, 0 where not finite."""
+    torch.nan_to_num_(r, nan=0.0, posinf=0.0, neginf=0.0)
+    r.view(torch.int32).bitwise_and_(_HIGH_HALF)
+    return r
+
+
+def store_rounded_ref(p, x, comp=None, key=None, count=None):
+    """Store fp32 ``x`` into the bf16 parameter ``p``: stochastically with ``key`` (a
+    Python int, :func:`param_key`) and ``count`` (the step count after this step, a 0-d
+    tensor), with compensation ``comp`` (Kahan), else rounded to nearest. The oracle the
+    kernels and the CPU paths are held to."""
+    if key is not None:
+        tkey = tensor_key(torch.tensor([key], dtype=torch.int64, device=x.device),
+                          count.reshape(1))
+        bits = element_bits(tkey.reshape(()), storage_offsets(p))
+        p.copy_(stochastic_round_(x.clone(), bits))
+    elif comp is not None:
+        p.copy_(x)
+        comp.copy_(kahan_remainder_(x - p.float()))
+    else:
+        p.copy_(x)
+
+
+def load_compensated_ref(p, comp=None):
+    """A parameter as fp32, plus its compensation when it has one."""
+    return p.float() if comp is None else p.float() + comp.float()
+
+
+# --- the device side -------------------------------------------------------------------
+@triton.jit
+def _mix32(x):
+    x = x ^ (x >> 16)
+    x = x * 0x21F0AAAD
+    x = x ^ (x >> 15)
+    x = x * 0x735A2D97
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def step_key(row, COL: tl.constexpr, step, HAS_KEYS: tl.constexpr):
+    """The tensor's key for this step (uint32): its parameter key, read from the int64
+    scalar table column COL, mixed with ``step + 1`` (``step``: the fp32 count read
+    before the step). 0 without HAS_KEYS."""
+    if HAS_KEYS:
+        key_ptr = tl.load(row + COL).to(tl.pointer_type(tl.int64))
+        key = tl.load(key_ptr).to(tl.uint32)
+        count = (step + 1.0).to(tl.uint32)
+        return _mix32(key ^ _mix32(count))
+    else:
+        return 0
+
+
+@triton.jit
+def load_param_f32(p_ptrs, k_ptrs, mask, HAS_COMPS: tl.constexpr,
+                   EMULATE_BF16_ROUNDING: tl.constexpr):
+    """The parameter as fp32, plus its Kahan compensation with HAS_COMPS."""
+    p = _load_f32(p_ptrs, mask, EMULATE_BF16_ROUNDING)
+    if HAS_COMPS:
+        p = p + _load_f32(k_ptrs, mask, EMULATE_BF16_ROUNDING)
+    return p
+
+
+@triton.jit
+def _load_f32(ptr, mask, EMULATE_BF16_ROUNDING: tl.constexpr):
+    x = tl.load(ptr, mask=mask, other=0.0)
+    if EMULATE_BF16_ROUNDING:
+        if ptr.dtype.element_ty == tl.bfloat16:
+            bits = x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16
+            return bits.to(tl.float32, bitcast=True)
+        else:
+            return x.to(tl.float32)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _bf16_bits_rn(x):
+    # bf16 pattern (uint32, low 16 bits) nearest to fp32 x, ties to even; NaN stays NaN.
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return tl.where(x != x, 0x7FC0, rounded)
+
+
+@triton.jit
+def _store_bf16_bits(ptr, hi, mask):
+    tl.store(ptr, hi.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+
+
+@triton.jit
+def store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS: tl.constexpr,
+                        HAS_KEYS: tl.constexpr):
+    """Store fp32 ``p`` into bf16 parameters: stochastically rounded with HAS_KEYS (bits
+    from ``tkey`` and the element ``offs``), with its compensation into ``k_ptrs`` with
+    HAS_COMPS (see the module docstring). The same bits on the GPU and in the
+    interpreter: the rounding is done on the bit patterns."""
+    if HAS_KEYS:
+        rnd = _mix32(tkey ^ offs.to(tl.uint32)) >> 16
+        bits = p.to(tl.uint32, bitcast=True)
+        sr = (bits + rnd) >> 16
+        finite = tl.abs(p) < float("inf")
+        _store_bf16_bits(p_ptrs, tl.where(finite, sr, _bf16_bits_rn(p)), mask)
+    else:
+        hi = _bf16_bits_rn(p)
+        _store_bf16_bits(p_ptrs, hi, mask)
+        r = p - (hi << 16).to(tl.float32, bitcast=True)
+        r = tl.where(tl.abs(r) < float("inf"), r, 0.0)
+        _store_bf16_bits(k_ptrs, r.to(tl.uint32, bitcast=True) >> 16, mask)
+
+
+# --- the production CPU path -------------------------------------------------------------
+class _CpuRounding:
+    """What the CPU path keeps per dtype group of rounded bf16 parameters: an fp32 working
+    copy in one flat buffer (views laid out as the parameters), and for stochastic
+    rounding each element's offset in its parameter and its row, and the rows' keys."""
+    __slots__ = ("sig", "flat", "views", "offsets", "owners", "keys")
+
+    def __init__(self, sig, params, keys):
+        self.sig = sig
+        numels = [p.numel() for p in params]
+        self.flat = torch.empty(sum(numels), dtype=torch.float32, device=params[0].device)
+        self.views, start = [], 0
+        for p, n in zip(params, numels):
+            self.views.append(self.flat[start:start + n].as_strided(p.shape, p.stride()))
+            start += n
+        self.offsets = self.owners = self.keys = None
+        if keys is not None:
+            self.keys = torch.stack([k.reshape(()) for k in keys])
+            self.offsets = torch.cat([torch.arange(n, dtype=torch.int64) for n in numels])
+            self.owners = torch.repeat_interleave(
+                torch.arange(len(numels), dtype=torch.int64), torch.tensor(numels))
+
+
+def _cpu_state(prepared, group, params):
+    keys = group.lists.get("keys")
+    sig = (tuple(p.shape for p in params), tuple(p.stride() for p in params),
+           None if keys is None else tuple(map(id, keys)))
+    store = prepared.scratch._bufs
+    hit = store.get((group.index, "rounding"))
+    if hit is None or hit.sig != sig:
+        hit = store[(group.index, "rounding")] = _CpuRounding(sig, params, keys)
+    return hit
+
+
+def rounds(group):
+    """Whether a CPU group's parameters are stored stochastically or with compensation."""
+    lists = group.lists
+    return lists.get("keys") is not None or lists.get("comps") is not None
+
+
+def cpu_load(prepared, group, params):
+    """The fp32 working list of a rounded group (:func:`rounds`): the parameters plus
+    their compensations, in views of one flat buffer kept across steps."""
+    st = _cpu_state(prepared, group, params)
+    torch._foreach_copy_(st.views, params)
+    comps = group.lists.get("comps")
+    if comps is not None:
+        torch._foreach_add_(st.views, comps)
+    return st.views
+
+
+def cpu_store(prepared, group, params, work, counts):
+    """Store the updated working list ``work`` (from :func:`cpu_load`) into the bf16
+    parameters as the kernels do. ``counts``: the rows' step counts after this step
+    (fp32 [n]) for stochastic rounding."""
+    st = _cpu_state(prepared, group, params)
+    comps = group.lists.get("comps")
+    if group.lists.get("keys") is not None:
+        tkeys = tensor_key(st.keys, counts)
+        bits = element_bits(tkeys.index_select(0, st.owners), st.offsets)
+        stochastic_round_(st.flat, bits)
+        torch._foreach_copy_(params, work)
+    elif comps is not None:
+        torch._foreach_copy_(params, work)
+        torch._foreach_sub_(work, params)
+        kahan_remainder_(st.flat)
+        torch._foreach_copy_(comps, work)
+
+
+def step_counts(group, advanced):
+    """The rows' step counts after this step (fp32 [n]): the counts as they are when the
+    CPU path has advanced them already (a skipped step does not use them), else + 1."""
+    counts = torch.cat([c.reshape(-1) for c in group.counted("steps")])
+    return counts if advanced else counts + 1.0
