@@ -30,16 +30,19 @@ import triton.language as tl
 from ._dispatch import use_triton  # noqa: F401  (tests read the module's dispatch)
 from ._cpu_optim import (advance_counts, amp_flags, decay_factor, fp32_work, take_grad_writes,
                          write_back, write_staged_grads)
+from .rounding import (ROUNDING_COLUMNS, load_compensated_ref, load_param_f32, step_key,
+                       store_param_rounded, store_rounded_ref)
 from ._multi_tensor import Column, Sweep, scalar_arg
 from ._ref_utils import advance_steps, f32 as _f32, sqrt_rn as _sqrt_rn
-from ._tl_utils import (column, column_f32, finish_tensor_step, load_f32, load_grad, load_lr,
+from ._tl_utils import (column, column_bf16, column_f32, finish_tensor_step, load_grad, load_lr,
                         store_cast, store_param, sweep_block, tensor_step, unscale_factor)
 
 ADAGRAD = Sweep("adagrad_step", [
     Column("params", "param"), Column("grads", "grad"), Column("sums", "state"),
     Column("copies", "copy", optional=True), Column("steps", "scalar", optional=True),
+    *ROUNDING_COLUMNS,
 ])
-_P, _G, _H, _C, _S = (ADAGRAD.col(n) for n in ADAGRAD.names)
+_P, _G, _H, _C, _S, _K, _R = (ADAGRAD.col(n) for n in ADAGRAD.names)
 _ROW = ADAGRAD.row_width
 
 
@@ -62,6 +65,8 @@ def _adagrad_step_kernel(
     WRITE_GRAD: tl.constexpr,      # store the unscaled gradient back (torch's GradScaler)
     HAS_COPIES: tl.constexpr,
     HAS_STEPS: tl.constexpr,       # per-tensor step counts, advanced here
+    HAS_COMPS: tl.constexpr,       # bf16 parameters with a Kahan compensation
+    HAS_KEYS: tl.constexpr,        # bf16 parameters rounded stochastically (needs steps)
     VEC: tl.constexpr,             # > 1: every address 16-byte aligned, numel % VEC == 0
     EMULATE_BF16_ROUNDING: tl.constexpr,  # interpreter only: see _tl_utils
     BLOCK: tl.constexpr,
@@ -70,6 +75,7 @@ def _adagrad_step_kernel(
                                           HAS_FOUND_INF, VEC, BLOCK)
     # Per-tensor scalars first: they are live across the element loads otherwise.
     step_ptr, step = tensor_step(row, _S, HAS_STEPS)
+    tkey = step_key(row, _R, step, HAS_KEYS)
     inv = unscale_factor(scale_ptr, HAS_SCALE)
     lr_v = load_lr(lr, LR_IS_TENSOR)
 
@@ -79,7 +85,10 @@ def _adagrad_step_kernel(
     g = load_grad(g_ptrs, mask, inv, HAS_SCALE, EMULATE_BF16_ROUNDING)
     if WRITE_GRAD:
         store_cast(g_ptrs, g, mask, EMULATE_BF16_ROUNDING)
-    p = load_f32(p_ptrs, mask, EMULATE_BF16_ROUNDING)
+    k_ptrs = p_ptrs
+    if HAS_COMPS:
+        k_ptrs = column_bf16(row, _K, offs, VEC)
+    p = load_param_f32(p_ptrs, k_ptrs, mask, HAS_COMPS, EMULATE_BF16_ROUNDING)
     h = tl.load(h_ptrs, mask=mask, other=0.0)
     if ADAGRAD_W:
         h = h + g * g
@@ -88,20 +97,25 @@ def _adagrad_step_kernel(
         g = g + weight_decay * p
         h = h + g * g
         p = p - lr_v * tl.div_rn(g, tl.sqrt_rn(h) + eps)
-    store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
-                EMULATE_BF16_ROUNDING)
+    if HAS_COMPS or HAS_KEYS:
+        store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS, HAS_KEYS)
+    else:
+        store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
+                    EMULATE_BF16_ROUNDING)
     tl.store(h_ptrs, h, mask=mask)
     if HAS_STEPS:
         finish_tensor_step(counters_ptr, tensor, row, step_ptr, step, found_inf_ptr, _ROW,
                            HAS_FOUND_INF, BLOCK)
 
 
-def adagrad_prepare(params, grads, sums, copies=None, steps=None):
+def adagrad_prepare(params, grads, sums, copies=None, steps=None, comps=None, keys=None):
     """Validate and plan an Adagrad sweep over these lists (see _multi_tensor): keep the
     result and pass it to :func:`adagrad_launch` while the tensors stay the same.
-    ``copies`` and ``steps`` are optional (None, or None per row)."""
+    ``copies`` and ``steps`` are optional (None, or None per row); so are ``comps`` /
+    ``keys`` (bf16 parameters with a Kahan compensation, or rounded stochastically:
+    kernels/rounding.py; keys need steps)."""
     return ADAGRAD.prepare(dict(params=params, grads=grads, sums=sums, copies=copies,
-                                steps=steps))
+                                steps=steps, comps=comps, keys=keys))
 
 
 def adagrad_launch(prepared, *, lr, eps, weight_decay=0.0, adagrad_w_mode=False,
@@ -175,7 +189,8 @@ def adagrad_step_cpu(prepared, *, lr, eps, weight_decay=0.0, adagrad_w_mode=Fals
                               maximize=False, grad_scale=scale, found_inf=skip)
         if steps is not None:
             advance_counts(group.counted("steps"), keep)
-        write_back(params, work_p, lists["copies"], grads if write_grads else None, work_g)
+        write_back(params, work_p, lists["copies"], grads if write_grads else None, work_g,
+                   rounded=(prepared, group))
 
     prepared.run_cpu(group_step)
     if write_grads:
@@ -184,8 +199,8 @@ def adagrad_step_cpu(prepared, *, lr, eps, weight_decay=0.0, adagrad_w_mode=Fals
 
 @torch.no_grad()
 def adagrad_step(params, grads, sums, copies=None, *, lr, eps, weight_decay=0.0,
-                 adagrad_w_mode=False, steps=None, grad_scale=None, found_inf=None,
-                 write_grads=False):
+                 adagrad_w_mode=False, steps=None, comps=None, keys=None, grad_scale=None,
+                 found_inf=None, write_grads=False):
     """One Adagrad step for lists of same-shaped tensors (see the module docstring).
 
     ``sums`` are the fp32 sums of squared gradients; ``steps`` (optional) fp32
@@ -193,14 +208,16 @@ def adagrad_step(params, grads, sums, copies=None, *, lr, eps, weight_decay=0.0,
     or an fp32 one-element tensor; ``copies`` may hold None for parameters without a
     copy; ``write_grads`` stores the unscaled gradients back into ``grads``. Bad lists
     raise before anything is written. No host sync."""
-    adagrad_launch(adagrad_prepare(params, grads, sums, copies, steps), lr=lr, eps=eps,
+    adagrad_launch(adagrad_prepare(params, grads, sums, copies, steps, comps, keys), lr=lr,
+                   eps=eps,
                    weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode,
                    grad_scale=grad_scale, found_inf=found_inf, write_grads=write_grads)
 
 
 @torch.no_grad()
 def adagrad_step_ref(params, grads, sums, copies=None, *, lr, eps, weight_decay=0.0,
-                     adagrad_w_mode=False, steps=None, grad_scale=None, found_inf=None):
+                     adagrad_w_mode=False, steps=None, comps=None, keys=None, grad_scale=None,
+                     found_inf=None):
     """Torch reference of :func:`adagrad_step` (same order of operations, fp32)."""
     inv = None if grad_scale is None else grad_scale.double().reciprocal().float()
     keep = None if found_inf is None else found_inf.reshape(()) == 0
@@ -211,7 +228,9 @@ def adagrad_step_ref(params, grads, sums, copies=None, *, lr, eps, weight_decay=
         g = grads[i].float()
         if inv is not None:
             g = g * inv
-        pf = p.float()
+        comp = None if comps is None else comps[i]
+        key = None if keys is None or keys[i] is None else int(keys[i])
+        pf = load_compensated_ref(p, comp)
         h = sums[i]
         if adagrad_w_mode:
             h_new = h + g * g
@@ -223,7 +242,7 @@ def adagrad_step_ref(params, grads, sums, copies=None, *, lr, eps, weight_decay=
         if keep is not None:
             new = torch.where(keep, new, pf)
             h_new = torch.where(keep, h_new, h)
-        p.copy_(new)
+        store_rounded_ref(p, new, comp, key, None if key is None else steps[i].float() + 1.0)
         h.copy_(h_new)
         if copies is not None and copies[i] is not None:
             c = new.to(copies[i].dtype)

@@ -185,8 +185,7 @@ def adam_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, comps=No
     gradients back into ``grads``. Bad lists raise before anything is written. No host
     sync."""
     adam_launch(adam_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies, comps, keys),
-                lr=lr,
-                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                 adam_w_mode=adam_w_mode, bias_correction=bias_correction,
                 grad_scale=grad_scale, found_inf=found_inf, write_grads=write_grads)
 

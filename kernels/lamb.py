@@ -55,19 +55,22 @@ import triton.language as tl
 
 from ._multi_tensor import Column, StagedPrepared, Sweep, device_constants, scalar_arg
 from ._ref_utils import advance_steps, f32 as _f32
-from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step, load_f32,
+from ._tl_utils import (bias_corrections, column, column_bf16, column_f32, finish_tensor_step,
                         load_grad, load_lr, scalar_ptr, store_cast, store_param, sweep_block,
                         tensor_step, unscale_factor)
 from ._cpu_optim import advance_counts, amp_flags, take_grad_writes, write_staged_grads
+from . import rounding
+from .rounding import (ROUNDING_COLUMNS, load_compensated_ref, load_param_f32, step_key,
+                       store_param_rounded, store_rounded_ref)
 from .l2norm import (SegmentLayout, bias_correction_terms, reduce_by_rows, reduce_segments,
                      scalar_views, segment_pairs)
 
 LAMB = Sweep("lamb_step", [
     Column("params", "param"), Column("grads", "grad"), Column("exp_avgs", "state"),
     Column("exp_avg_sqs", "state"), Column("copies", "copy", optional=True),
-    Column("steps", "scalar"),
+    Column("steps", "scalar"), *ROUNDING_COLUMNS,
 ])
-_P, _G, _M, _V, _C, _S = (LAMB.col(n) for n in LAMB.names)
+_P, _G, _M, _V, _C, _S, _K, _R = (LAMB.col(n) for n in LAMB.names)
 _ROW = LAMB.row_width
 
 
@@ -121,6 +124,8 @@ def _lamb_moments_kernel(
     BIAS_CORRECTION: tl.constexpr,
     WRITE_GRAD: tl.constexpr,      # store the unscaled gradient back (torch's GradScaler)
     HAS_COPIES: tl.constexpr,
+    HAS_COMPS: tl.constexpr,       # bf16 parameters with a Kahan compensation (p + c read)
+    HAS_KEYS: tl.constexpr,        # unused here (stage 3 rounds)
     VEC: tl.constexpr,             # > 1: every address 16-byte aligned, numel % VEC == 0
     EMULATE_BF16_ROUNDING: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -145,7 +150,11 @@ def _lamb_moments_kernel(
     if HAS_CLIP:
         g = tl.div_rn(g, clip)
     if HAS_DECAY or USE_RATIO:
-        p = load_f32(column(row, _P, offs, p_proto, VEC), mask, EMULATE_BF16_ROUNDING)
+        p_ptrs = column(row, _P, offs, p_proto, VEC)
+        k_ptrs = p_ptrs
+        if HAS_COMPS:
+            k_ptrs = column_bf16(row, _K, offs, VEC)
+        p = load_param_f32(p_ptrs, k_ptrs, mask, HAS_COMPS, EMULATE_BF16_ROUNDING)
     else:
         p = tl.zeros([BLOCK], dtype=tl.float32)
     if not ADAM_W:
@@ -186,6 +195,8 @@ def _lamb_apply_kernel(
     USE_RATIO: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr,
     HAS_COPIES: tl.constexpr,
+    HAS_COMPS: tl.constexpr,       # bf16 parameters with a Kahan compensation
+    HAS_KEYS: tl.constexpr,        # bf16 parameters rounded stochastically
     VEC: tl.constexpr,
     EMULATE_BF16_ROUNDING: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -200,16 +211,23 @@ def _lamb_apply_kernel(
         # Divide by 1 where unusable, so no 0/0 is formed even in the discarded branch.
         ratio = tl.where(usable, ratio * tl.div_rn(p_norm, tl.where(usable, u_norm, 1.0)), ratio)
     step_ptr, step = tensor_step(row, _S, True)
+    tkey = step_key(row, _R, step, HAS_KEYS)
     bc1, bc2 = _lamb_bias_corrections(step, betas_ptr, BIAS_CORRECTION)
 
     p_ptrs = column(row, _P, offs, p_proto, VEC)
-    p = load_f32(p_ptrs, mask, EMULATE_BF16_ROUNDING)
+    k_ptrs = p_ptrs
+    if HAS_COMPS:
+        k_ptrs = column_bf16(row, _K, offs, VEC)
+    p = load_param_f32(p_ptrs, k_ptrs, mask, HAS_COMPS, EMULATE_BF16_ROUNDING)
     m = tl.load(column_f32(row, _M, offs, VEC), mask=mask, other=0.0)
     v = tl.load(column_f32(row, _V, offs, VEC), mask=mask, other=0.0)
     u = _lamb_update(m, v, p, bc1, bc2, eps, weight_decay, ADAM_W, HAS_DECAY)
     p = p - ratio * u
-    store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
-                EMULATE_BF16_ROUNDING)
+    if HAS_COMPS or HAS_KEYS:
+        store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS, HAS_KEYS)
+    else:
+        store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
+                    EMULATE_BF16_ROUNDING)
     finish_tensor_step(counters_ptr, tensor, row, step_ptr, step, found_inf_ptr, _ROW,
                        HAS_FOUND_INF, BLOCK)
 
@@ -251,12 +269,15 @@ class LambPrepared(StagedPrepared):
         return self._rows
 
 
-def lamb_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None):
+def lamb_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, comps=None,
+                 keys=None):
     """Validate and plan a LAMB sweep over these lists (see _multi_tensor): keep the
-    result and pass it to :func:`lamb_launch` while the tensors stay the same."""
+    result and pass it to :func:`lamb_launch` while the tensors stay the same. ``comps``
+    / ``keys`` (optional, per row or None): bf16 parameters stored with a Kahan
+    compensation, or rounded stochastically (kernels/rounding.py)."""
     return LambPrepared(LAMB.prepare(dict(params=params, grads=grads, exp_avgs=exp_avgs,
                                           exp_avg_sqs=exp_avg_sqs, steps=steps,
-                                          copies=copies)))
+                                          copies=copies, comps=comps, keys=keys)))
 
 
 def lamb_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=True,
@@ -329,7 +350,8 @@ def lamb_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=Tr
 
 
 @torch.no_grad()
-def lamb_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, lr, beta1, beta2,
+def lamb_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, comps=None, keys=None,
+              *, lr, beta1, beta2,
               eps, weight_decay, adam_w_mode=True, grad_averaging=True, bias_correction=True,
               use_nvlamb=False, global_grad_norm=None, max_grad_norm=1.0, grad_scale=None,
               found_inf=None, write_grads=False):
@@ -341,8 +363,8 @@ def lamb_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, lr, b
     ``copies`` may hold None for parameters without a copy; ``write_grads`` stores the
     unscaled gradients back into ``grads``. Bad lists raise before anything is written.
     No host sync."""
-    lamb_launch(lamb_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies), lr=lr,
-                beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+    lamb_launch(lamb_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies, comps, keys),
+                lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                 adam_w_mode=adam_w_mode, grad_averaging=grad_averaging,
                 bias_correction=bias_correction, use_nvlamb=use_nvlamb,
                 global_grad_norm=global_grad_norm, max_grad_norm=max_grad_norm,
@@ -414,7 +436,10 @@ def cpu_lists(prepared, make):
 
 def fp32_params(engine, group, params):
     """The parameters as fp32: themselves, or their persistent fp32 scratch filled now
-    (the half -> fp32 -> half round trip of a skipped step is exact)."""
+    (the half -> fp32 -> half round trip of a skipped step is exact); for bf16 parameters
+    rounded stochastically or with compensation, kernels/rounding.py's working copy."""
+    if rounding.rounds(group):
+        return rounding.cpu_load(engine, group, params)
     if params[0].dtype == torch.float32:
         return params
     work = engine.buffers(group, "params", params)
@@ -422,13 +447,19 @@ def fp32_params(engine, group, params):
     return work
 
 
-def write_params(engine, group, params, work, plan, skip):
+def write_params(engine, group, params, work, plan, skip, advanced=True):
     """Half parameters from their fp32 working copy (exact on a skipped step: the
     round trip of an unchanged value), and the copies in their dtype. A copy may differ
     from its parameter's rounding, so on a skipped step it must not be written: the new
     copies are staged in a scratch and moved in as the momentum buffer of torch's fused
     SGD on a "first step" (the buffer takes the gradient exactly), which skips itself on
-    the flag."""
+    the flag. Rounded bf16 parameters (no copies) are stored as the kernels store them
+    (kernels/rounding.py; ``advanced``: the step counts were advanced already)."""
+    if rounding.rounds(group):
+        counts = (rounding.step_counts(group, advanced)
+                  if group.lists.get("keys") is not None else None)
+        rounding.cpu_store(engine, group, params, work, counts)
+        return
     if work is not params:
         torch._foreach_copy_(params, work)
     if plan.copies is None:
@@ -657,7 +688,8 @@ def _lamb_moments_foreach(engine, g, plan, p, u, grads, bias_correction, *, beta
 
 
 @torch.no_grad()
-def lamb_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, lr, beta1, beta2,
+def lamb_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, comps=None,
+                  keys=None, *, lr, beta1, beta2,
                   eps, weight_decay, adam_w_mode=True, grad_averaging=True, bias_correction=True,
                   use_nvlamb=False, global_grad_norm=None, max_grad_norm=1.0, grad_scale=None,
                   found_inf=None):
@@ -681,7 +713,9 @@ def lamb_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, l
             gn = global_grad_norm.float().reshape(())
             mx = _f32(max_grad_norm)
             g = g / torch.where(gn > mx, gn / mx, _f32(1.0))
-        pf = p.float()
+        comp = None if comps is None else comps[i]
+        key = None if keys is None or keys[i] is None else int(keys[i])
+        pf = load_compensated_ref(p, comp)
         if not adam_w_mode and has_decay:
             g = g + _f32(weight_decay) * pf
         m = exp_avgs[i] * _f32(beta1) + beta3 * g
@@ -706,7 +740,7 @@ def lamb_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, l
             new_p = torch.where(keep, new_p, pf)
             m = torch.where(keep, m, exp_avgs[i])
             v = torch.where(keep, v, exp_avg_sqs[i])
-        p.copy_(new_p)
+        store_rounded_ref(p, new_p, comp, key, steps[i].float() + 1.0)
         exp_avgs[i].copy_(m)
         exp_avg_sqs[i].copy_(v)
         if copies is not None and copies[i] is not None:

@@ -47,10 +47,12 @@ import triton.language as tl
 
 from ._multi_tensor import Column, StagedPrepared, Sweep, _upload, device_constants, scalar_arg
 from ._ref_utils import advance_steps, f32 as _f32
-from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step, load_f32,
+from ._tl_utils import (bias_corrections, column, column_bf16, column_f32, finish_tensor_step,
                         load_grad, load_lr, scalar_ptr, store_cast, store_param, sweep_block,
                         tensor_step, unscale_factor)
 from ._cpu_optim import advance_counts, amp_flags, take_grad_writes, write_staged_grads
+from .rounding import (ROUNDING_COLUMNS, load_compensated_ref, load_param_f32, step_key,
+                       store_param_rounded, store_rounded_ref)
 from .l2norm import (SEGMENT_BLOCK, SegmentLayout, SquareSums, bias_correction_terms,
                      reduce_by_rows, scalar_views)
 from .lamb import (_CpuLists, bias_correction_f32, cpu_lists, first_moment, fp32_grads,
@@ -60,9 +62,9 @@ NOVOGRAD = Sweep("novograd_step", [
     Column("params", "param"), Column("grads", "grad"), Column("exp_avgs", "state"),
     Column("copies", "copy", optional=True),
     Column("exp_avg_sqs", "scalar"),   # the per-tensor second moment: one fp32 value
-    Column("steps", "scalar"),
+    Column("steps", "scalar"), *ROUNDING_COLUMNS,
 ])
-_P, _G, _M, _C, _VS, _S = (NOVOGRAD.col(n) for n in NOVOGRAD.names)
+_P, _G, _M, _C, _VS, _S, _K, _R = (NOVOGRAD.col(n) for n in NOVOGRAD.names)
 _ROW = NOVOGRAD.row_width
 
 
@@ -81,6 +83,8 @@ def _novograd_norm_kernel(
     HAS_FOUND_INF: tl.constexpr,
     MAX_NORM: tl.constexpr,        # norm_type 0
     HAS_COPIES: tl.constexpr,
+    HAS_COMPS: tl.constexpr,       # unused here (stage 3 reads and stores the parameters)
+    HAS_KEYS: tl.constexpr,
     VEC: tl.constexpr,             # > 1: every address 16-byte aligned, numel % VEC == 0
     EMULATE_BF16_ROUNDING: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -181,6 +185,8 @@ def _novograd_step_kernel(
     BIAS_CORRECTION: tl.constexpr,
     WRITE_GRAD: tl.constexpr,      # store the unscaled gradient back (torch's GradScaler)
     HAS_COPIES: tl.constexpr,
+    HAS_COMPS: tl.constexpr,       # bf16 parameters with a Kahan compensation
+    HAS_KEYS: tl.constexpr,        # bf16 parameters rounded stochastically
     VEC: tl.constexpr,
     EMULATE_BF16_ROUNDING: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -189,6 +195,7 @@ def _novograd_step_kernel(
                                           HAS_FOUND_INF, VEC, BLOCK)
     # Per-tensor scalars first: they are live across the element loads otherwise.
     step_ptr, step = tensor_step(row, _S, True)
+    tkey = step_key(row, _R, step, HAS_KEYS)
     if BIAS_CORRECTION:
         c1, c2 = bias_corrections(step, betas_ptr)
         bc1 = c1.to(tl.float32)
@@ -206,7 +213,10 @@ def _novograd_step_kernel(
     g = load_grad(g_ptrs, mask, inv, HAS_SCALE, EMULATE_BF16_ROUNDING)
     if WRITE_GRAD:
         store_cast(g_ptrs, g, mask, EMULATE_BF16_ROUNDING)
-    p = load_f32(p_ptrs, mask, EMULATE_BF16_ROUNDING)
+    k_ptrs = p_ptrs
+    if HAS_COMPS:
+        k_ptrs = column_bf16(row, _K, offs, VEC)
+    p = load_param_f32(p_ptrs, k_ptrs, mask, HAS_COMPS, EMULATE_BF16_ROUNDING)
     m = tl.load(m_ptrs, mask=mask, other=0.0)
     if REG_INSIDE_MOMENT:
         g = tl.div_rn(g, denom) + weight_decay * p
@@ -215,8 +225,11 @@ def _novograd_step_kernel(
     else:
         m = beta1 * m + beta3 * g
         p = p - lr_v * (tl.div_rn(tl.div_rn(m, bc1), denom) + weight_decay * p)
-    store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
-                EMULATE_BF16_ROUNDING)
+    if HAS_COMPS or HAS_KEYS:
+        store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS, HAS_KEYS)
+    else:
+        store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
+                    EMULATE_BF16_ROUNDING)
     tl.store(m_ptrs, m, mask=mask)
     finish_tensor_step(counters_ptr, tensor, row, step_ptr, step, found_inf_ptr, _ROW,
                        HAS_FOUND_INF, BLOCK)
@@ -262,13 +275,16 @@ class NovoGradPrepared(StagedPrepared):
         return self._rows
 
 
-def novograd_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None):
+def novograd_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, comps=None,
+                     keys=None):
     """Validate and plan a NovoGrad sweep over these lists (see _multi_tensor;
     ``exp_avg_sqs`` and ``steps`` hold one fp32 one-element tensor per parameter): keep
-    the result and pass it to :func:`novograd_launch` while the tensors stay the same."""
+    the result and pass it to :func:`novograd_launch` while the tensors stay the same.
+    ``comps`` / ``keys`` (optional, per row or None): bf16 parameters stored with a Kahan
+    compensation, or rounded stochastically (kernels/rounding.py)."""
     return NovoGradPrepared(NOVOGRAD.prepare(dict(
         params=params, grads=grads, exp_avgs=exp_avgs, copies=copies, exp_avg_sqs=exp_avg_sqs,
-        steps=steps)))
+        steps=steps, comps=comps, keys=keys)))
 
 
 def novograd_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, reg_inside_moment=False,
@@ -341,7 +357,8 @@ def novograd_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, reg_inside
 
 
 @torch.no_grad()
-def novograd_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, lr, beta1,
+def novograd_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, comps=None,
+                  keys=None, *, lr, beta1,
                   beta2, eps, weight_decay, reg_inside_moment=False, grad_averaging=True,
                   norm_type=2, init_zero=False, bias_correction=True, grad_scale=None,
                   found_inf=None, write_grads=False):
@@ -353,7 +370,8 @@ def novograd_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, l
     parameters without a copy; ``write_grads`` stores the unscaled gradients back into
     ``grads``. Bad lists raise before anything is written. No host sync."""
     _check_norm_type(norm_type)
-    novograd_launch(novograd_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies),
+    novograd_launch(novograd_prepare(params, grads, exp_avgs, exp_avg_sqs, steps, copies,
+                                     comps, keys),
                     lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                     reg_inside_moment=reg_inside_moment, grad_averaging=grad_averaging,
                     norm_type=norm_type, init_zero=init_zero, bias_correction=bias_correction,
@@ -487,7 +505,7 @@ def novograd_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay,
             step = lr32 / denom if bc1 is None else lr32 / (bc1 * denom)
         step = gated(step, keep, 0.0)
         torch._foreach_addcmul_(p, m, step.expand(n).unbind(0), value=-1.0)
-        write_params(engine, g, params, p, plan, skip)
+        write_params(engine, g, params, p, plan, skip, advanced=False)
         torch._foreach_copy_(plan.moments, v.split(1))
         advance_counts(g.counted("steps"), keep)
 
@@ -511,7 +529,8 @@ def _max_abs(engine, group, grad, plan):
 
 
 @torch.no_grad()
-def novograd_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, *, lr, beta1,
+def novograd_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, comps=None,
+                      keys=None, *, lr, beta1,
                       beta2, eps, weight_decay, reg_inside_moment=False, grad_averaging=True,
                       norm_type=2, init_zero=False, bias_correction=True, grad_scale=None,
                       found_inf=None):
@@ -549,7 +568,9 @@ def novograd_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, 
         else:
             bc1 = bc2 = _f32(1.0)
         lr_v = lr.float().reshape(()) if isinstance(lr, torch.Tensor) else _f32(lr)
-        pf = p.float()
+        comp = None if comps is None else comps[i]
+        key = None if keys is None or keys[i] is None else int(keys[i])
+        pf = load_compensated_ref(p, comp)
         denom = v / bc2 + _f32(eps)
         if reg_inside_moment:
             g = g / denom + _f32(weight_decay) * pf
@@ -562,7 +583,7 @@ def novograd_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, 
             new_p = torch.where(keep, new_p, pf)
             m = torch.where(keep, m, exp_avgs[i])
             v = torch.where(keep, v, v_old)
-        p.copy_(new_p)
+        store_rounded_ref(p, new_p, comp, key, steps[i].float() + 1.0)
         exp_avgs[i].copy_(m)
         exp_avg_sqs[i].copy_(v.reshape(exp_avg_sqs[i].shape))
         if copies is not None and copies[i] is not None:

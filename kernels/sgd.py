@@ -30,17 +30,19 @@ import triton.language as tl
 from ._dispatch import use_triton  # noqa: F401  (tests read the module's dispatch)
 from ._cpu_optim import (advance_counts, amp_flags, decay_factor, fp32_work, take_grad_writes,
                          write_back, write_staged_grads)
+from .rounding import (ROUNDING_COLUMNS, load_compensated_ref, load_param_f32, step_key,
+                       store_param_rounded, store_rounded_ref)
 from ._multi_tensor import Column, Sweep, scalar_arg
 from ._ref_utils import advance_steps, f32
-from ._tl_utils import (column, column_f32, finish_tensor_step, load_f32, load_grad, load_lr,
+from ._tl_utils import (column, column_bf16, column_f32, finish_tensor_step, load_grad, load_lr,
                         store_cast, store_param, sweep_block, tensor_step, unscale_factor)
 
 SGD = Sweep("sgd_step", [
     Column("params", "param"), Column("grads", "grad"),
     Column("momentum_buffers", "state", optional=True), Column("copies", "copy", optional=True),
-    Column("steps", "scalar", optional=True),
+    Column("steps", "scalar", optional=True), *ROUNDING_COLUMNS,
 ])
-_P, _G, _B, _C, _S = (SGD.col(n) for n in SGD.names)
+_P, _G, _B, _C, _S, _K, _R = (SGD.col(n) for n in SGD.names)
 _ROW = SGD.row_width
 
 
@@ -67,6 +69,8 @@ def _sgd_step_kernel(
     HAS_MOMENTUM_BUFFERS: tl.constexpr,
     HAS_COPIES: tl.constexpr,
     HAS_STEPS: tl.constexpr,       # per-tensor step counts: first run on device, advanced
+    HAS_COMPS: tl.constexpr,       # bf16 parameters with a Kahan compensation
+    HAS_KEYS: tl.constexpr,        # bf16 parameters rounded stochastically (needs steps)
     VEC: tl.constexpr,             # > 1: every address 16-byte aligned, numel % VEC == 0
     EMULATE_BF16_ROUNDING: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -75,6 +79,7 @@ def _sgd_step_kernel(
                                           HAS_FOUND_INF, VEC, BLOCK)
     # Per-tensor scalars first: they are live across the element loads otherwise.
     step_ptr, step = tensor_step(row, _S, HAS_STEPS)
+    tkey = step_key(row, _R, step, HAS_KEYS)
     inv = unscale_factor(scale_ptr, HAS_SCALE)
     if LR_IS_TENSOR:
         neg_lr = -load_lr(lr, LR_IS_TENSOR)
@@ -86,7 +91,10 @@ def _sgd_step_kernel(
     g = load_grad(g_ptrs, mask, inv, HAS_SCALE, EMULATE_BF16_ROUNDING)
     if WRITE_GRAD:
         store_cast(g_ptrs, g, mask, EMULATE_BF16_ROUNDING)
-    p = load_f32(p_ptrs, mask, EMULATE_BF16_ROUNDING)
+    k_ptrs = p_ptrs
+    if HAS_COMPS:
+        k_ptrs = column_bf16(row, _K, offs, VEC)
+    p = load_param_f32(p_ptrs, k_ptrs, mask, HAS_COMPS, EMULATE_BF16_ROUNDING)
     if not WD_AFTER_MOMENTUM:
         g = g + weight_decay * p
     if HAS_MOMENTUM:
@@ -108,19 +116,25 @@ def _sgd_step_kernel(
     if WD_AFTER_MOMENTUM:
         g = g + weight_decay * p
     p = p + neg_lr * g
-    store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
-                EMULATE_BF16_ROUNDING)
+    if HAS_COMPS or HAS_KEYS:
+        store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS, HAS_KEYS)
+    else:
+        store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
+                    EMULATE_BF16_ROUNDING)
     if HAS_STEPS:
         finish_tensor_step(counters_ptr, tensor, row, step_ptr, step, found_inf_ptr, _ROW,
                            HAS_FOUND_INF, BLOCK)
 
 
-def sgd_prepare(params, grads, momentum_buffers=None, copies=None, steps=None):
+def sgd_prepare(params, grads, momentum_buffers=None, copies=None, steps=None, comps=None,
+                keys=None):
     """Validate and plan an SGD sweep over these lists (see _multi_tensor): keep the
     result and pass it to :func:`sgd_launch` while the tensors stay the same.
-    ``momentum_buffers``, ``copies`` and ``steps`` are optional (None, or None per row)."""
+    ``momentum_buffers``, ``copies`` and ``steps`` are optional (None, or None per row);
+    so are ``comps`` / ``keys`` (bf16 parameters with a Kahan compensation, or rounded
+    stochastically: kernels/rounding.py; keys need steps)."""
     return SGD.prepare(dict(params=params, grads=grads, momentum_buffers=momentum_buffers,
-                            copies=copies, steps=steps))
+                            copies=copies, steps=steps, comps=comps, keys=keys))
 
 
 def _missing_buffer(prepared):
@@ -237,7 +251,8 @@ def sgd_step_cpu(prepared, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
             _momentum_step_by_counts(work_p, work_g, bufs, steps, scale, kw)
         if steps is not None:
             advance_counts(group.counted("steps"), keep)
-        write_back(params, work_p, lists["copies"], grads if write_grads else None, work_g)
+        write_back(params, work_p, lists["copies"], grads if write_grads else None, work_g,
+                   rounded=(prepared, group))
 
     prepared.run_cpu(group_step)
     if write_grads:
@@ -268,7 +283,8 @@ def _momentum_step_by_counts(params, grads, bufs, steps, scale, kw):
 @torch.no_grad()
 def sgd_step(params, grads, momentum_buffers=None, copies=None, *, lr, momentum=0.0,
              dampening=0.0, weight_decay=0.0, nesterov=False, wd_after_momentum=False,
-             first_run=False, steps=None, grad_scale=None, found_inf=None, write_grads=False):
+             first_run=False, steps=None, comps=None, keys=None, grad_scale=None,
+             found_inf=None, write_grads=False):
     """One SGD step for lists of same-shaped tensors (see the module docstring).
 
     ``first_run`` says the momentum buffers hold nothing yet (they are set to the
@@ -278,7 +294,7 @@ def sgd_step(params, grads, momentum_buffers=None, copies=None, *, lr, momentum=
     ``found_inf``. ``lr`` is a float or an fp32 one-element tensor; ``copies`` may hold
     None for parameters without a copy; ``write_grads`` stores the unscaled gradients
     back into ``grads``. Bad lists raise before anything is written. No host sync."""
-    sgd_launch(sgd_prepare(params, grads, momentum_buffers, copies, steps), lr=lr,
+    sgd_launch(sgd_prepare(params, grads, momentum_buffers, copies, steps, comps, keys), lr=lr,
                momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                nesterov=nesterov, wd_after_momentum=wd_after_momentum, first_run=first_run,
                grad_scale=grad_scale, found_inf=found_inf, write_grads=write_grads)
@@ -287,7 +303,8 @@ def sgd_step(params, grads, momentum_buffers=None, copies=None, *, lr, momentum=
 @torch.no_grad()
 def sgd_step_ref(params, grads, momentum_buffers=None, copies=None, *, lr, momentum=0.0,
                  dampening=0.0, weight_decay=0.0, nesterov=False, wd_after_momentum=False,
-                 first_run=False, steps=None, grad_scale=None, found_inf=None):
+                 first_run=False, steps=None, comps=None, keys=None, grad_scale=None,
+                 found_inf=None):
     """Torch reference of :func:`sgd_step` (same order of operations, fp32)."""
     inv = None if grad_scale is None else grad_scale.double().reciprocal().float()
     keep = None if found_inf is None else found_inf.reshape(()) == 0
@@ -297,7 +314,9 @@ def sgd_step_ref(params, grads, momentum_buffers=None, copies=None, *, lr, momen
         g = grads[i].float()
         if inv is not None:
             g = g * inv
-        pf = p.float()
+        comp = None if comps is None else comps[i]
+        key = None if keys is None or keys[i] is None else int(keys[i])
+        pf = load_compensated_ref(p, comp)
         if not wd_after_momentum:
             g = g + f32(weight_decay) * pf
         if momentum != 0:
@@ -316,7 +335,7 @@ def sgd_step_ref(params, grads, momentum_buffers=None, copies=None, *, lr, momen
             new = pf + f32(-lr) * g
         if keep is not None:
             new = torch.where(keep, new, pf)
-        p.copy_(new)
+        store_rounded_ref(p, new, comp, key, None if key is None else steps[i].float() + 1.0)
         if copies is not None and copies[i] is not None:
             copies[i].copy_(new)
     if steps is not None:
