@@ -79,6 +79,37 @@ def _describe(value):
     return f"{type(value).__name__} {value!r}"
 
 
+def _rounding_mode(name, stochastic_rounding, kahan_summation, master_weights, seed):
+    """None, ``"stochastic"`` or ``"kahan"``: how bf16 parameters without fp32 masters are
+    stored (tritamp/kernels/rounding.py). The flags are checked here, before anything is
+    built."""
+    if stochastic_rounding and kahan_summation:
+        raise ValueError(f"{name}: stochastic_rounding=True and kahan_summation=True are "
+                         "mutually exclusive; pick one (docs/bf16-weights.md says when)")
+    mode = "stochastic" if stochastic_rounding else "kahan" if kahan_summation else None
+    if mode is not None and master_weights:
+        flag = "stochastic_rounding" if stochastic_rounding else "kahan_summation"
+        raise ValueError(f"{name}: {flag}=True is for bf16 parameters without fp32 master "
+                         f"weights, but master_weights=True keeps fp32 masters (which round "
+                         f"to nearest exactly enough); pass master_weights=False or drop "
+                         f"{flag}")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"{name}: seed must be an int, got {type(seed).__name__} {seed!r}")
+        if not 0 <= seed < 2 ** 64:
+            raise ValueError(f"{name}: seed must be in [0, 2**64), got {seed}")
+        if mode != "stochastic":
+            raise ValueError(f"{name}: seed={seed} is the seed of stochastic rounding; pass "
+                             "stochastic_rounding=True with it, or drop it")
+    return mode
+
+
+def _draw_seed():
+    """A seed for stochastic rounding, drawn once from torch's default generator (so
+    ``torch.manual_seed`` makes it reproducible)."""
+    return int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
+
+
 # What a parameter's state holds before its first plan: at most the fp32 master its
 # links made (master_weights).
 _LINK_STATE = frozenset(("master_param",))
@@ -225,10 +256,24 @@ class FusedOptimizer(torch.optim.Optimizer):
     # whether a step reads norms of whole tensors (LAMB, NovoGrad): with DTensor
     # parameters they are reduced over the processes holding the other shards
     _NORMS_OF_WHOLE_TENSORS = False
+    # how bf16 parameters without masters are stored: None (nearest), "stochastic", "kahan"
+    _rounding = None
+    # whether master_weights=True still leaves bf16 parameters without masters under
+    # stochastic rounding or Kahan summation (FusedMixedPrecisionLamb's rule)
+    _MASTERS_BY_DTYPE = False
 
     def __init__(self, params, defaults, *, set_grad_none=True, capturable=False,
-                 master_weights=False):
+                 master_weights=False, stochastic_rounding=False, kahan_summation=False,
+                 seed=None):
         self.capturable = capturable
+        self._rounding = _rounding_mode(type(self).__name__, stochastic_rounding,
+                                        kahan_summation,
+                                        master_weights and not self._MASTERS_BY_DTYPE, seed)
+        self.stochastic_rounding = self._rounding == "stochastic"
+        self.kahan_summation = self._rounding == "kahan"
+        if self.stochastic_rounding:
+            defaults = dict(defaults, seed=_draw_seed() if seed is None else int(seed))
+        self._rounding_checked = None
         super().__init__(params, _host_hyperparameters(defaults))
         self.set_grad_none = set_grad_none
         self.master_weights = master_weights
@@ -435,7 +480,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             # instead (copied), fp32.
             for name, value in values.items():
                 dict.__setitem__(st, name, _scalar_state(value, p) if name in scalars
-                                 else self._restride_state(value, p))
+                                 else self._restride_state(value, p,
+                                                           self._state_dtype(name)))
         for group in self.param_groups:
             for key in self._SAVED_ONLY_GROUP_KEYS:
                 group.pop(key, None)
@@ -577,20 +623,25 @@ class FusedOptimizer(torch.optim.Optimizer):
         return {pos: {"step": step} for pos in range(len(saved["params"]))}
 
     @staticmethod
-    def _restride_state(value, p):
-        """fp32 copy of a state tensor on ``p``'s device, laid out as ``p`` when it has
-        ``p``'s shape (for a DTensor parameter: sharded as ``p``; a full tensor saved
-        unsharded is split as ``p`` is)."""
+    def _restride_state(value, p, dtype=torch.float32):
+        """fp32 (or ``dtype``) copy of a state tensor on ``p``'s device, laid out as ``p``
+        when it has ``p``'s shape (for a DTensor parameter: sharded as ``p``; a full
+        tensor saved unsharded is split as ``p`` is)."""
         if is_dtensor(p) and value.shape == p.shape and value.dim() > 0:
             if is_dtensor(value):
-                return value.detach().to(device=p.device, dtype=torch.float32, copy=True)
+                return value.detach().to(device=p.device, dtype=dtype, copy=True)
             from torch.distributed.tensor import distribute_tensor
-            return distribute_tensor(value.detach().to(device=p.device, dtype=torch.float32),
+            return distribute_tensor(value.detach().to(device=p.device, dtype=dtype),
                                      p.device_mesh, p.placements)
         if value.shape == p.shape and value.dim() > 0:
             value = value.to(device=p.device)
-            return restride_like(value, p, dtype=torch.float32)
-        return value.to(device=p.device, dtype=torch.float32, copy=True)
+            return restride_like(value, p, dtype=dtype)
+        return value.to(device=p.device, dtype=dtype, copy=True)
+
+    def _state_dtype(self, key):
+        """The dtype state ``key`` is kept in: fp32, but bf16 for Kahan compensations (and
+        for Adam's moments under ``state_dtype=torch.bfloat16``)."""
+        return torch.bfloat16 if key == "kahan_comp" else torch.float32
 
     # -- the step: per group a cached plan, rebuilt only when its tensors change ---------------
     def _links(self, gi, group):
@@ -713,7 +764,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             states = [{k: local(v) for k, v in st.items()} for st in states]
         # Borrowed gradients: the kept plan must not keep this step's gradients alive.
         prepared = self._prepare(group, rows_targets, borrowed([grads[i] for i in rows]),
-                                 [copies[i] for i in rows], states)
+                                 [copies[i] for i in rows], states,
+                                 **self._rounding_lists(gi, group, rows, rows_targets, states))
         if write_grads:
             check_grads_writable(prepared)
         return cache.put(key, prepared)
@@ -734,13 +786,14 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._generation = getattr(self, "_generation", 0)
         return self._links(gi, group)
 
-    def _zero_state(self, p, target):
-        """A new fp32 state tensor of zeros for parameter ``p``, laid out as ``target``.
+    def _zero_state(self, p, target, dtype=torch.float32):
+        """A new fp32 (or ``dtype``) state tensor of zeros for parameter ``p``, laid out as
+        ``target``.
         For a DTensor parameter it is a DTensor sharded as the parameter (or its master),
         which torch.distributed.checkpoint saves and loads by shard; its local tensor is
         laid out as the target."""
         like = self.state[p].get("master_param", p) if is_dtensor(p) else target
-        return torch.zeros_like(like, dtype=torch.float32, memory_format=torch.preserve_format)
+        return torch.zeros_like(like, dtype=dtype, memory_format=torch.preserve_format)
 
     def _state_for(self, p, target, group):
         """The state of parameter ``p`` (created on first use: fp32, laid out as ``target``)."""
@@ -748,12 +801,67 @@ class FusedOptimizer(torch.optim.Optimizer):
         # Created with dict.__setitem__: a plan being built is not a change of state.
         for key in self._STATE_LIKE:
             if key not in st:
-                dict.__setitem__(st, key, self._zero_state(p, target))
+                dict.__setitem__(st, key, self._zero_state(p, target, self._state_dtype(key)))
         for key in self._STATE_SCALARS:
             if key not in st:
                 dict.__setitem__(st, key, torch.zeros((), dtype=torch.float32,
                                                       device=target.device))
+        if self._rounding == "kahan" and target.dtype == torch.bfloat16 \
+                and "kahan_comp" not in st:
+            dict.__setitem__(st, "kahan_comp", self._zero_state(p, target, torch.bfloat16))
         return st
+
+    # -- bf16 parameters without masters: stochastic rounding, Kahan summation ---------------
+    def _check_rounding(self):
+        """With ``stochastic_rounding`` or ``kahan_summation``: refuse (ValueError, before
+        anything changes) a step whose parameters include fp32 masters of amp's, or
+        that has no bf16 parameter to act on. Checked again only when the parameters
+        or amp's master pairs change."""
+        pairs = self.step_handoff.masters
+        key = (self._generation, pairs.version)
+        if getattr(self, "_rounding_checked", None) == key:
+            return
+        name = type(self).__name__
+        flag = "stochastic_rounding" if self._rounding == "stochastic" else "kahan_summation"
+        found = False
+        for gi, group in enumerate(self.param_groups):
+            links = self._group_links(gi, group)
+            if links.model_rows:
+                raise ValueError(
+                    f"{name}: {flag}=True acts on bf16 parameters without fp32 masters, but "
+                    f"amp gave this optimizer fp32 master weights (parameter group {gi}); "
+                    "initialize with amp.initialize(..., opt_level='O2', "
+                    "half_dtype=torch.bfloat16, master_weights=False). Nothing was changed.")
+            found = found or any(t.dtype == torch.bfloat16 for t in links.targets)
+        if not found:
+            dtypes = sorted({_dtype_name(p.dtype) for g in self.param_groups
+                             for p in g["params"]})
+            raise ValueError(
+                f"{name}: {flag}=True acts on bf16 parameters, but this optimizer has none "
+                f"(its parameters are {', '.join(dtypes) or 'none'}); cast the model to "
+                "bf16 (model.to(torch.bfloat16), or amp.initialize(..., opt_level='O2', "
+                "half_dtype=torch.bfloat16, master_weights=False)), or drop the flag. "
+                "Nothing was changed.")
+        self._rounding_checked = key
+
+    def _rounding_lists(self, gi, group, rows, targets, states):
+        """The ``comps`` or ``keys`` list of a group's sweep (one entry per row, None for
+        rows that are not bf16), as keyword arguments for :meth:`_prepare`."""
+        if self._rounding is None:
+            return {}
+        bf16 = [t.dtype == torch.bfloat16 for t in targets]
+        if self._rounding == "kahan":
+            return {"comps": [st["kahan_comp"] if b else None for st, b in zip(states, bf16)]}
+        from tritamp.kernels.rounding import param_key
+        first = sum(len(g["params"]) for g in self.param_groups[:gi])
+        seed = int(group["seed"])
+        picked = [i for i, b in zip(rows, bf16) if b]
+        if not picked:
+            return {"keys": None}
+        device = targets[bf16.index(True)].device
+        made = torch.tensor([param_key(seed, first + i) for i in picked], dtype=torch.int64)
+        made = iter(made.to(device).unbind(0))
+        return {"keys": [next(made) if b else None for b in bf16]}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -772,6 +880,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         _, grad_scale, found_inf, write_grads = handoff.take(self)
         fresh = []
         try:
+            if self._rounding is not None:
+                self._check_rounding()
             if self._NORMS_OF_WHOLE_TENSORS:
                 self._shard_reduce()  # a set of parameters it cannot reduce over is refused
             plans = [self._group_plan(gi, group, grad_scale, write_grads, fresh)
@@ -832,8 +942,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         returns keyword arguments for _launch."""
         return {}
 
-    def _prepare(self, group, targets, grads, copies, states):
-        """Validate and plan one group's sweep (kept while its tensors stay the same)."""
+    def _prepare(self, group, targets, grads, copies, states, comps=None, keys=None):
+        """Validate and plan one group's sweep (kept while its tensors stay the same).
+        ``comps`` / ``keys``: the rows' Kahan compensations or stochastic rounding keys
+        (None per row where they do not apply)."""
         raise NotImplementedError
 
     def _launch(self, group, prepared, grad_scale, found_inf):

@@ -24,7 +24,8 @@ class FusedAdagrad(FusedOptimizer):
     """
 
     def __init__(self, params, lr=1e-2, eps=1e-10, weight_decay=0.0, set_grad_none=True,
-                 adagrad_w_mode=False, master_weights=False):
+                 adagrad_w_mode=False, master_weights=False, stochastic_rounding=False,
+                 kahan_summation=False, seed=None):
         self._check_lr(lr)
         self._check_nonneg("epsilon", eps)
         self._check_nonneg("weight_decay", weight_decay)
@@ -33,7 +34,8 @@ class FusedAdagrad(FusedOptimizer):
         defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, lr_decay=0.0,
                         initial_accumulator_value=0.0)
         super().__init__(params, defaults, set_grad_none=set_grad_none,
-                         master_weights=master_weights)
+                         master_weights=master_weights, stochastic_rounding=stochastic_rounding,
+                         kahan_summation=kahan_summation, seed=seed)
         self.adagrad_w_mode = 1 if adagrad_w_mode else 0
 
     _STATE_LIKE = ("sum",)
@@ -56,10 +58,10 @@ class FusedAdagrad(FusedOptimizer):
     def _check_group_options(self, group, where=""):
         self._check_group(group, where)
 
-    def _prepare(self, group, targets, grads, copies, states):
+    def _prepare(self, group, targets, grads, copies, states, comps=None, keys=None):
         self._check_group(group)  # before the first step's state is kept
         return adagrad_prepare(targets, grads, [s["sum"] for s in states], copies,
-                               [s["step"] for s in states])
+                               [s["step"] for s in states], comps, keys)
 
     def _launch(self, group, prepared, grad_scale, found_inf):
         self._check_group(group)

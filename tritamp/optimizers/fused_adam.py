@@ -1,4 +1,6 @@
 """FusedAdam: Apex's signature and defaults, one Triton launch per dtype group."""
+import torch
+
 from tritamp.kernels.adam import adam_launch, adam_prepare
 
 from ._base import FusedOptimizer
@@ -18,7 +20,8 @@ class FusedAdam(FusedOptimizer):
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
                  adam_w_mode=True, weight_decay=0.0, amsgrad=False, set_grad_none=True,
-                 capturable=False, master_weights=False):
+                 capturable=False, master_weights=False, stochastic_rounding=False,
+                 kahan_summation=False, seed=None, state_dtype=None):
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
         self._check_lr(lr)
@@ -27,8 +30,13 @@ class FusedAdam(FusedOptimizer):
         self._check_nonneg("weight_decay", weight_decay)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
                         weight_decay=weight_decay)
+        if state_dtype not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(f"FusedAdam: state_dtype must be torch.float32 or torch.bfloat16 "
+                             f"(the moments' dtype), got {state_dtype!r}")
+        self.state_dtype = torch.float32 if state_dtype is None else state_dtype
         super().__init__(params, defaults, set_grad_none=set_grad_none, capturable=capturable,
-                         master_weights=master_weights)
+                         master_weights=master_weights, stochastic_rounding=stochastic_rounding,
+                         kahan_summation=kahan_summation, seed=seed)
         self.adam_w_mode = 1 if adam_w_mode else 0
 
     _STATE_LIKE = ("exp_avg", "exp_avg_sq")
@@ -63,10 +71,15 @@ class FusedAdam(FusedOptimizer):
                 f"adam_w_mode={bool(self.adam_w_mode)}: construct FusedAdam(..., "
                 f"adam_w_mode={bool(decoupled)}). Nothing was loaded.")
 
-    def _prepare(self, group, targets, grads, copies, states):
+    def _state_dtype(self, key):
+        if key in self._STATE_LIKE:
+            return getattr(self, "state_dtype", torch.float32)
+        return super()._state_dtype(key)
+
+    def _prepare(self, group, targets, grads, copies, states, comps=None, keys=None):
         return adam_prepare(targets, grads, [s["exp_avg"] for s in states],
                             [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
-                            copies)
+                            copies, comps, keys)
 
     def _launch(self, group, prepared, grad_scale, found_inf):
         beta1, beta2 = group["betas"]

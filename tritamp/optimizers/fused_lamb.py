@@ -60,7 +60,8 @@ class FusedLAMB(FusedOptimizer):
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
                  weight_decay=0.01, amsgrad=False, adam_w_mode=True, grad_averaging=True,
-                 set_grad_none=True, max_grad_norm=1.0, use_nvlamb=False, master_weights=False):
+                 set_grad_none=True, max_grad_norm=1.0, use_nvlamb=False, master_weights=False,
+                 stochastic_rounding=False, kahan_summation=False, seed=None):
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
         self._lamb_init(params, dict(lr=lr, bias_correction=bias_correction, betas=betas,
@@ -68,10 +69,13 @@ class FusedLAMB(FusedOptimizer):
                                      grad_averaging=grad_averaging,
                                      max_grad_norm=max_grad_norm),
                         adam_w_mode=adam_w_mode, use_nvlamb=use_nvlamb,
-                        set_grad_none=set_grad_none, master_weights=master_weights)
+                        set_grad_none=set_grad_none, master_weights=master_weights,
+                        stochastic_rounding=stochastic_rounding,
+                        kahan_summation=kahan_summation, seed=seed)
 
     def _lamb_init(self, params, defaults, *, adam_w_mode, use_nvlamb, set_grad_none,
-                   master_weights, capturable=False):
+                   master_weights, capturable=False, stochastic_rounding=False,
+                   kahan_summation=False, seed=None):
         self._check_lr(defaults["lr"])
         self._check_betas(defaults["betas"])
         self._check_nonneg("epsilon", defaults["eps"])
@@ -79,7 +83,9 @@ class FusedLAMB(FusedOptimizer):
         if defaults["max_grad_norm"] is not None:
             self._check_nonneg("max_grad_norm", defaults["max_grad_norm"])
         FusedOptimizer.__init__(self, params, defaults, set_grad_none=set_grad_none,
-                                capturable=capturable, master_weights=master_weights)
+                                capturable=capturable, master_weights=master_weights,
+                                stochastic_rounding=stochastic_rounding,
+                                kahan_summation=kahan_summation, seed=seed)
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.use_nvlamb = use_nvlamb
 
@@ -87,10 +93,10 @@ class FusedLAMB(FusedOptimizer):
     _STATE_SCALARS = ("step",)
     _NORMS_OF_WHOLE_TENSORS = True
 
-    def _prepare(self, group, targets, grads, copies, states):
+    def _prepare(self, group, targets, grads, copies, states, comps=None, keys=None):
         prepared = lamb_prepare(targets, grads, [s["exp_avg"] for s in states],
                                 [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
-                                copies)
+                                copies, comps, keys)
         return _LambPlan(prepared, grads)
 
     def _before_groups(self, plans, grad_scale):
@@ -184,11 +190,13 @@ class FusedMixedPrecisionLamb(FusedLAMB):
     """
 
     _SAVED_ONLY_GROUP_KEYS = ()  # the group step count is this optimizer's own
+    _MASTERS_BY_DTYPE = True  # bf16 parameters keep no master under rounding (_keeps_master)
 
     def __init__(self, params, lr=1e-3, step=0, bias_correction=True, betas=(0.9, 0.999),
                  eps=1e-6, weight_decay=0.01, amsgrad=False, adam_w_mode=True,
                  grad_averaging=True, max_grad_norm=1.0, use_nvlamb=False,
-                 reduced_precision_dtype=None):
+                 reduced_precision_dtype=None, stochastic_rounding=False, kahan_summation=False,
+                 seed=None):
         if amsgrad:
             raise RuntimeError("FusedMixedPrecisionLamb does not support the AMSGrad variant.")
         step = _check_step(step)
@@ -202,13 +210,22 @@ class FusedMixedPrecisionLamb(FusedLAMB):
                 raise ValueError("reduced_precision_dtype must be torch.float16, "
                                  f"torch.bfloat16 or None, got {reduced_precision_dtype}: "
                                  "it names the parameters that get fp32 master weights")
+        if (stochastic_rounding or kahan_summation) and reduced_precision_dtype == torch.bfloat16:
+            flag = "stochastic_rounding" if stochastic_rounding else "kahan_summation"
+            raise ValueError(
+                f"FusedMixedPrecisionLamb: {flag}=True is for bf16 parameters without fp32 "
+                "masters, but reduced_precision_dtype=torch.bfloat16 gives them fp32 masters; "
+                "pass reduced_precision_dtype=None (bf16 parameters then keep no master) or "
+                f"drop {flag}")
         self.reduced_precision_dtype = reduced_precision_dtype
         self._lamb_init(params, dict(lr=lr, step=step, bias_correction=bias_correction,
                                      betas=betas, eps=eps, weight_decay=weight_decay,
                                      grad_averaging=grad_averaging,
                                      max_grad_norm=max_grad_norm),
                         adam_w_mode=adam_w_mode, use_nvlamb=use_nvlamb, set_grad_none=True,
-                        master_weights=True, capturable=True)
+                        master_weights=True, capturable=True,
+                        stochastic_rounding=stochastic_rounding,
+                        kahan_summation=kahan_summation, seed=seed)
 
     @staticmethod
     def _group_step(step, group):
@@ -246,6 +263,8 @@ class FusedMixedPrecisionLamb(FusedLAMB):
     def _keeps_master(self, p):
         if p.dtype not in _HALF:
             return False
+        if self._rounding is not None and p.dtype == torch.bfloat16:
+            return False  # stored stochastically rounded or compensated instead
         return self.reduced_precision_dtype is None or p.dtype == self.reduced_precision_dtype
 
     def _state_for(self, p, target, group):

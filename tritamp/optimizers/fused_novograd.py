@@ -28,7 +28,8 @@ class FusedNovoGrad(FusedOptimizer):
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, amsgrad=False, reg_inside_moment=False, grad_averaging=True,
-                 norm_type=2, init_zero=False, set_grad_none=True, master_weights=False):
+                 norm_type=2, init_zero=False, set_grad_none=True, master_weights=False,
+                 stochastic_rounding=False, kahan_summation=False, seed=None):
         if amsgrad:
             raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant.")
         self._check_lr(lr)
@@ -42,7 +43,8 @@ class FusedNovoGrad(FusedOptimizer):
                         weight_decay=weight_decay, grad_averaging=grad_averaging,
                         norm_type=norm_type, init_zero=init_zero)
         super().__init__(params, defaults, set_grad_none=set_grad_none,
-                         master_weights=master_weights)
+                         master_weights=master_weights, stochastic_rounding=stochastic_rounding,
+                         kahan_summation=kahan_summation, seed=seed)
         self.moment_mode = 0 if reg_inside_moment else 1
 
     _STATE_LIKE = ("exp_avg",)
@@ -94,10 +96,10 @@ class FusedNovoGrad(FusedOptimizer):
                 fill.setdefault(pos, {})["exp_avg_sq"] = norms[k].reshape(-1)[j]
         return fill
 
-    def _prepare(self, group, targets, grads, copies, states):
+    def _prepare(self, group, targets, grads, copies, states, comps=None, keys=None):
         return novograd_prepare(targets, grads, [s["exp_avg"] for s in states],
                                 [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
-                                copies)
+                                copies, comps, keys)
 
     def _launch(self, group, prepared, grad_scale, found_inf):
         beta1, beta2 = group["betas"]

@@ -20,7 +20,8 @@ class FusedSGD(FusedOptimizer):
 
     def __init__(self, params, lr=required, momentum=0, dampening=0, weight_decay=0,
                  nesterov=False, wd_after_momentum=False, materialize_master_grads=True,
-                 set_grad_none=False):
+                 set_grad_none=False, stochastic_rounding=False, kahan_summation=False,
+                 seed=None):
         # lr may be given per parameter group only (torch and Apex accept that); a group
         # with no lr at all gets torch's "didn't specify a value of required optimization
         # parameter lr" from add_param_group.
@@ -33,7 +34,9 @@ class FusedSGD(FusedOptimizer):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov)
-        super().__init__(params, defaults, set_grad_none=set_grad_none)
+        super().__init__(params, defaults, set_grad_none=set_grad_none,
+                         stochastic_rounding=stochastic_rounding,
+                         kahan_summation=kahan_summation, seed=seed)
         self.wd_after_momentum = wd_after_momentum
         del materialize_master_grads  # Apex's keyword: accepted, nothing to materialise
 
@@ -62,7 +65,11 @@ class FusedSGD(FusedOptimizer):
             elif "step" not in st:  # state loaded from torch.optim.SGD: already started
                 dict.__setitem__(st, "step", torch.ones((), dtype=torch.float32,
                                                         device=target.device))
-        return st
+        if self._rounding == "stochastic" and "step" not in st:
+            # stochastic rounding draws its bits from the step count: kept without momentum
+            dict.__setitem__(st, "step", torch.zeros((), dtype=torch.float32,
+                                                     device=target.device))
+        return super()._state_for(p, target, group)
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
@@ -77,11 +84,12 @@ class FusedSGD(FusedOptimizer):
     def _plan_depends_on(self, group):
         return group["momentum"] != 0
 
-    def _prepare(self, group, targets, grads, copies, states):
+    def _prepare(self, group, targets, grads, copies, states, comps=None, keys=None):
+        steps = [s["step"] for s in states] if group["momentum"] != 0 or keys else None
         if group["momentum"] == 0:
-            return sgd_prepare(targets, grads, None, copies)
+            return sgd_prepare(targets, grads, None, copies, steps, comps, keys)
         return sgd_prepare(targets, grads, [s["momentum_buffer"] for s in states], copies,
-                           [s["step"] for s in states])
+                           steps, comps, keys)
 
     def _launch(self, group, prepared, grad_scale, found_inf):
         sgd_launch(prepared, lr=group["lr"], momentum=group["momentum"],
