@@ -98,6 +98,14 @@ def _check_optimizers(optimizers, models, props):
                                f"once; optimizers[{seen[id(inner)]}] and optimizers[{i}] are "
                                "the same optimizer. Pass each optimizer once.")
         seen[id(inner)] = i
+        rounding = getattr(inner, "_rounding", None)
+        if rounding is not None and props.master_weights:
+            flag = "stochastic_rounding" if rounding == "stochastic" else "kahan_summation"
+            raise ValueError(
+                f"optimizers[{i}] ({type(inner).__name__}) has {flag}=True, which stores bf16 "
+                "weights without fp32 masters, but this opt_level keeps fp32 master weights "
+                "(master_weights=True); pass master_weights=False (opt_level='O2', "
+                "half_dtype=torch.bfloat16) or drop the flag")
     cast = props.cast_model_type
     planned = planned_param_dtypes(models, cast, bool(props.keep_batchnorm_fp32)) if cast else {}
     for i, opt in enumerate(optimizers):
