@@ -16,7 +16,9 @@ No GPU needed. Two parts:
    steps fp32 parameters under ``torch.amp.GradScaler``, whose steps write the unscaled
    gradients back (the kernels' ``WRITE_GRAD`` variants); FusedLAMB and FusedNovoGrad
    also step as over DTensor shards (their per-tensor norms reduced between stages: the
-   NovoGrad blend's two-stage variants). Then every multi-tensor op
+   NovoGrad blend's two-stage variants), and every one steps bf16 parameters without
+   masters, stochastically rounded and Kahan-compensated (FusedAdam also with bf16
+   moments). Then every multi-tensor op
    of the op registry (``tritamp.kernels.registry``: check/unscale, l2norm, scale, axpby
    and the optimizer steps) directly, on the registry's samples of each dtype, with both
    kinds of lists.
@@ -147,6 +149,33 @@ def _sharded_steps(opt_name, odd, norm_type=2, steps=2):
         opt.zero_grad()
 
 
+def _rounding_steps(opt_name, mode, odd=False, steps=2):
+    """bf16 parameters without masters (an fp32 BatchNorm beside them), stored with
+    stochastic rounding or a Kahan compensation; ``"bf16 moments"``: FusedAdam with
+    ``state_dtype=torch.bfloat16`` and stochastic rounding."""
+    torch.manual_seed(0)
+    model = _Model(odd)
+    model.fc1.to(torch.bfloat16)
+    model.fc2.to(torch.bfloat16)
+    if model.odd is not None:
+        model.odd.data = model.odd.data.to(torch.bfloat16)
+    params = [p for p in model.parameters() if p.requires_grad]
+    import tritamp.optimizers as O
+    flags = (dict(kahan_summation=True) if mode == "kahan"
+             else dict(stochastic_rounding=True, seed=0))
+    if mode == "bf16 moments":
+        flags["state_dtype"] = torch.bfloat16
+    cls = getattr(O, opt_name)
+    opt = (cls(params, lr=0.1, momentum=0.9, **flags) if opt_name == "FusedSGD"
+           else cls(params, lr=1e-3, **flags))
+    grads = [torch.full_like(p, 1e-3) for p in params]
+    for _ in range(steps):
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        opt.zero_grad()
+
+
 def _shapes(odd):
     """Every numel a multiple of 8 (the aligned, vectorised path), or with one 7-element
     tensor (its dtype group takes the masked path)."""
@@ -195,6 +224,13 @@ def record_specialisations(optimizers=OPTIMIZERS, log=None):
             for norm_type in (2, 0):
                 scenarios[f"FusedNovoGrad norm_type={norm_type} sharded fp32{tail}"] = (
                     lambda od=odd, nt=norm_type: _sharded_steps("FusedNovoGrad", od, nt))
+    for opt_name in optimizers:
+        for mode in ("stochastic", "kahan"):
+            scenarios[f"{opt_name} bf16 {mode}"] = (
+                lambda o=opt_name, m=mode: _rounding_steps(o, m))
+    if "FusedAdam" in optimizers:
+        scenarios["FusedAdam bf16 moments"] = lambda: _rounding_steps("FusedAdam",
+                                                                      "bf16 moments")
     scenarios.update(_direct_calls())
     specs, sources, _, errors = record_scenarios(scenarios, log)
     return specs, sources, errors

@@ -176,3 +176,17 @@ def test_sharded_norm_stages_compile_without_spills(report):
             assert r["spills"] == 0, _where(r)
             assert r["reg"] <= BUDGET["novograd" if "blend" in r["kernel"] else "lamb"], \
                 (_where(r), r["reg"])
+
+
+@pytest.mark.parametrize("family", ["adagrad", "adam", "lamb", "novograd", "sgd"])
+def test_rounding_variants_are_compiled_and_checked(report, family):
+    # bf16 parameters without masters: the stochastic rounding (HAS_KEYS) and Kahan
+    # (HAS_COMPS) variants are launched by the report's "bf16 stochastic" / "bf16 kahan"
+    # scenarios, so the load-width, spill and register checks above cover them too
+    rows = [r for r in _sweeps(report, family) if (r.get("vec") or 1) > 1 and "reg" in r]
+    for flag in ("HAS_KEYS", "HAS_COMPS"):
+        hits = [r for r in rows if r["constexprs"].get(flag) is True]
+        assert hits, f"no aligned {family} variant with {flag}=True compiled"
+        assert all(any("bf16" in s for s in r["sources"]) for r in hits)
+    if family == "adam":  # state_dtype=torch.bfloat16: bf16 moment protos
+        assert any(any("bf16 moments" in s for s in r["sources"]) for r in rows)
