@@ -55,7 +55,9 @@ def test_signature_and_defaults_are_apexs():
         ("bias_correction", True), ("betas", (0.9, 0.999)), ("eps", 1e-6),
         ("weight_decay", 0.01), ("amsgrad", False), ("adam_w_mode", True),
         ("grad_averaging", True), ("max_grad_norm", 1.0), ("use_nvlamb", False),
-        ("reduced_precision_dtype", None)]
+        ("reduced_precision_dtype", None),
+        # tritamp's, after Apex's: bf16 parameters without masters (docs/bf16-weights.md)
+        ("stochastic_rounding", False), ("kahan_summation", False), ("seed", None)]
     assert FusedMixedPrecisionLamb._step_supports_amp_scaling
 
 
