@@ -98,7 +98,8 @@ def _adagrad_step_kernel(
         h = h + g * g
         p = p - lr_v * tl.div_rn(g, tl.sqrt_rn(h) + eps)
     if HAS_COMPS or HAS_KEYS:
-        store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS, HAS_KEYS)
+        store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS, HAS_KEYS,
+                            EMULATE_BF16_ROUNDING)
     else:
         store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
                     EMULATE_BF16_ROUNDING)

@@ -119,7 +119,8 @@ def _adam_step_kernel(
         denom = tl.sqrt_rn(v) + eps
     p = p - step_size * tl.div_rn(m, denom)
     if HAS_COMPS or HAS_KEYS:
-        store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS, HAS_KEYS)
+        store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS, HAS_KEYS,
+                            EMULATE_BF16_ROUNDING)
     else:
         store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
                     EMULATE_BF16_ROUNDING)

@@ -224,7 +224,8 @@ def _lamb_apply_kernel(
     u = _lamb_update(m, v, p, bc1, bc2, eps, weight_decay, ADAM_W, HAS_DECAY)
     p = p - ratio * u
     if HAS_COMPS or HAS_KEYS:
-        store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS, HAS_KEYS)
+        store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS, HAS_KEYS,
+                            EMULATE_BF16_ROUNDING)
     else:
         store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
                     EMULATE_BF16_ROUNDING)

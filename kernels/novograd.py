@@ -226,7 +226,8 @@ def _novograd_step_kernel(
         m = beta1 * m + beta3 * g
         p = p - lr_v * (tl.div_rn(tl.div_rn(m, bc1), denom) + weight_decay * p)
     if HAS_COMPS or HAS_KEYS:
-        store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS, HAS_KEYS)
+        store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS, HAS_KEYS,
+                            EMULATE_BF16_ROUNDING)
     else:
         store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
                     EMULATE_BF16_ROUNDING)

@@ -198,11 +198,12 @@ def _store_bf16_bits(ptr, hi, mask):
 
 @triton.jit
 def store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS: tl.constexpr,
-                        HAS_KEYS: tl.constexpr):
+                        HAS_KEYS: tl.constexpr, EMULATE_BF16_ROUNDING: tl.constexpr):
     """Store fp32 ``p`` into bf16 parameters: stochastically rounded with HAS_KEYS (bits
-    from ``tkey`` and the element ``offs``), with its compensation into ``k_ptrs`` with
-    HAS_COMPS (see the module docstring). The same bits on the GPU and in the
-    interpreter: the rounding is done on the bit patterns."""
+    from ``tkey`` and the element ``offs``, added to the bit pattern), with its
+    compensation into ``k_ptrs`` with HAS_COMPS (see the module docstring): the
+    parameter rounded to nearest (the GPU's native conversion; by hand in the
+    interpreter, whose conversion truncates), the remainder truncated on its bits."""
     if HAS_KEYS:
         rnd = _mix32(tkey ^ offs.to(tl.uint32)) >> 16
         bits = p.to(tl.uint32, bitcast=True)
@@ -210,9 +211,15 @@ def store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS: tl.const
         finite = tl.abs(p) < float("inf")
         _store_bf16_bits(p_ptrs, tl.where(finite, sr, _bf16_bits_rn(p)), mask)
     else:
-        hi = _bf16_bits_rn(p)
-        _store_bf16_bits(p_ptrs, hi, mask)
-        r = p - (hi << 16).to(tl.float32, bitcast=True)
+        if EMULATE_BF16_ROUNDING:
+            hi = _bf16_bits_rn(p)
+            _store_bf16_bits(p_ptrs, hi, mask)
+            hi_f = (hi << 16).to(tl.float32, bitcast=True)
+        else:
+            hb = p.to(tl.bfloat16)
+            tl.store(p_ptrs, hb, mask=mask)
+            hi_f = hb.to(tl.float32)
+        r = p - hi_f
         r = tl.where(tl.abs(r) < float("inf"), r, 0.0)
         _store_bf16_bits(k_ptrs, r.to(tl.uint32, bitcast=True) >> 16, mask)
 

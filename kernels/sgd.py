@@ -117,7 +117,8 @@ def _sgd_step_kernel(
         g = g + weight_decay * p
     p = p + neg_lr * g
     if HAS_COMPS or HAS_KEYS:
-        store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS, HAS_KEYS)
+        store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS, HAS_KEYS,
+                            EMULATE_BF16_ROUNDING)
     else:
         store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
                     EMULATE_BF16_ROUNDING)

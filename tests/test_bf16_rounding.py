@@ -54,6 +54,24 @@ def test_stochastic_rounding_is_unbiased(value):
     assert abs((out == hi).double().mean().item() - f) < 5 * math.sqrt(f * (1 - f) / n)
 
 
+def test_a_stochastically_rounded_step_is_unbiased(path):
+    """One FusedSGD step on 65536 bf16 weights of 1.0 whose update (-1e-4) is far below
+    half a bf16 ulp: round to nearest would leave every weight at 1.0; stochastic rounding
+    moves the mean by the update, within 5 standard deviations."""
+    n = 65536
+    p = nn.Parameter(torch.ones(n, dtype=torch.bfloat16))
+    p.grad = torch.full((n,), 1e-3, dtype=torch.bfloat16)
+    O.FusedSGD([p], lr=0.1, stochastic_rounding=True, seed=11).step()
+    want = 1.0 - 0.1 * torch.tensor(1e-3, dtype=torch.bfloat16).double().item()
+    lo, hi = 1.0 - 2 ** -8, 1.0
+    out = p.detach().double()
+    assert set(out.unique().tolist()) == {lo, hi}
+    f = (want - lo) / (hi - lo)
+    sigma = (hi - lo) * math.sqrt(f * (1 - f) / n)
+    assert abs(out.mean().item() - want) < 5 * sigma
+    assert 5 * sigma < 0.2 * (1.0 - want)  # the bound is far tighter than the update
+
+
 def test_stochastic_rounding_keeps_exact_and_non_finite_values():
     x = torch.tensor([1.0, -2.5, 0.0, -0.0, float("inf"), -float("inf"), float("nan"), 3.0e38])
     exact = x[:6].clone()

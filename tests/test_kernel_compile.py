@@ -61,8 +61,15 @@ def _writes_bf16_from_fp32(v):
             return True
     # LAMB's moments stage and NovoGrad's norm stage read the parameters and write only
     # fp32 values (moments, partial norms): a bf16 parameter there is never stored.
-    written = ("out", "dst") if v["kernel"].lstrip("_").startswith(PARAMS_READ_ONLY) \
-        else ("p_", "out", "dst")
+    # Stochastic rounding (HAS_KEYS) stores the parameter rounded at random by design
+    # (kernels/rounding.py): only its other bf16 columns (bf16 Adam moments) round to
+    # nearest.
+    if v["kernel"].lstrip("_").startswith(PARAMS_READ_ONLY):
+        written = ("out", "dst")
+    elif cx.get("HAS_KEYS") is True:
+        written = ("m_", "v_", "out", "dst")
+    else:
+        written = ("p_", "m_", "v_", "out", "dst")
     return any(k.startswith(written) for k in bf16)
 
 

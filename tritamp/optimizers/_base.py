@@ -90,9 +90,8 @@ def _rounding_mode(name, stochastic_rounding, kahan_summation, master_weights, s
     if mode is not None and master_weights:
         flag = "stochastic_rounding" if stochastic_rounding else "kahan_summation"
         raise ValueError(f"{name}: {flag}=True is for bf16 parameters without fp32 master "
-                         f"weights, but master_weights=True keeps fp32 masters (which round "
-                         f"to nearest exactly enough); pass master_weights=False or drop "
-                         f"{flag}")
+                         f"weights, but master_weights=True keeps fp32 masters (which need "
+                         f"neither); pass master_weights=False or drop {flag}")
     if seed is not None:
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise TypeError(f"{name}: seed must be an int, got {type(seed).__name__} {seed!r}")
