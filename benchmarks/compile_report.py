@@ -141,6 +141,11 @@ def _sharded_steps(opt_name, odd, norm_type=2, steps=2):
     opt = (O.FusedNovoGrad(params, lr=1e-3, norm_type=norm_type) if opt_name == "FusedNovoGrad"
            else O.FusedLAMB(params, lr=1e-3))
     opt._norm_reduce = lambda: (lambda t, op: t)
+    _constant_grad_steps(opt, params, steps)
+
+
+def _constant_grad_steps(opt, params, steps):
+    """``steps`` plain steps of ``opt`` with every gradient 1e-3."""
     grads = [torch.full_like(p, 1e-3) for p in params]
     for _ in range(steps):
         for p, g in zip(params, grads):
@@ -168,12 +173,7 @@ def _rounding_steps(opt_name, mode, odd=False, steps=2):
     cls = getattr(O, opt_name)
     opt = (cls(params, lr=0.1, momentum=0.9, **flags) if opt_name == "FusedSGD"
            else cls(params, lr=1e-3, **flags))
-    grads = [torch.full_like(p, 1e-3) for p in params]
-    for _ in range(steps):
-        for p, g in zip(params, grads):
-            p.grad = g
-        opt.step()
-        opt.zero_grad()
+    _constant_grad_steps(opt, params, steps)
 
 
 def _shapes(odd):

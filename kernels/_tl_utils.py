@@ -54,17 +54,6 @@ def column_f32(row, COL: tl.constexpr, offs, VEC: tl.constexpr):
 
 
 @triton.jit
-def column_bf16(row, COL: tl.constexpr, offs, VEC: tl.constexpr):
-    """:func:`column` for a bf16 column (Kahan compensations). Only dereferenced where
-    the column is present."""
-    base = tl.load(row + COL).to(tl.pointer_type(tl.bfloat16))
-    ptrs = base + offs
-    if VEC > 1:
-        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, 16), VEC)
-    return ptrs
-
-
-@triton.jit
 def scalar_ptr(row, COL: tl.constexpr):
     """The fp32 scalar (a step count) that table column COL addresses."""
     return tl.load(row + COL).to(tl.pointer_type(tl.float32))

@@ -30,12 +30,12 @@ import triton.language as tl
 from ._dispatch import use_triton  # noqa: F401  (tests read the module's dispatch)
 from ._cpu_optim import (advance_counts, amp_flags, decay_factor, fp32_work, take_grad_writes,
                          write_back, write_staged_grads)
-from .rounding import (ROUNDING_COLUMNS, load_compensated_ref, load_param_f32, step_key,
-                       store_param_rounded, store_rounded_ref)
+from .rounding import (ROUNDING_COLUMNS, load_compensated_ref, load_param, step_key,
+                       store_rounded_ref, store_updated)
 from ._multi_tensor import Column, Sweep, scalar_arg
 from ._ref_utils import advance_steps, f32 as _f32, sqrt_rn as _sqrt_rn
-from ._tl_utils import (column, column_bf16, column_f32, finish_tensor_step, load_grad, load_lr,
-                        store_cast, store_param, sweep_block, tensor_step, unscale_factor)
+from ._tl_utils import (column, column_f32, finish_tensor_step, load_grad, load_lr,
+                        store_cast, sweep_block, tensor_step, unscale_factor)
 
 ADAGRAD = Sweep("adagrad_step", [
     Column("params", "param"), Column("grads", "grad"), Column("sums", "state"),
@@ -85,10 +85,8 @@ def _adagrad_step_kernel(
     g = load_grad(g_ptrs, mask, inv, HAS_SCALE, EMULATE_BF16_ROUNDING)
     if WRITE_GRAD:
         store_cast(g_ptrs, g, mask, EMULATE_BF16_ROUNDING)
-    k_ptrs = p_ptrs
-    if HAS_COMPS:
-        k_ptrs = column_bf16(row, _K, offs, VEC)
-    p = load_param_f32(p_ptrs, k_ptrs, mask, HAS_COMPS, EMULATE_BF16_ROUNDING)
+    k_ptrs, p = load_param(row, _K, p_ptrs, offs, mask, HAS_COMPS, VEC,
+                           EMULATE_BF16_ROUNDING)
     h = tl.load(h_ptrs, mask=mask, other=0.0)
     if ADAGRAD_W:
         h = h + g * g
@@ -97,12 +95,8 @@ def _adagrad_step_kernel(
         g = g + weight_decay * p
         h = h + g * g
         p = p - lr_v * tl.div_rn(g, tl.sqrt_rn(h) + eps)
-    if HAS_COMPS or HAS_KEYS:
-        store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS, HAS_KEYS,
-                            EMULATE_BF16_ROUNDING)
-    else:
-        store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
-                    EMULATE_BF16_ROUNDING)
+    store_updated(p_ptrs, column(row, _C, offs, c_proto, VEC), k_ptrs, p, mask, offs, tkey,
+                  HAS_COPIES, HAS_COMPS, HAS_KEYS, EMULATE_BF16_ROUNDING)
     tl.store(h_ptrs, h, mask=mask)
     if HAS_STEPS:
         finish_tensor_step(counters_ptr, tensor, row, step_ptr, step, found_inf_ptr, _ROW,

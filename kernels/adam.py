@@ -28,11 +28,11 @@ from ._cpu_optim import (advance_counts, amp_flags, fp32_work, take_grad_writes,
                          write_staged_grads)
 from ._multi_tensor import Column, Sweep, device_constants, scalar_arg
 from ._ref_utils import advance_steps, f32 as _f32, sqrt_rn as _sqrt_rn
-from ._tl_utils import (bias_corrections, column, column_bf16, finish_tensor_step, load_f32,
-                        load_grad, load_lr, store_cast, store_param, sweep_block, tensor_step,
+from ._tl_utils import (bias_corrections, column, finish_tensor_step, load_f32,
+                        load_grad, load_lr, store_cast, sweep_block, tensor_step,
                         unscale_factor)
-from .rounding import (MOMENT_DTYPES, ROUNDING_COLUMNS, load_compensated_ref, load_param_f32,
-                       step_key, store_param_rounded, store_rounded_ref)
+from .rounding import (MOMENT_DTYPES, ROUNDING_COLUMNS, load_compensated_ref, load_param,
+                       step_key, store_rounded_ref, store_updated)
 
 ADAM = Sweep("adam_step", [
     Column("params", "param"), Column("grads", "grad"),
@@ -98,13 +98,10 @@ def _adam_step_kernel(
     m_ptrs = column(row, _M, offs, m_proto, VEC)
     v_ptrs = column(row, _V, offs, v_proto, VEC)
     g_ptrs = column(row, _G, offs, g_proto, VEC)
-    k_ptrs = p_ptrs
-    if HAS_COMPS:
-        k_ptrs = column_bf16(row, _K, offs, VEC)
     g = load_grad(g_ptrs, mask, inv, HAS_SCALE, EMULATE_BF16_ROUNDING)
     if WRITE_GRAD:
         store_cast(g_ptrs, g, mask, EMULATE_BF16_ROUNDING)
-    p = load_param_f32(p_ptrs, k_ptrs, mask, HAS_COMPS, EMULATE_BF16_ROUNDING)
+    k_ptrs, p = load_param(row, _K, p_ptrs, offs, mask, HAS_COMPS, VEC, EMULATE_BF16_ROUNDING)
     m = load_f32(m_ptrs, mask, EMULATE_BF16_ROUNDING)
     v = load_f32(v_ptrs, mask, EMULATE_BF16_ROUNDING)
     if ADAM_W:
@@ -118,12 +115,8 @@ def _adam_step_kernel(
     else:
         denom = tl.sqrt_rn(v) + eps
     p = p - step_size * tl.div_rn(m, denom)
-    if HAS_COMPS or HAS_KEYS:
-        store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS, HAS_KEYS,
-                            EMULATE_BF16_ROUNDING)
-    else:
-        store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
-                    EMULATE_BF16_ROUNDING)
+    store_updated(p_ptrs, column(row, _C, offs, c_proto, VEC), k_ptrs, p, mask, offs, tkey,
+                  HAS_COPIES, HAS_COMPS, HAS_KEYS, EMULATE_BF16_ROUNDING)
     store_cast(m_ptrs, m, mask, EMULATE_BF16_ROUNDING)
     store_cast(v_ptrs, v, mask, EMULATE_BF16_ROUNDING)
     finish_tensor_step(counters_ptr, tensor, row, step_ptr, step, found_inf_ptr, _ROW,

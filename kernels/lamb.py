@@ -55,13 +55,13 @@ import triton.language as tl
 
 from ._multi_tensor import Column, StagedPrepared, Sweep, device_constants, scalar_arg
 from ._ref_utils import advance_steps, f32 as _f32
-from ._tl_utils import (bias_corrections, column, column_bf16, column_f32, finish_tensor_step,
-                        load_grad, load_lr, scalar_ptr, store_cast, store_param, sweep_block,
+from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step,
+                        load_grad, load_lr, scalar_ptr, store_cast, sweep_block,
                         tensor_step, unscale_factor)
 from ._cpu_optim import advance_counts, amp_flags, take_grad_writes, write_staged_grads
 from . import rounding
-from .rounding import (ROUNDING_COLUMNS, load_compensated_ref, load_param_f32, step_key,
-                       store_param_rounded, store_rounded_ref)
+from .rounding import (ROUNDING_COLUMNS, load_compensated_ref, load_param, step_key,
+                       store_rounded_ref, store_updated)
 from .l2norm import (SegmentLayout, bias_correction_terms, reduce_by_rows, reduce_segments,
                      scalar_views, segment_pairs)
 
@@ -151,10 +151,8 @@ def _lamb_moments_kernel(
         g = tl.div_rn(g, clip)
     if HAS_DECAY or USE_RATIO:
         p_ptrs = column(row, _P, offs, p_proto, VEC)
-        k_ptrs = p_ptrs
-        if HAS_COMPS:
-            k_ptrs = column_bf16(row, _K, offs, VEC)
-        p = load_param_f32(p_ptrs, k_ptrs, mask, HAS_COMPS, EMULATE_BF16_ROUNDING)
+        k_ptrs, p = load_param(row, _K, p_ptrs, offs, mask, HAS_COMPS, VEC,
+                               EMULATE_BF16_ROUNDING)
     else:
         p = tl.zeros([BLOCK], dtype=tl.float32)
     if not ADAM_W:
@@ -215,20 +213,14 @@ def _lamb_apply_kernel(
     bc1, bc2 = _lamb_bias_corrections(step, betas_ptr, BIAS_CORRECTION)
 
     p_ptrs = column(row, _P, offs, p_proto, VEC)
-    k_ptrs = p_ptrs
-    if HAS_COMPS:
-        k_ptrs = column_bf16(row, _K, offs, VEC)
-    p = load_param_f32(p_ptrs, k_ptrs, mask, HAS_COMPS, EMULATE_BF16_ROUNDING)
+    k_ptrs, p = load_param(row, _K, p_ptrs, offs, mask, HAS_COMPS, VEC,
+                           EMULATE_BF16_ROUNDING)
     m = tl.load(column_f32(row, _M, offs, VEC), mask=mask, other=0.0)
     v = tl.load(column_f32(row, _V, offs, VEC), mask=mask, other=0.0)
     u = _lamb_update(m, v, p, bc1, bc2, eps, weight_decay, ADAM_W, HAS_DECAY)
     p = p - ratio * u
-    if HAS_COMPS or HAS_KEYS:
-        store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS, HAS_KEYS,
-                            EMULATE_BF16_ROUNDING)
-    else:
-        store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
-                    EMULATE_BF16_ROUNDING)
+    store_updated(p_ptrs, column(row, _C, offs, c_proto, VEC), k_ptrs, p, mask, offs, tkey,
+                  HAS_COPIES, HAS_COMPS, HAS_KEYS, EMULATE_BF16_ROUNDING)
     finish_tensor_step(counters_ptr, tensor, row, step_ptr, step, found_inf_ptr, _ROW,
                        HAS_FOUND_INF, BLOCK)
 

@@ -47,12 +47,12 @@ import triton.language as tl
 
 from ._multi_tensor import Column, StagedPrepared, Sweep, _upload, device_constants, scalar_arg
 from ._ref_utils import advance_steps, f32 as _f32
-from ._tl_utils import (bias_corrections, column, column_bf16, column_f32, finish_tensor_step,
-                        load_grad, load_lr, scalar_ptr, store_cast, store_param, sweep_block,
+from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step,
+                        load_grad, load_lr, scalar_ptr, store_cast, sweep_block,
                         tensor_step, unscale_factor)
 from ._cpu_optim import advance_counts, amp_flags, take_grad_writes, write_staged_grads
-from .rounding import (ROUNDING_COLUMNS, load_compensated_ref, load_param_f32, step_key,
-                       store_param_rounded, store_rounded_ref)
+from .rounding import (ROUNDING_COLUMNS, load_compensated_ref, load_param, step_key,
+                       store_rounded_ref, store_updated)
 from .l2norm import (SEGMENT_BLOCK, SegmentLayout, SquareSums, bias_correction_terms,
                      reduce_by_rows, scalar_views)
 from .lamb import (_CpuLists, bias_correction_f32, cpu_lists, first_moment, fp32_grads,
@@ -213,10 +213,8 @@ def _novograd_step_kernel(
     g = load_grad(g_ptrs, mask, inv, HAS_SCALE, EMULATE_BF16_ROUNDING)
     if WRITE_GRAD:
         store_cast(g_ptrs, g, mask, EMULATE_BF16_ROUNDING)
-    k_ptrs = p_ptrs
-    if HAS_COMPS:
-        k_ptrs = column_bf16(row, _K, offs, VEC)
-    p = load_param_f32(p_ptrs, k_ptrs, mask, HAS_COMPS, EMULATE_BF16_ROUNDING)
+    k_ptrs, p = load_param(row, _K, p_ptrs, offs, mask, HAS_COMPS, VEC,
+                           EMULATE_BF16_ROUNDING)
     m = tl.load(m_ptrs, mask=mask, other=0.0)
     if REG_INSIDE_MOMENT:
         g = tl.div_rn(g, denom) + weight_decay * p
@@ -225,12 +223,8 @@ def _novograd_step_kernel(
     else:
         m = beta1 * m + beta3 * g
         p = p - lr_v * (tl.div_rn(tl.div_rn(m, bc1), denom) + weight_decay * p)
-    if HAS_COMPS or HAS_KEYS:
-        store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS, HAS_KEYS,
-                            EMULATE_BF16_ROUNDING)
-    else:
-        store_param(p_ptrs, column(row, _C, offs, c_proto, VEC), p, mask, HAS_COPIES,
-                    EMULATE_BF16_ROUNDING)
+    store_updated(p_ptrs, column(row, _C, offs, c_proto, VEC), k_ptrs, p, mask, offs, tkey,
+                  HAS_COPIES, HAS_COMPS, HAS_KEYS, EMULATE_BF16_ROUNDING)
     tl.store(m_ptrs, m, mask=mask)
     finish_tensor_step(counters_ptr, tensor, row, step_ptr, step, found_inf_ptr, _ROW,
                        HAS_FOUND_INF, BLOCK)

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from ._multi_tensor import Column
+from ._tl_utils import store_param
 
 # What an Adam moment may be kept in (``state_dtype``).
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
@@ -161,13 +162,34 @@ def step_key(row, COL: tl.constexpr, step, HAS_KEYS: tl.constexpr):
 
 
 @triton.jit
-def load_param_f32(p_ptrs, k_ptrs, mask, HAS_COMPS: tl.constexpr,
-                   EMULATE_BF16_ROUNDING: tl.constexpr):
-    """The parameter as fp32, plus its Kahan compensation with HAS_COMPS."""
+def load_param(row, COL: tl.constexpr, p_ptrs, offs, mask, HAS_COMPS: tl.constexpr,
+               VEC: tl.constexpr, EMULATE_BF16_ROUNDING: tl.constexpr):
+    """``(k_ptrs, p)``: the pointers to the Kahan compensations (table column COL) with
+    HAS_COMPS (else ``p_ptrs``, never used), and the parameter as fp32, plus its
+    compensation with HAS_COMPS."""
     p = _load_f32(p_ptrs, mask, EMULATE_BF16_ROUNDING)
+    k_ptrs = p_ptrs
     if HAS_COMPS:
+        base = tl.load(row + COL).to(tl.pointer_type(tl.bfloat16))
+        k_ptrs = base + offs
+        if VEC > 1:
+            k_ptrs = tl.max_contiguous(tl.multiple_of(k_ptrs, 16), VEC)
         p = p + _load_f32(k_ptrs, mask, EMULATE_BF16_ROUNDING)
-    return p
+    return k_ptrs, p
+
+
+@triton.jit
+def store_updated(p_ptrs, c_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COPIES: tl.constexpr,
+                  HAS_COMPS: tl.constexpr, HAS_KEYS: tl.constexpr,
+                  EMULATE_BF16_ROUNDING: tl.constexpr):
+    """Write the updated fp32 parameter: rounded stochastically or with its compensation
+    (:func:`store_param_rounded`), else rounded to nearest, with its half copy when it
+    has one (only fp32 masters have copies: never both)."""
+    if HAS_COMPS or HAS_KEYS:
+        store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS, HAS_KEYS,
+                            EMULATE_BF16_ROUNDING)
+    else:
+        store_param(p_ptrs, c_ptrs, p, mask, HAS_COPIES, EMULATE_BF16_ROUNDING)
 
 
 @triton.jit
