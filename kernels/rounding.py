@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ._multi_tensor import Column
-from ._tl_utils import store_param
+from ._tl_utils import load_f32, store_param
 
 # What an Adam moment may be kept in (``state_dtype``).
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
@@ -167,14 +167,14 @@ def load_param(row, COL: tl.constexpr, p_ptrs, offs, mask, HAS_COMPS: tl.constex
     """``(k_ptrs, p)``: the pointers to the Kahan compensations (table column COL) with
     HAS_COMPS (else ``p_ptrs``, never used), and the parameter as fp32, plus its
     compensation with HAS_COMPS."""
-    p = _load_f32(p_ptrs, mask, EMULATE_BF16_ROUNDING)
+    p = load_f32(p_ptrs, mask, EMULATE_BF16_ROUNDING)
     k_ptrs = p_ptrs
     if HAS_COMPS:
         base = tl.load(row + COL).to(tl.pointer_type(tl.bfloat16))
         k_ptrs = base + offs
         if VEC > 1:
             k_ptrs = tl.max_contiguous(tl.multiple_of(k_ptrs, 16), VEC)
-        p = p + _load_f32(k_ptrs, mask, EMULATE_BF16_ROUNDING)
+        p = p + load_f32(k_ptrs, mask, EMULATE_BF16_ROUNDING)
     return k_ptrs, p
 
 
@@ -190,19 +190,6 @@ def store_updated(p_ptrs, c_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COPIES: tl.co
                             EMULATE_BF16_ROUNDING)
     else:
         store_param(p_ptrs, c_ptrs, p, mask, HAS_COPIES, EMULATE_BF16_ROUNDING)
-
-
-@triton.jit
-def _load_f32(ptr, mask, EMULATE_BF16_ROUNDING: tl.constexpr):
-    x = tl.load(ptr, mask=mask, other=0.0)
-    if EMULATE_BF16_ROUNDING:
-        if ptr.dtype.element_ty == tl.bfloat16:
-            bits = x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16
-            return bits.to(tl.float32, bitcast=True)
-        else:
-            return x.to(tl.float32)
-    else:
-        return x.to(tl.float32)
 
 
 @triton.jit
