@@ -445,3 +445,81 @@ def test_adam_with_bf16_moments_resumes_bitwise(path, kw):
     for x, y in zip(a.parameters(), b.parameters()):
         assert torch.equal(x, y)
     assert opt.state[a.fc1.weight]["exp_avg"].dtype == torch.bfloat16
+
+
+_HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu",
+               "numpy")
+
+
+_STEADY = """
+import sys, torch
+import tritamp.optimizers as O
+from tritamp.kernels.recorder import record_launches
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu",
+              "numpy")
+flag = sys.argv[1]
+torch.manual_seed(0)
+w = torch.nn.Parameter(torch.randn(32, 16).to(torch.bfloat16))
+b = torch.nn.Parameter(torch.randn(32))   # an fp32 parameter beside it: its own group
+opt = O.FusedAdam([w, b], lr=1e-3, **{flag: True})
+with record_launches() as rec:
+    for _ in range(2):
+        w.grad, b.grad = torch.randn_like(w), torch.randn_like(b)
+        opt.step()
+    calls = []
+    for name in HOST_READS:
+        method = getattr(torch.Tensor, name)
+        def counted(*args, _m=method, **kwargs):
+            calls.append(_m.__name__)
+            return _m(*args, **kwargs)
+        setattr(torch.Tensor, name, counted)
+    rec.launches.clear()
+    for _ in range(2):
+        opt.step()
+print(calls, [launch.name for launch in rec.launches])
+"""
+
+
+@pytest.mark.parametrize("flag", ("stochastic_rounding", "kahan_summation"))
+def test_steady_steps_on_the_gpu_code_path_read_nothing(flag):
+    """Down the GPU code path (launches recorded, not run; compiled-mode kernels, so in a
+    child process without the interpreter): once the plans, keys and compensations are
+    built, a step reads no tensor value on the host and launches one kernel per dtype
+    group (bf16 weights, fp32 parameters)."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    out = subprocess.run([sys.executable, "-c", _STEADY, flag], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[] " + str(["_adam_step_kernel"] * 4)
+
+
+@pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
+def test_steady_steps_on_the_cpu_path_read_nothing(cpu_path, kw):
+    """The production CPU path, once its plans and working buffers are built: no tensor
+    value read on the host (a CPU tensor read is no sync, but the rule is the same)."""
+    torch.manual_seed(0)
+    net = _Net()
+    opt = O.FusedAdam(net.parameters(), lr=1e-3, **kw)
+    x = torch.randn(8, 16)
+
+    def step():
+        opt.zero_grad()
+        net(x).pow(2).mean().backward()
+        opt.step()
+
+    step()
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        for name in _HOST_READS:
+            method = getattr(torch.Tensor, name)
+
+            def counted(*args, _m=method, **kwargs):
+                calls.append(_m.__name__)
+                return _m(*args, **kwargs)
+            mp.setattr(torch.Tensor, name, counted)
+        step()
+        step()
+    assert calls == []
