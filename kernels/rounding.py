@@ -103,7 +103,9 @@ def stochastic_round_(x, bits):
     Returns ``x``, whose values are then exact in bf16."""
     i = x.view(torch.int32)
     rounded = (i + bits.to(torch.int32)).bitwise_and_(_HIGH_HALF)
-    i.copy_(torch.where(torch.isfinite(x), rounded, i))
+    # An infinity rounds to itself (its low half is 0 and no carry leaves it); a NaN's
+    # payload could carry into the sign or round to an infinity: kept as it is.
+    i.copy_(torch.where(torch.isnan(x), i, rounded))
     return x
 
 
@@ -237,23 +239,43 @@ def store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS: tl.const
 class _CpuRounding:
     """What the CPU path keeps per dtype group of rounded bf16 parameters: an fp32 working
     copy in one flat buffer (views laid out as the parameters), and for stochastic
-    rounding each element's offset in its parameter and its row, and the rows' keys."""
-    __slots__ = ("sig", "flat", "views", "offsets", "owners", "keys")
+    rounding each element's offset in its parameter (int32: the hash's low 32 bits) and
+    its row, the rows' keys, and two int32 scratch buffers for the hash."""
+    __slots__ = ("sig", "flat", "views", "offsets", "owners", "keys", "bits", "tmp")
 
     def __init__(self, sig, params, keys):
         self.sig = sig
         numels = [p.numel() for p in params]
-        self.flat = torch.empty(sum(numels), dtype=torch.float32, device=params[0].device)
+        total = sum(numels)
+        self.flat = torch.empty(total, dtype=torch.float32, device=params[0].device)
         self.views, start = [], 0
         for p, n in zip(params, numels):
             self.views.append(self.flat[start:start + n].as_strided(p.shape, p.stride()))
             start += n
-        self.offsets = self.owners = self.keys = None
+        self.offsets = self.owners = self.keys = self.bits = self.tmp = None
         if keys is not None:
             self.keys = torch.stack([k.reshape(()) for k in keys])
-            self.offsets = torch.cat([torch.arange(n, dtype=torch.int64) for n in numels])
+            self.offsets = torch.cat([torch.arange(n, dtype=torch.int64) for n in numels]
+                                     ).to(torch.int32)
             self.owners = torch.repeat_interleave(
                 torch.arange(len(numels), dtype=torch.int64), torch.tensor(numels))
+            self.bits = torch.empty(total, dtype=torch.int32)
+            self.tmp = torch.empty(total, dtype=torch.int32)
+
+    def element_bits(self, counts):
+        """:func:`element_bits` for every element of the group, bit for bit, in int32
+        (about 8x faster than the oracle's int64 on a CPU): a multiplication wraps to the
+        same low 32 bits, and a logical right shift is an arithmetic one masked."""
+        tkeys = tensor_key(self.keys, counts).to(torch.int32)  # the same 32 bits
+        h, tmp = self.bits, self.tmp
+        torch.index_select(tkeys, 0, self.owners, out=h)
+        h.bitwise_xor_(self.offsets)
+        for shift, mul in ((16, _C1), (15, _C2), (15, None)):
+            torch.bitwise_right_shift(h, shift, out=tmp)
+            h.bitwise_xor_(tmp.bitwise_and_((1 << (32 - shift)) - 1))
+            if mul is not None:
+                h.mul_(mul)
+        return h.bitwise_right_shift_(16).bitwise_and_(0xFFFF)
 
 
 def _cpu_state(prepared, group, params):
@@ -291,9 +313,7 @@ def cpu_store(prepared, group, params, work, counts):
     st = _cpu_state(prepared, group, params)
     comps = group.lists.get("comps")
     if group.lists.get("keys") is not None:
-        tkeys = tensor_key(st.keys, counts)
-        bits = element_bits(tkeys.index_select(0, st.owners), st.offsets)
-        stochastic_round_(st.flat, bits)
+        stochastic_round_(st.flat, st.element_bits(counts))
         torch._foreach_copy_(params, work)
     elif comps is not None:
         torch._foreach_copy_(params, work)

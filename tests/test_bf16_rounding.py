@@ -204,6 +204,37 @@ def test_launchers_store_what_their_oracles_store(which, kind, skip_last):
                 assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
+def test_cpu_path_draws_the_oracles_bits():
+    """Where the fp32 update is exact on both sides (SGD, lr 1, bf16 weights in [0.5, 1.5)
+    and bf16 gradients below 2**-9: p - g needs no rounding), the CPU path's rounded
+    weights are bitwise the oracle's: its int32 hash is the oracle's int64 one, element
+    by element, also for a channels-last tensor and over several steps."""
+    g = torch.Generator().manual_seed(3)
+    shapes = ((4, 8, 3, 3), (1000,), (3, 257))
+    params = [(torch.rand(s, generator=g) + 0.5).to(torch.bfloat16) for s in shapes]
+    params[0] = params[0].contiguous(memory_format=torch.channels_last)
+    keys = [torch.tensor(rounding.param_key(99, i)) for i in range(len(shapes))]
+    steps = [torch.tensor(float(i)) for i in range(len(shapes))]
+    runs = []
+    for cpu in (False, True):
+        ps, st = [p.clone(memory_format=torch.preserve_format) for p in params], \
+            [s.clone() for s in steps]
+        for k in range(3):
+            grads = [(torch.rand(p.shape, generator=torch.Generator().manual_seed(k)) * 2 ** -9)
+                     .to(torch.bfloat16).contiguous(memory_format=torch.preserve_format)
+                     for p in ps]
+            grads[0] = grads[0].contiguous(memory_format=torch.channels_last)
+            if cpu:
+                with force_cpu_path():
+                    sgd.sgd_step(ps, grads, lr=1.0, steps=st, keys=keys)
+            else:
+                sgd.sgd_step_ref(ps, grads, lr=1.0, steps=st, keys=keys)
+        runs.append(ps)
+    for a, b in zip(*runs):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert not torch.equal(runs[1][1], params[1])  # the updates were not all lost
+
+
 def test_adam_moments_in_bf16_match_the_oracle():
     """state_dtype=torch.bfloat16: the moments are read widened, updated in fp32 and
     stored rounded to nearest, bitwise as the oracle does; the CPU path within a bf16
