@@ -87,6 +87,22 @@ def test_a_distributed_checkpoint_resumes_bitwise(reports, name):
         assert r["bitwise"], r
 
 
+@pytest.mark.parametrize("flag", ["stochastic", "kahan", "stochastic/interpreted",
+                                  "kahan/interpreted"])
+def test_bf16_weights_without_masters_over_shards(reports, flag):
+    """FusedAdam with stochastic rounding or Kahan summation on a bf16 model under
+    FSDP2: a distributed checkpoint resumes bitwise (seed, step counts and DTensor
+    compensations restored); each shard of a parameter draws its own bits."""
+    rs = _both(reports, f"rounding/{flag}")
+    for r in rs:
+        assert r["bitwise"] and r["moved"] and r["dtypes"] == ["torch.bfloat16"], r
+    if flag.startswith("kahan"):
+        assert all(r["comps"] and set(r["comps"]) == {"DTensor"} for r in rs), rs
+    else:
+        assert rs[0]["keys"] and len(rs[0]["keys"]) == len(rs[1]["keys"]), rs
+        assert not set(rs[0]["keys"]) & set(rs[1]["keys"]), rs
+
+
 @pytest.mark.parametrize("half", ["fp16", "bf16"])
 def test_amp_o1_on_the_sharded_model_matches_the_unsharded_one(reports, half):
     for r in _both(reports, f"amp/O1/{half}"):

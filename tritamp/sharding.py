@@ -62,6 +62,26 @@ def _shard_dims(t, what):
     return tuple(dims)
 
 
+def shard_index(t):
+    """Which shard of a DTensor this process holds, as one number: 0 for a plain tensor
+    (or a DTensor replicated everywhere), else 1 + its position along the mesh dimensions
+    ``t`` is sharded over. Processes holding replicas of the same shard get the same
+    number. What stochastic rounding mixes into a parameter's key, so that the shards of
+    one parameter draw independent bits and its replicas the same ones."""
+    if not is_dtensor(t):
+        return 0
+    mesh = t.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return 0
+    index, sharded = 0, False
+    for dim, placement in enumerate(t.placements):
+        if placement.is_shard():
+            index = index * mesh.size(dim) + coord[dim]
+            sharded = True
+    return index + 1 if sharded else 0
+
+
 def check_shards(params, group_index, op):
     """Refuse (``ValueError``) a DTensor parameter whose gradient is not laid out as the
     parameter (a plain tensor, another mesh, other placements such as a Partial one that

@@ -218,6 +218,42 @@ def resume(name, rank, folder):
     return dict(bitwise=bool(torch.equal(straight, resumed)), rel=rel_diff(resumed, straight))
 
 
+def rounding(flag, rank, folder):
+    """A bf16 model without masters (FusedAdam with stochastic rounding or Kahan
+    summation) over DTensor shards: a checkpoint resumes bitwise; the compensations are
+    DTensors; stochastic rounding's keys name the shard (this rank's differ from the
+    other's for the same parameters)."""
+    kw = (dict(stochastic_rounding=True, seed=5) if flag == "stochastic"
+          else dict(kahan_summation=True))
+
+    def build():
+        model = make(dtype=torch.bfloat16)
+        return model, FusedAdam(model.parameters(), lr=1e-2, **kw)
+
+    model, opt = build()
+    train(model, opt, 3, rank)
+    msd, osd = get_state_dict(model, opt)
+    path = os.path.join(folder, f"ckpt_rounding_{flag}")
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    train(model, opt, 3, rank, start=3)
+    straight = full(model.parameters())
+    keys = [int(k) for cache in plans_of(opt).values()
+            for k in (cache.prepared.lists.get("keys") or []) if k is not None]
+    comps = [type(st["kahan_comp"]).__name__ for st in opt.state.values() if "kahan_comp" in st]
+
+    model2, opt2 = build()
+    msd2, osd2 = get_state_dict(model2, opt2)
+    state = {"model": msd2, "optim": osd2}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model2, opt2, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    train(model2, opt2, 3, rank, start=3)
+    resumed = full(model2.parameters())
+    moved = not torch.equal(straight, full(make(dtype=torch.bfloat16).parameters()))
+    return dict(bitwise=bool(torch.equal(straight, resumed)), moved=moved, keys=keys,
+                comps=comps, dtypes=sorted({str(p.dtype) for p in model.parameters()}))
+
+
 # -- amp -----------------------------------------------------------------------------------------
 def amp_o1(half, rank):
     """O1 (autocast) on the sharded model against O1 on the unsharded one, same batches."""
@@ -312,7 +348,8 @@ def amp_refused(level, rank):
 
 
 INTERPRETED = ("torch/adam_w", "unsharded/lamb", "unsharded/novograd",
-               "unsharded/novograd_max", "clip", "amp/overflow")
+               "unsharded/novograd_max", "clip", "amp/overflow", "rounding/stochastic",
+               "rounding/kahan")
 
 
 def cases(rank, out):
@@ -326,6 +363,8 @@ def cases(rank, out):
     yield "refused/gradient", lambda: refused_gradient(rank)
     for name in ("adam", "sgd", "lamb"):
         yield f"resume/{name}", lambda name=name: resume(name, rank, out)
+    for flag in ("stochastic", "kahan"):
+        yield f"rounding/{flag}", lambda flag=flag: rounding(flag, rank, out)
     for half in ("fp16", "bf16"):
         yield f"amp/O1/{half}", lambda half=half: amp_o1(half, rank)
     yield "amp/overflow", lambda: amp_overflow_one_rank(rank)

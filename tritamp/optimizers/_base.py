@@ -31,7 +31,7 @@ from torch.optim.optimizer import required
 from tritamp import compiled
 from tritamp.contract import StepHandoff
 from tritamp.sharding import (ShardReduce, any_dtensor, check_shards, is_dtensor, local,
-                              locals_of)
+                              locals_of, shard_index)
 from tritamp.kernels.engine import (GradWrites, SweepCache, borrowed, check_grads_writable,
                                     layout_key, restride_like, zero_grads_)
 
@@ -764,7 +764,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         # Borrowed gradients: the kept plan must not keep this step's gradients alive.
         prepared = self._prepare(group, rows_targets, borrowed([grads[i] for i in rows]),
                                  [copies[i] for i in rows], states,
-                                 **self._rounding_lists(gi, group, rows, rows_targets, states))
+                                 **self._rounding_lists(gi, group, rows, rows_targets, states,
+                                                        params))
         if write_grads:
             check_grads_writable(prepared)
         return cache.put(key, prepared)
@@ -843,22 +844,29 @@ class FusedOptimizer(torch.optim.Optimizer):
                 "Nothing was changed.")
         self._rounding_checked = key
 
-    def _rounding_lists(self, gi, group, rows, targets, states):
+    def _rounding_lists(self, gi, group, rows, targets, states, params):
         """The ``comps`` or ``keys`` list of a group's sweep (one entry per row, None for
-        rows that are not bf16), as keyword arguments for :meth:`_prepare`."""
+        rows that are not bf16), as keyword arguments for :meth:`_prepare`. A key is made
+        from the group's seed and the parameter's position among the optimizer's; for a
+        DTensor parameter also from which shard this process holds
+        (:func:`~tritamp.sharding.shard_index`: its element offsets are local)."""
         if self._rounding is None:
             return {}
         bf16 = [t.dtype == torch.bfloat16 for t in targets]
         if self._rounding == "kahan":
             return {"comps": [st["kahan_comp"] if b else None for st, b in zip(states, bf16)]}
-        from tritamp.kernels.rounding import param_key
+        from tritamp.kernels.rounding import mix32, param_key
         first = sum(len(g["params"]) for g in self.param_groups[:gi])
         seed = int(group["seed"])
         picked = [i for i, b in zip(rows, bf16) if b]
         if not picked:
             return {"keys": None}
         device = targets[bf16.index(True)].device
-        made = torch.tensor([param_key(seed, first + i) for i in picked], dtype=torch.int64)
+        keys = []
+        for i in picked:
+            key, shard = param_key(seed, first + i), shard_index(params[i])
+            keys.append(key if shard == 0 else mix32(key ^ mix32(shard)))
+        made = torch.tensor(keys, dtype=torch.int64)
         made = iter(made.to(device).unbind(0))
         return {"keys": [next(made) if b else None for b in bf16]}
 
