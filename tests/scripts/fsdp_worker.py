@@ -193,28 +193,38 @@ def refused_gradient(rank):
 
 
 # -- torch.distributed.checkpoint: save, resume, bitwise -----------------------------------------
-def resume(name, rank, folder):
-    make_opt = {"adam": lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1),
-                "sgd": lambda p: FusedSGD(p, lr=0.05, momentum=0.9),
-                "lamb": lambda p: FusedLAMB(p, lr=1e-2)}[name]
-    model = make()
-    opt = make_opt(model.parameters())
+def _save_continue_reload(build, rank, path):
+    """Train 3 steps, save with torch.distributed.checkpoint, train 3 more (the straight
+    run); build afresh, load, train the same 3: ``(model, opt, straight, resumed)``, the
+    whole parameters of both runs, and the straight run's objects."""
+    model, opt = build()
     train(model, opt, 3, rank)
     msd, osd = get_state_dict(model, opt)
-    path = os.path.join(folder, f"ckpt_{name}")
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
     train(model, opt, 3, rank, start=3)
     straight = full(model.parameters())
 
-    model2 = make()
-    opt2 = make_opt(model2.parameters())
+    model2, opt2 = build()
     msd2, osd2 = get_state_dict(model2, opt2)
     state = {"model": msd2, "optim": osd2}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model2, opt2, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
     train(model2, opt2, 3, rank, start=3)
-    resumed = full(model2.parameters())
+    return model, opt, straight, full(model2.parameters())
+
+
+def resume(name, rank, folder):
+    make_opt = {"adam": lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1),
+                "sgd": lambda p: FusedSGD(p, lr=0.05, momentum=0.9),
+                "lamb": lambda p: FusedLAMB(p, lr=1e-2)}[name]
+
+    def build():
+        model = make()
+        return model, make_opt(model.parameters())
+
+    _, _, straight, resumed = _save_continue_reload(build, rank,
+                                                    os.path.join(folder, f"ckpt_{name}"))
     return dict(bitwise=bool(torch.equal(straight, resumed)), rel=rel_diff(resumed, straight))
 
 
@@ -230,25 +240,11 @@ def rounding(flag, rank, folder):
         model = make(dtype=torch.bfloat16)
         return model, FusedAdam(model.parameters(), lr=1e-2, **kw)
 
-    model, opt = build()
-    train(model, opt, 3, rank)
-    msd, osd = get_state_dict(model, opt)
-    path = os.path.join(folder, f"ckpt_rounding_{flag}")
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-    train(model, opt, 3, rank, start=3)
-    straight = full(model.parameters())
+    model, opt, straight, resumed = _save_continue_reload(
+        build, rank, os.path.join(folder, f"ckpt_rounding_{flag}"))
     keys = [int(k) for cache in plans_of(opt).values()
             for k in (cache.prepared.lists.get("keys") or []) if k is not None]
     comps = [type(st["kahan_comp"]).__name__ for st in opt.state.values() if "kahan_comp" in st]
-
-    model2, opt2 = build()
-    msd2, osd2 = get_state_dict(model2, opt2)
-    state = {"model": msd2, "optim": osd2}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model2, opt2, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
-    train(model2, opt2, 3, rank, start=3)
-    resumed = full(model2.parameters())
     moved = not torch.equal(straight, full(make(dtype=torch.bfloat16).parameters()))
     return dict(bitwise=bool(torch.equal(straight, resumed)), moved=moved, keys=keys,
                 comps=comps, dtypes=sorted({str(p.dtype) for p in model.parameters()}))
