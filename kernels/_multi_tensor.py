@@ -649,13 +649,22 @@ class Scratch:
 
     def like(self, key, tensors, dtype=torch.float32):
         sig = (dtype, tuple(map(_size, tensors)), tuple(map(_stride, tensors)))
+        return self.kept(key, sig, lambda: [
+            torch.empty_like(t, dtype=dtype, memory_format=torch.preserve_format)
+            for t in tensors])
+
+    def kept(self, key, sig=None, make=None):
+        """What ``make()`` built under ``key``, kept while ``sig`` stays the same (made
+        again when it changes). Without ``sig``: what is kept under ``key``, as it is
+        (a caller that checked it earlier in the same step)."""
         hit = self._bufs.get(key)
+        if sig is None:
+            return hit[1]
         if hit is not None and hit[0] == sig:
             return hit[1]
-        bufs = [torch.empty_like(t, dtype=dtype, memory_format=torch.preserve_format)
-                for t in tensors]
-        self._bufs[key] = (sig, bufs)
-        return bufs
+        made = make()
+        self._bufs[key] = (sig, made)
+        return made
 
 
 class StagedPrepared:

@@ -162,6 +162,24 @@ def _bf16_to_fp32_exact(x):
 
 
 @triton.jit
+def to_bf16(x, EMULATE_BF16_ROUNDING: tl.constexpr):
+    """fp32 ``x`` rounded to the nearest bf16, ties to even, as torch rounds."""
+    if EMULATE_BF16_ROUNDING:
+        return _fp32_to_bf16_rne(x)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def from_bf16(x, EMULATE_BF16_ROUNDING: tl.constexpr):
+    """bf16 ``x`` widened to fp32 (exact)."""
+    if EMULATE_BF16_ROUNDING:
+        return _bf16_to_fp32_exact(x)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
 def load_f32(ptr, mask, EMULATE_BF16_ROUNDING: tl.constexpr):
     """Load from ``ptr`` and upcast to fp32 at once (torch's opmath; bf16 exact)."""
     x = tl.load(ptr, mask=mask, other=0.0)

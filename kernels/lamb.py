@@ -285,10 +285,10 @@ def lamb_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=Tr
 
     ``norm_reduce`` (sharded tensors): called as ``norm_reduce(t, "sum")`` with an fp32
     ``[2, k]`` tensor of the squared norms of ``p`` and ``u`` per tensor, which it must
-    sum in place over the processes holding the other shards (an all-reduce). On the Triton path ``k`` is the
-    number of rows (0 for an empty local shard), on the CPU path the rows of one dtype
-    group, in row order, group after group (the same sequence on every process whose
-    lists hold the same dtypes)."""
+    sum in place over the processes holding the other shards (an all-reduce). On the
+    Triton path ``k`` is the number of rows (0 for an empty local shard), on the CPU path
+    the rows of one dtype group, in row order, group after group (the same sequence on
+    every process whose lists hold the same dtypes)."""
     prepared, write_grads = take_grad_writes(prepared, write_grads)
     if prepared.n == 0:
         return
@@ -344,10 +344,9 @@ def lamb_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=Tr
 
 @torch.no_grad()
 def lamb_step(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, comps=None, keys=None,
-              *, lr, beta1, beta2,
-              eps, weight_decay, adam_w_mode=True, grad_averaging=True, bias_correction=True,
-              use_nvlamb=False, global_grad_norm=None, max_grad_norm=1.0, grad_scale=None,
-              found_inf=None, write_grads=False):
+              *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=True, grad_averaging=True,
+              bias_correction=True, use_nvlamb=False, global_grad_norm=None,
+              max_grad_norm=1.0, grad_scale=None, found_inf=None, write_grads=False):
     """One LAMB step for lists of same-shaped tensors (see the module docstring).
 
     ``global_grad_norm`` (0-d fp32 device tensor, or None for no clipping) is the norm
@@ -682,10 +681,9 @@ def _lamb_moments_foreach(engine, g, plan, p, u, grads, bias_correction, *, beta
 
 @torch.no_grad()
 def lamb_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, comps=None,
-                  keys=None, *, lr, beta1, beta2,
-                  eps, weight_decay, adam_w_mode=True, grad_averaging=True, bias_correction=True,
-                  use_nvlamb=False, global_grad_norm=None, max_grad_norm=1.0, grad_scale=None,
-                  found_inf=None):
+                  keys=None, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=True,
+                  grad_averaging=True, bias_correction=True, use_nvlamb=False,
+                  global_grad_norm=None, max_grad_norm=1.0, grad_scale=None, found_inf=None):
     """Torch reference of :func:`lamb_step` (same order of operations, fp32; norms from
     torch, so the trust ratio may differ from the kernel's in the last bits)."""
     params = list(params)

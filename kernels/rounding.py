@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ._multi_tensor import Column
-from ._tl_utils import load_f32, store_param
+from ._tl_utils import from_bf16, load_f32, store_param, to_bf16
 
 # What an Adam moment may be kept in (``state_dtype``).
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
@@ -58,11 +58,6 @@ def mix32(x):
     [0, 2**32)."""
     if isinstance(x, int):
         x &= M32
-        x ^= x >> 16
-        x = (x * _C1) & M32
-        x ^= x >> 15
-        x = (x * _C2) & M32
-        return x ^ (x >> 15)
     x = x ^ (x >> 16)
     x = (x * _C1) & M32
     x = x ^ (x >> 15)
@@ -195,44 +190,30 @@ def store_updated(p_ptrs, c_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COPIES: tl.co
 
 
 @triton.jit
-def _bf16_bits_rn(x):
-    # bf16 pattern (uint32, low 16 bits) nearest to fp32 x, ties to even; NaN stays NaN.
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return tl.where(x != x, 0x7FC0, rounded)
-
-
-@triton.jit
-def _store_bf16_bits(ptr, hi, mask):
-    tl.store(ptr, hi.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+def _bf16_from_high_half(bits):
+    # The bf16 whose pattern is the top half of ``bits`` (uint32): a truncation.
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
 def store_param_rounded(p_ptrs, k_ptrs, p, mask, offs, tkey, HAS_COMPS: tl.constexpr,
                         HAS_KEYS: tl.constexpr, EMULATE_BF16_ROUNDING: tl.constexpr):
     """Store fp32 ``p`` into bf16 parameters: stochastically rounded with HAS_KEYS (bits
-    from ``tkey`` and the element ``offs``, added to the bit pattern), with its
-    compensation into ``k_ptrs`` with HAS_COMPS (see the module docstring): the
-    parameter rounded to nearest (the GPU's native conversion; by hand in the
-    interpreter, whose conversion truncates), the remainder truncated on its bits."""
+    from ``tkey`` and the element ``offs``, added to the bit pattern; a non-finite value
+    rounds to nearest), with its compensation into ``k_ptrs`` with HAS_COMPS (see the
+    module docstring): the parameter rounded to nearest, the remainder truncated on its
+    bits."""
     if HAS_KEYS:
         rnd = _mix32(tkey ^ offs.to(tl.uint32)) >> 16
-        bits = p.to(tl.uint32, bitcast=True)
-        sr = (bits + rnd) >> 16
-        finite = tl.abs(p) < float("inf")
-        _store_bf16_bits(p_ptrs, tl.where(finite, sr, _bf16_bits_rn(p)), mask)
+        sr = _bf16_from_high_half(p.to(tl.uint32, bitcast=True) + rnd)
+        hi = tl.where(tl.abs(p) < float("inf"), sr, to_bf16(p, EMULATE_BF16_ROUNDING))
+        tl.store(p_ptrs, hi, mask=mask)
     else:
-        if EMULATE_BF16_ROUNDING:
-            hi = _bf16_bits_rn(p)
-            _store_bf16_bits(p_ptrs, hi, mask)
-            hi_f = (hi << 16).to(tl.float32, bitcast=True)
-        else:
-            hb = p.to(tl.bfloat16)
-            tl.store(p_ptrs, hb, mask=mask)
-            hi_f = hb.to(tl.float32)
-        r = p - hi_f
+        hi = to_bf16(p, EMULATE_BF16_ROUNDING)
+        tl.store(p_ptrs, hi, mask=mask)
+        r = p - from_bf16(hi, EMULATE_BF16_ROUNDING)
         r = tl.where(tl.abs(r) < float("inf"), r, 0.0)
-        _store_bf16_bits(k_ptrs, r.to(tl.uint32, bitcast=True) >> 16, mask)
+        tl.store(k_ptrs, _bf16_from_high_half(r.to(tl.uint32, bitcast=True)), mask=mask)
 
 
 # --- the production CPU path -------------------------------------------------------------
@@ -241,10 +222,9 @@ class _CpuRounding:
     copy in one flat buffer (views laid out as the parameters), and for stochastic
     rounding each element's offset in its parameter (int32: the hash's low 32 bits) and
     its row, the rows' keys, and two int32 scratch buffers for the hash."""
-    __slots__ = ("sig", "flat", "views", "offsets", "owners", "keys", "bits", "tmp")
+    __slots__ = ("flat", "views", "offsets", "owners", "keys", "bits", "tmp")
 
-    def __init__(self, sig, params, keys):
-        self.sig = sig
+    def __init__(self, params, keys):
         numels = [p.numel() for p in params]
         total = sum(numels)
         self.flat = torch.empty(total, dtype=torch.float32, device=params[0].device)
@@ -278,15 +258,17 @@ class _CpuRounding:
         return h.bitwise_right_shift_(16).bitwise_and_(0xFFFF)
 
 
-def _cpu_state(prepared, group, params):
+def _cpu_state(prepared, group, params=None):
+    """The group's :class:`_CpuRounding`, kept in the sweep's scratch while the
+    parameters' layouts and the keys stay the same; without ``params``, the one
+    :func:`cpu_load` checked earlier in this step."""
+    if params is None:
+        return prepared.scratch.kept((group.index, "rounding"))
     keys = group.lists.get("keys")
     sig = (tuple(p.shape for p in params), tuple(p.stride() for p in params),
            None if keys is None else tuple(map(id, keys)))
-    store = prepared.scratch._bufs
-    hit = store.get((group.index, "rounding"))
-    if hit is None or hit.sig != sig:
-        hit = store[(group.index, "rounding")] = _CpuRounding(sig, params, keys)
-    return hit
+    return prepared.scratch.kept((group.index, "rounding"), sig,
+                                 lambda: _CpuRounding(params, keys))
 
 
 def rounds(group):
@@ -310,7 +292,7 @@ def cpu_store(prepared, group, params, work, counts):
     """Store the updated working list ``work`` (from :func:`cpu_load`) into the bf16
     parameters as the kernels do. ``counts``: the rows' step counts after this step
     (fp32 [n]) for stochastic rounding."""
-    st = _cpu_state(prepared, group, params)
+    st = _cpu_state(prepared, group)
     comps = group.lists.get("comps")
     if group.lists.get("keys") is not None:
         stochastic_round_(st.flat, st.element_bits(counts))

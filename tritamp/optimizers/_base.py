@@ -260,6 +260,16 @@ class FusedOptimizer(torch.optim.Optimizer):
     # whether master_weights=True still leaves bf16 parameters without masters under
     # stochastic rounding or Kahan summation (FusedMixedPrecisionLamb's rule)
     _MASTERS_BY_DTYPE = False
+    # (generation, master pairs' version) the rounding flags were last checked against
+    _rounding_checked = None
+
+    @property
+    def stochastic_rounding(self):
+        return self._rounding == "stochastic"
+
+    @property
+    def kahan_summation(self):
+        return self._rounding == "kahan"
 
     def __init__(self, params, defaults, *, set_grad_none=True, capturable=False,
                  master_weights=False, stochastic_rounding=False, kahan_summation=False,
@@ -268,11 +278,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._rounding = _rounding_mode(type(self).__name__, stochastic_rounding,
                                         kahan_summation,
                                         master_weights and not self._MASTERS_BY_DTYPE, seed)
-        self.stochastic_rounding = self._rounding == "stochastic"
-        self.kahan_summation = self._rounding == "kahan"
         if self.stochastic_rounding:
             defaults = dict(defaults, seed=_draw_seed() if seed is None else int(seed))
-        self._rounding_checked = None
         super().__init__(params, _host_hyperparameters(defaults))
         self.set_grad_none = set_grad_none
         self.master_weights = master_weights
@@ -819,7 +826,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         or amp's master pairs change."""
         pairs = self.step_handoff.masters
         key = (self._generation, pairs.version)
-        if getattr(self, "_rounding_checked", None) == key:
+        if self._rounding_checked == key:
             return
         name = type(self).__name__
         flag = "stochastic_rounding" if self._rounding == "stochastic" else "kahan_summation"

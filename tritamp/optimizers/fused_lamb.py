@@ -103,7 +103,7 @@ class FusedLAMB(FusedOptimizer):
         max_grad_norm = self.defaults["max_grad_norm"]
         live = [plan for plan in plans if plan is not None]
         reduce = self._shard_reduce()
-        norm_reduce = self._norm_reduce()
+        norm_reduce = self._norm_reduce()  # (the seam the compile report substitutes)
         if not (live and max_grad_norm):
             return dict(global_norm=None, norm_reduce=norm_reduce)
         # One norm over every gradient of every group, of the unscaled gradients; planned
