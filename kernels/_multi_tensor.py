@@ -73,10 +73,13 @@ class Column:
 
 
 class Sweep:
-    """The declaration of a multi-tensor sweep: a name and its table columns."""
+    """The declaration of a multi-tensor sweep: a name and its table columns, and
+    optionally ``check(sweep, lists)``, rules across columns that the per-column checks
+    cannot say, run with them before anything is written."""
 
-    def __init__(self, name, columns):
+    def __init__(self, name, columns, check=None):
         self.name = name
+        self.check = check
         self.columns = tuple(columns)
         self.names = tuple(c.name for c in self.columns)
         if self.columns[0].role != "param":
@@ -166,6 +169,8 @@ def _validate(sweep, lists):
     for key in lists:
         if key not in sweep.names:
             raise _err(sweep, ValueError, f"unknown list {key!r}; expected {sweep.names}")
+    if sweep.check is not None:
+        sweep.check(sweep, lists)
     if n == 0:
         return 0
     lists["_writeback"], lists["_staged"] = [], []
@@ -215,8 +220,10 @@ def _validate(sweep, lists):
                 raise _err(sweep, TypeError,
                            f"{where} is {_dtype_name(t.dtype)}, expected "
                            f"{' or '.join(_dtype_name(d) for d in c.dtypes)}"
-                           + ("; optimizer state is kept in float32: convert it with "
-                              ".float()" if c.role in ("state", "scalar") else ""))
+                           + (("; optimizer state is kept in float32: convert it with "
+                               ".float()" if c.dtypes == (torch.float32,) else
+                               f"; convert it with .to(torch.{_dtype_name(c.dtypes[0])})")
+                              if c.role in ("state", "scalar") else ""))
             if c.role == "scalar":
                 if t.numel() != 1:
                     raise _err(sweep, ValueError, f"{where} has shape {tuple(t.shape)}, expected "

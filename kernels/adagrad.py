@@ -30,8 +30,8 @@ import triton.language as tl
 from ._dispatch import use_triton  # noqa: F401  (tests read the module's dispatch)
 from ._cpu_optim import (advance_counts, amp_flags, decay_factor, fp32_work, take_grad_writes,
                          write_back, write_staged_grads)
-from .rounding import (ROUNDING_COLUMNS, load_compensated_ref, load_param, step_key,
-                       store_rounded_ref, store_updated)
+from .rounding import (ROUNDING_COLUMNS, check_rounding_rows, load_compensated_ref, load_param,
+                       step_key, store_rounded_ref, store_updated)
 from ._multi_tensor import Column, Sweep, scalar_arg
 from ._ref_utils import advance_steps, f32 as _f32, sqrt_rn as _sqrt_rn
 from ._tl_utils import (column, column_f32, finish_tensor_step, load_grad, load_lr,
@@ -41,7 +41,7 @@ ADAGRAD = Sweep("adagrad_step", [
     Column("params", "param"), Column("grads", "grad"), Column("sums", "state"),
     Column("copies", "copy", optional=True), Column("steps", "scalar", optional=True),
     *ROUNDING_COLUMNS,
-])
+], check=check_rounding_rows)
 _P, _G, _H, _C, _S, _K, _R = (ADAGRAD.col(n) for n in ADAGRAD.names)
 _ROW = ADAGRAD.row_width
 

@@ -31,8 +31,8 @@ from ._ref_utils import advance_steps, f32 as _f32, sqrt_rn as _sqrt_rn
 from ._tl_utils import (bias_corrections, column, finish_tensor_step, load_f32,
                         load_grad, load_lr, store_cast, sweep_block, tensor_step,
                         unscale_factor)
-from .rounding import (MOMENT_DTYPES, ROUNDING_COLUMNS, load_compensated_ref, load_param,
-                       step_key, store_rounded_ref, store_updated)
+from .rounding import (MOMENT_DTYPES, ROUNDING_COLUMNS, check_rounding_rows, load_compensated_ref,
+                       load_param, step_key, store_rounded_ref, store_updated)
 
 ADAM = Sweep("adam_step", [
     Column("params", "param"), Column("grads", "grad"),
@@ -40,7 +40,7 @@ ADAM = Sweep("adam_step", [
     Column("exp_avg_sqs", "state", typed=True, dtypes=MOMENT_DTYPES),
     Column("copies", "copy", optional=True), Column("steps", "scalar"),
     *ROUNDING_COLUMNS,
-])
+], check=check_rounding_rows)
 _P, _G, _M, _V, _C, _S, _K, _R = (ADAM.col(n) for n in ADAM.names)
 _ROW = ADAM.row_width
 

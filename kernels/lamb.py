@@ -60,8 +60,8 @@ from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step
                         tensor_step, unscale_factor)
 from ._cpu_optim import advance_counts, amp_flags, take_grad_writes, write_staged_grads
 from . import rounding
-from .rounding import (ROUNDING_COLUMNS, load_compensated_ref, load_param, step_key,
-                       store_rounded_ref, store_updated)
+from .rounding import (ROUNDING_COLUMNS, check_rounding_rows, load_compensated_ref, load_param,
+                       step_key, store_rounded_ref, store_updated)
 from .l2norm import (SegmentLayout, bias_correction_terms, reduce_by_rows, reduce_segments,
                      scalar_views, segment_pairs)
 
@@ -69,7 +69,7 @@ LAMB = Sweep("lamb_step", [
     Column("params", "param"), Column("grads", "grad"), Column("exp_avgs", "state"),
     Column("exp_avg_sqs", "state"), Column("copies", "copy", optional=True),
     Column("steps", "scalar"), *ROUNDING_COLUMNS,
-])
+], check=check_rounding_rows)
 _P, _G, _M, _V, _C, _S, _K, _R = (LAMB.col(n) for n in LAMB.names)
 _ROW = LAMB.row_width
 

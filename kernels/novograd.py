@@ -51,8 +51,8 @@ from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step
                         load_grad, load_lr, scalar_ptr, store_cast, sweep_block,
                         tensor_step, unscale_factor)
 from ._cpu_optim import advance_counts, amp_flags, take_grad_writes, write_staged_grads
-from .rounding import (ROUNDING_COLUMNS, load_compensated_ref, load_param, step_key,
-                       store_rounded_ref, store_updated)
+from .rounding import (ROUNDING_COLUMNS, check_rounding_rows, load_compensated_ref, load_param,
+                       step_key, store_rounded_ref, store_updated)
 from .l2norm import (SEGMENT_BLOCK, SegmentLayout, SquareSums, bias_correction_terms,
                      reduce_by_rows, scalar_views)
 from .lamb import (_CpuLists, bias_correction_f32, cpu_lists, first_moment, fp32_grads,
@@ -63,7 +63,7 @@ NOVOGRAD = Sweep("novograd_step", [
     Column("copies", "copy", optional=True),
     Column("exp_avg_sqs", "scalar"),   # the per-tensor second moment: one fp32 value
     Column("steps", "scalar"), *ROUNDING_COLUMNS,
-])
+], check=check_rounding_rows)
 _P, _G, _M, _C, _VS, _S, _K, _R = (NOVOGRAD.col(n) for n in NOVOGRAD.names)
 _ROW = NOVOGRAD.row_width
 

@@ -38,6 +38,37 @@ import triton.language as tl
 from ._multi_tensor import Column
 from ._tl_utils import from_bf16, load_f32, store_param, to_bf16
 
+def check_rounding_rows(sweep, lists):
+    """A sweep's rule across its rounding columns (the engine runs it with its own checks,
+    before anything is written): a row with a compensation or a key is a bf16 parameter,
+    has one of them, not both, and a key comes with the row's step count (the bits are
+    drawn from it)."""
+    comps, keys = lists.get("comps"), lists.get("keys")
+    if comps is None and keys is None:
+        return
+    params, steps = lists["params"], lists.get("steps")
+    for i, p in enumerate(params):
+        comp = None if comps is None else comps[i]
+        key = None if keys is None else keys[i]
+        if comp is None and key is None:
+            continue
+        what = "comps" if key is None else "keys"
+        if comp is not None and key is not None:
+            raise ValueError(
+                f"{sweep.name}: comps[{i}] and keys[{i}] are both given; a bf16 parameter is "
+                "stored with a Kahan compensation or rounded stochastically, not both: pass "
+                "None for one of them")
+        if getattr(p, "dtype", None) != torch.bfloat16:
+            raise TypeError(
+                f"{sweep.name}: {what}[{i}] is given for params[{i}], which is "
+                f"{getattr(p, 'dtype', type(p).__name__)}; compensations and stochastic "
+                "rounding are for bf16 parameters: pass None for it")
+        if key is not None and (steps is None or steps[i] is None):
+            raise ValueError(
+                f"{sweep.name}: keys[{i}] needs steps[{i}] (the stochastic rounding bits "
+                "are drawn from the step count): pass one fp32 step count per parameter")
+
+
 # What an Adam moment may be kept in (``state_dtype``).
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 # The optional columns every optimizer sweep has for bf16 parameters without masters:
