@@ -26,6 +26,7 @@ import numbers
 import operator
 
 import torch
+from torch.optim import optimizer as _torch_optimizer
 from torch.optim.optimizer import required
 
 from tritamp import compiled
@@ -39,6 +40,11 @@ _data_ptr = torch.Tensor.data_ptr
 _grad_of = operator.attrgetter("grad")
 _is_not_none = functools.partial(operator.is_not, None)
 _is_none = functools.partial(operator.is_, None)
+_profiler_enabled = torch._C._autograd._profiler_enabled
+# torch's global step hooks (register_optimizer_step_pre_hook / _post_hook): dicts that
+# torch fills in place
+_GLOBAL_PRE_HOOKS = _torch_optimizer._global_optimizer_pre_hooks
+_GLOBAL_POST_HOOKS = _torch_optimizer._global_optimizer_post_hooks
 
 
 def _dtype_name(dtype):
@@ -77,6 +83,41 @@ def _describe(value):
     if isinstance(value, torch.Tensor):
         return f"a {_dtype_name(value.dtype)} tensor of shape {tuple(value.shape)}"
     return f"{type(value).__name__} {value!r}"
+
+
+def _hook_step(func):
+    """``func`` (a ``step``) with torch's step hooks, as ``Optimizer.profile_hook_step``
+    gives it, but without entering a ``record_function`` on every call: that range is
+    opened only while a profiler records (or under ``torch.compile``), where torch's own
+    wrapper runs. Pre-hooks, post-hooks (global and per optimizer, in torch's order) and
+    ``_optimizer_step_code`` run as in torch."""
+    profiled = torch.optim.Optimizer.profile_hook_step(func)
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling() or _profiler_enabled():
+            return profiled(*args, **kwargs)
+        self = args[0]
+        if _GLOBAL_PRE_HOOKS or self._optimizer_step_pre_hooks:
+            for pre_hook in (*_GLOBAL_PRE_HOOKS.values(),
+                             *self._optimizer_step_pre_hooks.values()):
+                result = pre_hook(self, args, kwargs)
+                if result is not None:
+                    if isinstance(result, tuple) and len(result) == 2:
+                        args, kwargs = result
+                    else:
+                        raise RuntimeError(f"{func} must return None or a tuple of "
+                                           f"(new_args, new_kwargs), but got {result}.")
+        out = func(*args, **kwargs)
+        self._optimizer_step_code()
+        if self._optimizer_step_post_hooks or _GLOBAL_POST_HOOKS:
+            for post_hook in (*self._optimizer_step_post_hooks.values(),
+                              *_GLOBAL_POST_HOOKS.values()):
+                post_hook(self, args, kwargs)
+        return out
+
+    wrapper.hooked = True
+    return wrapper
 
 
 def _rounding_mode(name, stochastic_rounding, kahan_summation, master_weights, seed):
@@ -289,6 +330,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.step_handoff = StepHandoff()  # what a driver hands each step (tritamp.contract)
         self._track_state()
         compiled.register(self)  # the handle a compiled step passes to its custom op
+
+    def _patch_step_function(self):
+        # torch's Optimizer wraps each class's step once (hooks, profiler range): the same
+        # hooks here, the range only while a profiler records (see _hook_step)
+        self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
+        if not getattr(type(self).step, "hooked", None):
+            type(self).step = _hook_step(type(self).step)
 
     def _track_state(self):
         """Make ``self.state`` count its changes (see :class:`_TrackedState`)."""

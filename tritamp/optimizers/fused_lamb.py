@@ -280,7 +280,9 @@ class FusedMixedPrecisionLamb(FusedLAMB):
     def step(self, closure=None):
         if torch.compiler.is_compiling():  # one custom op runs this eager step
             return compiled.step(self, closure)
-        loss = super().step(closure)
+        # FusedOptimizer's step itself: FusedLAMB.step may be the class's hooked step
+        # (torch's step hooks), which this step, hooked in turn, must not run twice
+        loss = FusedOptimizer.step(self, closure)
         # Apex's group counts: +1 per step taken, +0 on a skipped one, on the device.
         steps = [group["step"] for group in self.param_groups]
         found_inf = self.step_handoff.skipped
