@@ -33,7 +33,13 @@ Nothing here reads a tensor's value on the host.
 import torch
 
 from . import rounding
-from ._multi_tensor import Prepared, _dense
+from ._multi_tensor import GroupChunk, Prepared, _dense
+
+# A group whose step goes through fp32 scratch runs in ranges of about this many elements
+# (1 MiB of fp32 per scratch list: it stays in cache between its copy in, the fused op and
+# its copy out). Fewer elements than this: one range, as before.
+CHUNK_ELEMENTS = 1 << 18
+_F32 = torch.float32
 
 
 class GradWrites:
@@ -114,6 +120,32 @@ def decay_factor(lr, weight_decay, skip):
     if skip is None:
         return factor
     return torch.where(skip.bool(), 1.0, factor)
+
+
+def step_parts(prepared, group, grad_scale, write_grads=False):
+    """What a CPU step runs its body on, one after another: ``(group,)``, or its ranges
+    (:class:`~._multi_tensor.GroupChunk`, see ``CHUNK_ELEMENTS``) when the group is big
+    and goes through fp32 scratch (half parameters, half gradients or moments, or
+    gradients unscaled into scratch). Ranges hold whole tensors, so every tensor sees the
+    same operations as in one call; a rounded group (kernels/rounding.py) is not cut."""
+    lists = group.lists
+    moments = lists.get("exp_avgs")
+    if not (lists["params"][0].dtype != _F32 or lists["grads"][0].dtype != _F32
+            or (grad_scale is not None and not write_grads)
+            or (moments is not None and moments[0].dtype != _F32)) or rounding.rounds(group):
+        return (group,)
+    ranges, span = group.chunks(CHUNK_ELEMENTS)
+    if len(ranges) == 1:
+        return (group,)
+    return [GroupChunk(group, k, a, b, span) for k, (a, b) in enumerate(ranges)]
+
+
+def run_in_parts(prepared, step, grad_scale, write_grads=False):
+    """``prepared.run_cpu`` with ``step`` run on each group's parts (:func:`step_parts`)."""
+    def each(group):
+        for part in step_parts(prepared, group, grad_scale, write_grads):
+            step(part)
+    prepared.run_cpu(each)
 
 
 def fp32_work(prepared, group, params, grads, grad_scale, write_grads=False):

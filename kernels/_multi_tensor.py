@@ -570,7 +570,11 @@ class Prepared:
             g.lists[name] = None
 
     def buffers(self, group, name, like, dtype=torch.float32):
-        """Persistent CPU-path buffers shaped and laid out as ``like`` (see :class:`Scratch`)."""
+        """Persistent CPU-path buffers shaped and laid out as ``like`` (see :class:`Scratch`);
+        for a :class:`GroupChunk`, views into buffers its group's ranges share."""
+        if type(group) is GroupChunk:
+            return self.scratch.shared((group.index, name, "ranges"), group.chunk,
+                                       group.span, like, dtype)
         return self.scratch.like((group.index, name), like, dtype)
 
     def advance_empty_steps(self, found_inf, column="steps"):
@@ -587,13 +591,15 @@ class CpuGroup:
     """The rows of one dtype group on the production CPU path: ``lists`` maps every column
     to this group's tensors (None for an optional column absent from the group), in row
     order; ``dtypes`` is the group key (the dtype of each typed or optional column)."""
-    __slots__ = ("index", "dtypes", "rows", "lists", "_pick", "_counts")
+    __slots__ = ("index", "dtypes", "rows", "lists", "_pick", "_counts", "_scalars", "_chunks")
 
     def __init__(self, index, lists, rows, scalars=()):
         self.index = index
         self.rows = rows
         self._pick = operator.itemgetter(*rows) if len(rows) > 1 else None
         self._counts = {}
+        self._scalars = tuple(scalars)
+        self._chunks = None
         self.lists = {}
         for name, col in lists.items():
             if col is None:
@@ -621,6 +627,55 @@ class CpuGroup:
         if self._pick is None:
             return [col[self.rows[0]]]
         return list(self._pick(col))
+
+    def chunks(self, limit):
+        """``(ranges, span)``: the group's rows cut, in order, into ranges ``(a, b)`` of at
+        most ``limit`` elements each (a larger tensor is a range of its own), and the most
+        elements any range holds; ``([(0, n)], None)`` when the group fits in one range
+        or a tensor of it is not dense (see :class:`GroupChunk`). Planned once per group:
+        its tensors keep their shapes and strides (a rebind brings gradients laid out as
+        the ones it replaces)."""
+        if self._chunks is not None and self._chunks[0] == limit:
+            return self._chunks[1]
+        params = self.lists["params"]
+        sizes = [t.numel() for t in params]
+        ranges, span = [(0, len(params))], None
+        dense = all(_dense(t) for name, col in self.lists.items()
+                    if col is not None and name not in self._scalars
+                    for t in col if t is not None)
+        if sum(sizes) > limit and dense:
+            ranges, a, n = [], 0, 0
+            for i, size in enumerate(sizes):
+                if i > a and n + size > limit:
+                    ranges.append((a, i))
+                    a, n = i, 0
+                n += size
+            ranges.append((a, len(sizes)))
+            span = max(sum(sizes[a:b]) for a, b in ranges)
+        self._chunks = (limit, (ranges, span))
+        return ranges, span
+
+
+class GroupChunk:
+    """Rows ``[a, b)`` of a :class:`CpuGroup`, for a CPU step that runs a big group one
+    range after another: its fp32 scratch (:meth:`Prepared.buffers`) is a set of views
+    into buffers of ``span`` elements shared by every range of the group, so what one
+    range writes there is still in cache when it is read back, and the scratch takes
+    the memory of one range instead of the group's. Looks like a group to the steps:
+    ``index``, ``lists`` (the rows' slices) and :meth:`counted`."""
+    __slots__ = ("index", "lists", "chunk", "span", "_counts")
+
+    def __init__(self, group, chunk, a, b, span):
+        self.index = group.index
+        self.chunk = chunk
+        self.span = span
+        self.lists = {name: None if col is None else col[a:b]
+                      for name, col in group.lists.items()}
+        # re-homed counts (one buffer, a slot per row in row order): the range's slots
+        self._counts = {name: [counts[0][a:b]] for name, counts in group._counts.items()}
+
+    def counted(self, name):
+        return self._counts.get(name) or self.lists[name]
 
 
 def _share_storage(tensors):
@@ -659,6 +714,21 @@ class Scratch:
         return self.kept(key, sig, lambda: [
             torch.empty_like(t, dtype=dtype, memory_format=torch.preserve_format)
             for t in tensors])
+
+    def shared(self, key, chunk, span, tensors, dtype=torch.float32):
+        """Views laid out as ``tensors`` (dense ones) into one buffer of ``span`` elements
+        kept under ``key``: range ``chunk`` of a group whose ranges take turns in it."""
+        flat = self.kept(key, (dtype, span),
+                         lambda: torch.empty(span, dtype=dtype, device=tensors[0].device))
+        sig = (flat.data_ptr(), tuple(map(_size, tensors)), tuple(map(_stride, tensors)))
+
+        def make():
+            views, offset = [], 0
+            for t in tensors:
+                views.append(flat.as_strided(t.shape, t.stride(), offset))
+                offset += t.numel()
+            return views
+        return self.kept(key + (chunk,), sig, make)
 
     def kept(self, key, sig=None, make=None):
         """What ``make()`` built under ``key``, kept while ``sig`` stays the same (made

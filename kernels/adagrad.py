@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from ._dispatch import use_triton  # noqa: F401  (tests read the module's dispatch)
-from ._cpu_optim import (advance_counts, amp_flags, decay_factor, fp32_work, take_grad_writes,
-                         write_back, write_staged_grads)
+from ._cpu_optim import (advance_counts, amp_flags, decay_factor, fp32_work, run_in_parts,
+                         take_grad_writes, write_back, write_staged_grads)
 from .rounding import (ROUNDING_COLUMNS, check_rounding_rows, load_compensated_ref, load_param,
                        step_key, store_rounded_ref, store_updated)
 from ._multi_tensor import Column, Sweep, scalar_arg
@@ -187,7 +187,7 @@ def adagrad_step_cpu(prepared, *, lr, eps, weight_decay=0.0, adagrad_w_mode=Fals
         write_back(params, work_p, lists["copies"], grads if write_grads else None, work_g,
                    rounded=(prepared, group))
 
-    prepared.run_cpu(group_step)
+    run_in_parts(prepared, group_step, grad_scale, write_grads)
     if write_grads:
         write_staged_grads(prepared)
 

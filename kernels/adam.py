@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._cpu_optim import (advance_counts, amp_flags, fp32_work, take_grad_writes, write_back,
-                         write_staged_grads)
+from ._cpu_optim import (advance_counts, amp_flags, fp32_work, run_in_parts, take_grad_writes,
+                         write_back, write_staged_grads)
 from ._multi_tensor import Column, Sweep, device_constants, scalar_arg
 from ._ref_utils import advance_steps, f32 as _f32, sqrt_rn as _sqrt_rn
 from ._tl_utils import (bias_corrections, column, finish_tensor_step, load_f32,
@@ -242,7 +242,7 @@ def adam_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=
         write_back(params, work_p, lists["copies"], grads if write_grads else None, work_g,
                    rounded=(prepared, group))
 
-    prepared.run_cpu(group_step)
+    run_in_parts(prepared, group_step, grad_scale, write_grads)
     if write_grads:
         write_staged_grads(prepared)
 

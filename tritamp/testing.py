@@ -15,7 +15,8 @@ Dispatch
     :func:`force_cpu_path` (the production CPU path even under ``TRITON_INTERPRET=1``),
     :func:`force_gpu_path` (CPU tensors take the CUDA code path: launchers, tables,
     constexprs; pair it with :mod:`tritamp.kernels.recorder`), :func:`cpu_path_forced`,
-    :func:`gpu_path_forced`, :func:`interpreter_on`.
+    :func:`gpu_path_forced`, :func:`interpreter_on`; :func:`cpu_step_ranges` (the size
+    of the ranges a big group's CPU step runs in, see docs/cpu-path.md).
 Kernel internals
     :func:`jit_kernels` (every ``@triton.jit`` function of the kernels, by name, for
     compiling them for a GPU target without a GPU), the multi-tensor engine's
@@ -25,6 +26,7 @@ Kernel internals
 
 See docs/architecture.md (Testing helpers).
 """
+import contextlib
 import importlib
 import pkgutil
 
@@ -42,7 +44,7 @@ __all__ = ["reset_amp", "amp_state", "stash_of", "master_of", "plans_of", "gener
            "force_cpu_path",
            "force_gpu_path", "cpu_path_forced", "gpu_path_forced", "interpreter_on",
            "jit_kernels", "Sweep", "Column", "layout_key", "recording_uploads", "syncbn_geometry",
-           "syncbn_tile"]
+           "syncbn_tile", "cpu_step_ranges"]
 
 
 def amp_state():
@@ -83,3 +85,18 @@ def jit_kernels():
             if isinstance(value, JITFunction) and value.__module__ == mod.__name__:
                 found[name.lstrip("_")] = value
     return found
+
+
+@contextlib.contextmanager
+def cpu_step_ranges(elements):
+    """Inside the block, a fused optimizer's CPU step that goes through fp32 scratch runs
+    a group of more than ``elements`` elements in ranges of about that many (whole
+    tensors each), one after another; the default keeps 1 MiB of fp32 per scratch list.
+    For tests: small tensors then take the path that big models take."""
+    from tritamp.kernels import _cpu_optim
+    old = _cpu_optim.CHUNK_ELEMENTS
+    _cpu_optim.CHUNK_ELEMENTS = int(elements)
+    try:
+        yield
+    finally:
+        _cpu_optim.CHUNK_ELEMENTS = old
