@@ -14,13 +14,14 @@ fp16_utils) and the tests build on, without reaching into the kernels' private m
   benchmarks use to take one path on any device (:func:`force_cpu_path`,
   :func:`force_gpu_path`, :func:`cpu_path_forced`, :func:`gpu_path_forced`).
 - The sweep itself, for tests of its validation: :class:`Sweep`, :class:`Column`; and
-  :func:`recording_uploads`, which lists the launch tables uploaded inside a block.
+  :func:`recording_uploads`, which lists the launch tables uploaded inside a block;
+  :func:`cpu_step_ranges`, the size of the ranges a big group's CPU step runs in.
 
 See docs/multi-tensor-engine.md.
 """
 import contextlib
 
-from . import _multi_tensor
+from . import _cpu_optim, _multi_tensor
 from ._cpu_optim import GradWrites, check_grads_writable, take_grad_writes
 from ._dispatch import (cpu_path_forced, force_cpu_path, force_gpu_path, gpu_code_path,
                         gpu_path_forced, interpreter_on, sm_count, use_triton)
@@ -33,6 +34,7 @@ __all__ = [
     "zero_grads_", "GradWrites", "check_grads_writable", "take_grad_writes",
     "use_triton", "interpreter_on", "force_cpu_path", "force_gpu_path", "cpu_path_forced",
     "gpu_path_forced", "gpu_code_path", "sm_count", "Sweep", "Column", "recording_uploads",
+    "cpu_step_ranges",
 ]
 
 
@@ -52,3 +54,17 @@ def recording_uploads():
         yield uploads
     finally:
         _multi_tensor._upload = real
+
+
+@contextlib.contextmanager
+def cpu_step_ranges(elements):
+    """Inside the block, a fused optimizer's CPU step that goes through fp32 scratch runs
+    a group of more than ``elements`` elements in ranges of about that many (whole
+    tensors each), one after another; by default a range holds 2^18 elements (1 MiB of
+    fp32 per scratch list). For tests: small tensors then take the path big models take."""
+    old = _cpu_optim.CHUNK_ELEMENTS
+    _cpu_optim.CHUNK_ELEMENTS = int(elements)
+    try:
+        yield
+    finally:
+        _cpu_optim.CHUNK_ELEMENTS = old

@@ -26,7 +26,6 @@ Kernel internals
 
 See docs/architecture.md (Testing helpers).
 """
-import contextlib
 import importlib
 import pkgutil
 
@@ -34,9 +33,9 @@ from tritamp import kernels as _kernels
 from tritamp.amp.model import master_of
 from tritamp.amp.state import _amp_state
 from tritamp.amp.state import reset as reset_amp
-from tritamp.kernels.engine import (Column, Sweep, cpu_path_forced, force_cpu_path,
-                                    force_gpu_path, gpu_path_forced, interpreter_on, layout_key,
-                                    recording_uploads)
+from tritamp.kernels.engine import (Column, Sweep, cpu_path_forced, cpu_step_ranges,
+                                    force_cpu_path, force_gpu_path, gpu_path_forced,
+                                    interpreter_on, layout_key, recording_uploads)
 from tritamp.kernels.syncbn import _Geometry as syncbn_geometry
 from tritamp.kernels.syncbn import _syncbn_tile as syncbn_tile
 
@@ -86,17 +85,3 @@ def jit_kernels():
                 found[name.lstrip("_")] = value
     return found
 
-
-@contextlib.contextmanager
-def cpu_step_ranges(elements):
-    """Inside the block, a fused optimizer's CPU step that goes through fp32 scratch runs
-    a group of more than ``elements`` elements in ranges of about that many (whole
-    tensors each), one after another; the default keeps 1 MiB of fp32 per scratch list.
-    For tests: small tensors then take the path that big models take."""
-    from tritamp.kernels import _cpu_optim
-    old = _cpu_optim.CHUNK_ELEMENTS
-    _cpu_optim.CHUNK_ELEMENTS = int(elements)
-    try:
-        yield
-    finally:
-        _cpu_optim.CHUNK_ELEMENTS = old
