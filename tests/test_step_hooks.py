@@ -105,3 +105,25 @@ def test_lr_scheduler_sees_the_step(cpu_path):
         opt.step()
         sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_step_runs_without_autograd_and_restores_grad_mode(enabled, cpu_path):
+    p, opt = _stepped(FusedSGD, dict(lr=0.1, momentum=0.9))
+    seen = []
+    opt.register_step_post_hook(lambda o, a, k: seen.append(torch.is_grad_enabled()))
+
+    def closure():
+        seen.append(torch.is_grad_enabled())  # a closure runs with autograd on, as in torch
+        return torch.zeros(())
+
+    with torch.set_grad_enabled(enabled):
+        opt.step(closure)
+        assert torch.is_grad_enabled() is enabled
+        assert p.grad_fn is None and p.is_leaf
+        # a refused step (a sparse gradient) leaves the mode as it was too
+        p.grad = torch.randn(8).to_sparse()
+        with pytest.raises(RuntimeError, match="sparse"):
+            opt.step()
+        assert torch.is_grad_enabled() is enabled
+    assert seen == [True, enabled]

@@ -41,6 +41,8 @@ _grad_of = operator.attrgetter("grad")
 _is_not_none = functools.partial(operator.is_not, None)
 _is_none = functools.partial(operator.is_, None)
 _profiler_enabled = torch._C._autograd._profiler_enabled
+_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
 # torch's global step hooks (register_optimizer_step_pre_hook / _post_hook): dicts that
 # torch fills in place
 _GLOBAL_PRE_HOOKS = _torch_optimizer._global_optimizer_pre_hooks
@@ -925,12 +927,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         made = iter(made.to(device).unbind(0))
         return {"keys": [next(made) if b else None for b in bf16]}
 
-    @torch.no_grad()
     def step(self, closure=None):
-        """One fused step (see the module docstring). Under ``torch.compile`` the step is
-        one custom op whose implementation is this eager step (:mod:`tritamp.compiled`)."""
+        """One fused step (see the module docstring), with autograd off. Under
+        ``torch.compile`` the step is one custom op whose implementation is this eager
+        step (:mod:`tritamp.compiled`)."""
         if torch.compiler.is_compiling():
-            return compiled.step(self, closure)
+            with torch.no_grad():
+                return compiled.step(self, closure)
         # torch's LR schedulers check that optimizer.step() ran (they leave this step
         # unwrapped: see _wrapped_by_lr_sched below)
         self._opt_called = True
@@ -938,6 +941,25 @@ class FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # torch.no_grad() without its context object (a few microseconds a step)
+        if _grad_enabled():
+            _set_grad_enabled(False)
+            try:
+                self._step_groups()
+            finally:
+                _set_grad_enabled(True)
+        else:
+            self._step_groups()
+        return loss
+
+    # torch's LR schedulers wrap an optimizer's step to note that it ran, unless it says it
+    # does so itself (as this one does): their wrapper lives in a file Dynamo does not
+    # trace, and would break a torch.compile(optimizer.step, fullgraph=True).
+    step._wrapped_by_lr_sched = True
+
+    def _step_groups(self):
+        """The step itself, autograd off: every group's plan, validated before anything is
+        written, then every group's launch."""
         handoff = self.step_handoff
         _, grad_scale, found_inf, write_grads = handoff.take(self)
         fresh = []
@@ -972,12 +994,6 @@ class FusedOptimizer(torch.optim.Optimizer):
             handoff.reset()  # no stale handoff for the next step
             raise
         handoff.stepped()
-        return loss
-
-    # torch's LR schedulers wrap an optimizer's step to note that it ran, unless it says it
-    # does so itself (as this one does): their wrapper lives in a file Dynamo does not
-    # trace, and would break a torch.compile(optimizer.step, fullgraph=True).
-    step._wrapped_by_lr_sched = True
 
     def _shard_reduce(self):
         """The :class:`~tritamp.sharding.ShardReduce` of this optimizer's DTensor
