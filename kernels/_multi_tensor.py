@@ -698,6 +698,16 @@ def _share_storage(tensors):
     return buf
 
 
+def flat_views(flat, tensors):
+    """Views of the 1-D buffer ``flat``, one per tensor of ``tensors`` (dense ones), laid
+    out as it and placed one after another: the first ``sum(numel)`` elements."""
+    views, offset = [], 0
+    for t in tensors:
+        views.append(flat.as_strided(t.shape, t.stride(), flat.storage_offset() + offset))
+        offset += t.numel()
+    return views
+
+
 class Scratch:
     """Buffers the production CPU path keeps across steps (fp32 working copies of half
     parameters, fp32 gradients of fp32 masters). Whoever keeps a prepared sweep keeps its
@@ -721,14 +731,7 @@ class Scratch:
         flat = self.kept(key, (dtype, span),
                          lambda: torch.empty(span, dtype=dtype, device=tensors[0].device))
         sig = (flat.data_ptr(), tuple(map(_size, tensors)), tuple(map(_stride, tensors)))
-
-        def make():
-            views, offset = [], 0
-            for t in tensors:
-                views.append(flat.as_strided(t.shape, t.stride(), offset))
-                offset += t.numel()
-            return views
-        return self.kept(key + (chunk,), sig, make)
+        return self.kept(key + (chunk,), sig, lambda: flat_views(flat, tensors))
 
     def kept(self, key, sig=None, make=None):
         """What ``make()`` built under ``key``, kept while ``sig`` stays the same (made

@@ -32,7 +32,8 @@ from ._tl_utils import (bias_corrections, column, finish_tensor_step, load_f32,
                         load_grad, load_lr, store_cast, sweep_block, tensor_step,
                         unscale_factor)
 from .rounding import (MOMENT_DTYPES, ROUNDING_COLUMNS, check_rounding_rows, load_compensated_ref,
-                       load_param, step_key, store_rounded_ref, store_updated)
+                       load_param, row_rounding_ref, step_key, store_rounded_ref,
+                       store_updated)
 
 ADAM = Sweep("adam_step", [
     Column("params", "param"), Column("grads", "grad"),
@@ -270,8 +271,7 @@ def adam_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, comp
             g = g * inv
             if write_grads:
                 grads[i].copy_(g if keep is None else torch.where(keep, g, grads[i].float()))
-        comp = None if comps is None else comps[i]
-        key = None if keys is None or keys[i] is None else int(keys[i])
+        comp, key = row_rounding_ref(comps, keys, i)
         pf = x0 = load_compensated_ref(p, comp)
         m0, v0 = exp_avgs[i].float(), exp_avg_sqs[i].float()
         lr_v = lr.float() if isinstance(lr, torch.Tensor) else lr

@@ -61,7 +61,7 @@ from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step
 from ._cpu_optim import advance_counts, amp_flags, take_grad_writes, write_staged_grads
 from . import rounding
 from .rounding import (ROUNDING_COLUMNS, check_rounding_rows, load_compensated_ref, load_param,
-                       step_key, store_rounded_ref, store_updated)
+                       row_rounding_ref, step_key, store_rounded_ref, store_updated)
 from .l2norm import (SegmentLayout, bias_correction_terms, reduce_by_rows, reduce_segments,
                      scalar_views, segment_pairs)
 
@@ -704,8 +704,7 @@ def lamb_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, comp
             gn = global_grad_norm.float().reshape(())
             mx = _f32(max_grad_norm)
             g = g / torch.where(gn > mx, gn / mx, _f32(1.0))
-        comp = None if comps is None else comps[i]
-        key = None if keys is None or keys[i] is None else int(keys[i])
+        comp, key = row_rounding_ref(comps, keys, i)
         pf = load_compensated_ref(p, comp)
         if not adam_w_mode and has_decay:
             g = g + _f32(weight_decay) * pf

@@ -52,7 +52,7 @@ from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step
                         tensor_step, unscale_factor)
 from ._cpu_optim import advance_counts, amp_flags, take_grad_writes, write_staged_grads
 from .rounding import (ROUNDING_COLUMNS, check_rounding_rows, load_compensated_ref, load_param,
-                       step_key, store_rounded_ref, store_updated)
+                       row_rounding_ref, step_key, store_rounded_ref, store_updated)
 from .l2norm import (SEGMENT_BLOCK, SegmentLayout, SquareSums, bias_correction_terms,
                      reduce_by_rows, scalar_views)
 from .lamb import (_CpuLists, bias_correction_f32, cpu_lists, first_moment, fp32_grads,
@@ -563,8 +563,7 @@ def novograd_step_ref(params, grads, exp_avgs, exp_avg_sqs, steps, copies=None, 
         else:
             bc1 = bc2 = _f32(1.0)
         lr_v = lr.float().reshape(()) if isinstance(lr, torch.Tensor) else _f32(lr)
-        comp = None if comps is None else comps[i]
-        key = None if keys is None or keys[i] is None else int(keys[i])
+        comp, key = row_rounding_ref(comps, keys, i)
         pf = load_compensated_ref(p, comp)
         denom = v / bc2 + _f32(eps)
         if reg_inside_moment:

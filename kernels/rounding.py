@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._multi_tensor import Column
+from ._multi_tensor import Column, _size, _stride, flat_views
 from ._tl_utils import from_bf16, load_f32, store_param, to_bf16
 
 def check_rounding_rows(sweep, lists):
@@ -160,6 +160,14 @@ def store_rounded_ref(p, x, comp=None, key=None, count=None):
         p.copy_(x)
 
 
+def row_rounding_ref(comps, keys, i):
+    """``(comp, key)`` of row ``i`` for the oracles: its Kahan compensation (or None) and
+    its stochastic rounding key as a Python int (or None)."""
+    comp = None if comps is None else comps[i]
+    key = None if keys is None or keys[i] is None else int(keys[i])
+    return comp, key
+
+
 def load_compensated_ref(p, comp=None):
     """A parameter as fp32, plus its compensation when it has one."""
     return p.float() if comp is None else p.float() + comp.float()
@@ -259,10 +267,7 @@ class _CpuRounding:
         numels = [p.numel() for p in params]
         total = sum(numels)
         self.flat = torch.empty(total, dtype=torch.float32, device=params[0].device)
-        self.views, start = [], 0
-        for p, n in zip(params, numels):
-            self.views.append(self.flat[start:start + n].as_strided(p.shape, p.stride()))
-            start += n
+        self.views = flat_views(self.flat, params)
         self.offsets = self.owners = self.keys = self.bits = self.tmp = None
         if keys is not None:
             self.keys = torch.stack([k.reshape(()) for k in keys])
@@ -296,7 +301,7 @@ def _cpu_state(prepared, group, params=None):
     if params is None:
         return prepared.scratch.kept((group.index, "rounding"))
     keys = group.lists.get("keys")
-    sig = (tuple(p.shape for p in params), tuple(p.stride() for p in params),
+    sig = (tuple(map(_size, params)), tuple(map(_stride, params)),
            None if keys is None else tuple(map(id, keys)))
     return prepared.scratch.kept((group.index, "rounding"), sig,
                                  lambda: _CpuRounding(params, keys))

@@ -31,7 +31,7 @@ from ._dispatch import use_triton  # noqa: F401  (tests read the module's dispat
 from ._cpu_optim import (advance_counts, amp_flags, decay_factor, fp32_work, run_in_parts,
                          take_grad_writes, write_back, write_staged_grads)
 from .rounding import (ROUNDING_COLUMNS, check_rounding_rows, load_compensated_ref, load_param,
-                       step_key, store_rounded_ref, store_updated)
+                       row_rounding_ref, step_key, store_rounded_ref, store_updated)
 from ._multi_tensor import Column, Sweep, scalar_arg
 from ._ref_utils import advance_steps, f32
 from ._tl_utils import (column, column_f32, finish_tensor_step, load_grad, load_lr,
@@ -309,8 +309,7 @@ def sgd_step_ref(params, grads, momentum_buffers=None, copies=None, *, lr, momen
         g = grads[i].float()
         if inv is not None:
             g = g * inv
-        comp = None if comps is None else comps[i]
-        key = None if keys is None or keys[i] is None else int(keys[i])
+        comp, key = row_rounding_ref(comps, keys, i)
         pf = load_compensated_ref(p, comp)
         if not wd_after_momentum:
             g = g + f32(weight_decay) * pf

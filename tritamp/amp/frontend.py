@@ -98,9 +98,9 @@ def _check_optimizers(optimizers, models, props):
                                f"once; optimizers[{seen[id(inner)]}] and optimizers[{i}] are "
                                "the same optimizer. Pass each optimizer once.")
         seen[id(inner)] = i
-        rounding = getattr(inner, "_rounding", None)
-        if rounding is not None and props.master_weights:
-            flag = "stochastic_rounding" if rounding == "stochastic" else "kahan_summation"
+        flag = next((f for f in ("stochastic_rounding", "kahan_summation")
+                     if getattr(inner, f, False) is True), None)
+        if flag is not None and props.master_weights:
             raise ValueError(
                 f"optimizers[{i}] ({type(inner).__name__}) has {flag}=True, which stores bf16 "
                 "weights without fp32 masters, but this opt_level keeps fp32 master weights "

@@ -865,7 +865,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                                                       device=target.device))
         if self._rounding == "kahan" and target.dtype == torch.bfloat16 \
                 and "kahan_comp" not in st:
-            dict.__setitem__(st, "kahan_comp", self._zero_state(p, target, torch.bfloat16))
+            dict.__setitem__(st, "kahan_comp",
+                             self._zero_state(p, target, self._state_dtype("kahan_comp")))
         return st
 
     # -- bf16 parameters without masters: stochastic rounding, Kahan summation ---------------
