@@ -62,8 +62,11 @@ def cpu_step_ranges(elements):
     a group of more than ``elements`` elements in ranges of about that many (whole
     tensors each), one after another; by default a range holds 2^18 elements (1 MiB of
     fp32 per scratch list). For tests: small tensors then take the path big models take."""
+    if isinstance(elements, bool) or not isinstance(elements, int) or elements < 1:
+        raise ValueError(f"cpu_step_ranges: elements must be a positive int (elements per "
+                         f"range), got {elements!r}")
     old = _cpu_optim.CHUNK_ELEMENTS
-    _cpu_optim.CHUNK_ELEMENTS = int(elements)
+    _cpu_optim.CHUNK_ELEMENTS = elements
     try:
         yield
     finally:

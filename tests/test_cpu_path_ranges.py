@@ -165,3 +165,10 @@ def test_amp_ranges_are_bitwise_one_call(level, kw, overflow_at):
     if overflow_at is not None:  # the skipped step changed nothing, in ranges too
         for a, b in zip(ranged[overflow_at - 1], ranged[overflow_at]):
             assert_bits_equal(a, b, "skipped step")
+
+
+@pytest.mark.parametrize("bad", [0, -5, 2.5, True, "600"])
+def test_cpu_step_ranges_refuses_a_bad_size(bad):
+    with pytest.raises(ValueError, match="elements must be a positive int"):
+        with cpu_step_ranges(bad):
+            pass
