@@ -389,36 +389,73 @@ NORM_WIDTH, NORM_ROWS = 1024, 1
 NORM_TARGET_US = {"forward": 10.0, "forward+backward": 50.0}
 
 
+class _FloorFunction(torch.autograd.Function):
+    """A Python autograd Function that launches nothing: its forward allocates the output
+    and saves the operands, its backward hands the incoming gradient on and returns
+    preallocated parameter gradients. What any eager norm written in Python pays before
+    its own work: the floor column."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, grads):
+        ctx.save_for_backward(x, weight, bias)
+        ctx.grads = grads
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        dw, db = ctx.grads
+        return dy, dw, db, None
+
+
+class _FloorNorm(torch.nn.Module):
+    def __init__(self, width, bias):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(width, dtype=torch.bfloat16))
+        self.bias = (torch.nn.Parameter(torch.zeros(width, dtype=torch.bfloat16)) if bias
+                     else None)
+        self._grads = (torch.zeros_like(self.weight),
+                       None if self.bias is None else torch.zeros_like(self.bias))
+
+    def forward(self, x):
+        return _FloorFunction.apply(x, self.weight, self.bias, self._grads)
+
+
 def _norm_cases():
-    """(name, ours, torch's): FusedLayerNorm / FusedRMSNorm on the GPU code path, and
-    torch's nn.LayerNorm / nn.RMSNorm on the CPU, both on one bf16 row of 1024: Python,
-    dispatch, autograd and the gradient accumulation with almost no arithmetic (torch's
-    CPU kernels run on one row; on a GPU its kernels would run asynchronously)."""
+    """(name, ours, torch's, floor): FusedLayerNorm / FusedRMSNorm on the GPU code path,
+    torch's nn.LayerNorm / nn.RMSNorm on the CPU, both on one bf16 row of 1024 (Python,
+    dispatch, autograd and the gradient accumulation with almost no arithmetic: torch's
+    CPU kernels run on one row; on a GPU its kernels would run asynchronously), and the
+    floor: a module calling :class:`_FloorFunction` with the same parameters."""
     from tritamp.normalization import FusedLayerNorm, FusedRMSNorm
     torch.manual_seed(0)
     x = torch.randn(NORM_ROWS, NORM_WIDTH, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(NORM_ROWS, NORM_WIDTH, dtype=torch.bfloat16)
     x1, dy1 = x.detach().clone().requires_grad_(), dy.clone()
+    x2 = x.detach().clone().requires_grad_()
     cases = []
-    for name, ours_cls, torch_cls in (("LayerNorm", FusedLayerNorm, torch.nn.LayerNorm),
-                                      ("RMSNorm", FusedRMSNorm, torch.nn.RMSNorm)):
+    for name, ours_cls, torch_cls, bias in (
+            ("LayerNorm", FusedLayerNorm, torch.nn.LayerNorm, True),
+            ("RMSNorm", FusedRMSNorm, torch.nn.RMSNorm, False)):
         ours = ours_cls(NORM_WIDTH).to(torch.bfloat16)
         theirs = torch_cls(NORM_WIDTH).to(torch.bfloat16)
-        cases.append((f"{name} forward", lambda m=ours: m(x), lambda m=theirs: m(x1)))
+        floor = _FloorNorm(NORM_WIDTH, bias)
+        cases.append((f"{name} forward", lambda m=ours: m(x), lambda m=theirs: m(x1),
+                      lambda m=floor: m(x2)))
         cases.append((f"{name} forward+backward", lambda m=ours: m(x).backward(dy),
-                      lambda m=theirs: m(x1).backward(dy1)))
+                      lambda m=theirs: m(x1).backward(dy1),
+                      lambda m=floor: m(x2).backward(dy)))
     return cases
 
 
 def run_norms(rounds, calls_per_round=200, warmup=20):
-    """Median us per call of every norm case and of torch's, rounds interleaved; the
-    launches one call records."""
+    """Median us per call of every norm case, of torch's and of the floor, rounds
+    interleaved; the launches one call records."""
     from tritamp.kernels.recorder import record_launches
     cases = _norm_cases()
-    times = {name: ([], []) for name, _, _ in cases}
+    times = {name: ([], [], []) for name, *_ in cases}
     launches = {}
     with record_launches() as rec:
-        for name, ours, theirs in cases:
+        for name, ours, theirs, floor in cases:
             for _ in range(warmup):
                 ours()
             rec.launches.clear()
@@ -426,31 +463,32 @@ def run_norms(rounds, calls_per_round=200, warmup=20):
             launches[name] = [launch.name for launch in rec.launches]
             for _ in range(warmup):
                 theirs()
-        for _ in range(rounds):  # ours and torch's interleaved, case by case
-            for name, ours, theirs in cases:
-                for fn, out in ((ours, times[name][0]), (theirs, times[name][1])):
+                floor()
+        for _ in range(rounds):  # ours, torch's and the floor interleaved, case by case
+            for name, *fns in cases:
+                for fn, out in zip(fns, times[name]):
                     t0 = time.perf_counter()
                     for _ in range(calls_per_round):
                         fn()
                     out.append((time.perf_counter() - t0) / calls_per_round * 1e6)
     rows = []
-    for name, _, _ in cases:
-        ours_us = statistics.median(times[name][0])
-        torch_us = statistics.median(times[name][1])
+    for name, *_ in cases:
+        ours_us, torch_us, floor_us = (statistics.median(t) for t in times[name])
         kind = name.split(" ", 1)[1]
         rows.append(dict(case=name, ours_us=ours_us, torch_us=torch_us,
-                         ratio=ours_us / torch_us, target_us=NORM_TARGET_US[kind],
-                         launches=launches[name]))
+                         ratio=ours_us / torch_us, floor_us=floor_us,
+                         target_us=NORM_TARGET_US[kind], launches=launches[name]))
     return rows
 
 
 def norm_table(rows):
-    lines = ["| call | tritamp (us) | torch (us) | ratio | target (us) | launches |",
-             "|---|---:|---:|---:|---:|---|"]
+    lines = ["| call | tritamp (us) | torch (us) | ratio | Python Function floor (us) | "
+             "target (us) | launches |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         met = "met" if r["ours_us"] <= r["target_us"] else "not met"
         lines.append(f"| {r['case']} | {r['ours_us']:.1f} | {r['torch_us']:.1f} | "
-                     f"{r['ratio']:.2f} | {r['target_us']:.0f} ({met}) | "
+                     f"{r['ratio']:.2f} | {r['floor_us']:.1f} | {r['target_us']:.0f} ({met}) | "
                      f"{len(r['launches'])}: {', '.join(r['launches'])} |")
     return "\n".join(lines)
 

@@ -345,6 +345,7 @@ def _check(x, n, weight, bias):
 
 
 _FWD = KeptKernel(_layer_norm_fwd_kernel)
+_ROW_MAJOR = torch.contiguous_format
 _FWD_PLANS = {}
 
 
@@ -371,7 +372,9 @@ def layer_norm_fwd(x, n, weight=None, bias=None, eps=1e-5, rms=False, out_dtype=
     device = x.device
     x2, stride = _rows(x, n)
     m = x.numel() // n
-    y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=device)
+    # (empty_like with an explicit format: a row-major output, at half the cost of
+    # torch.empty(x.shape, ...))
+    y = torch.empty_like(x, dtype=out_dtype or x.dtype, memory_format=_ROW_MAJOR)
     rstd = torch.empty(m, dtype=torch.float32, device=device)
     mean = None if rms else torch.empty(m, dtype=torch.float32, device=device)
     if m == 0:
@@ -472,10 +475,10 @@ def layer_norm_bwd(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, r
     if not dy.is_contiguous():
         dy = dy.contiguous()
     m = saved.numel() // n
-    dx = torch.empty(saved.shape, dtype=x_dtype or saved.dtype, device=device)
+    dx = torch.empty_like(saved, dtype=x_dtype or saved.dtype, memory_format=_ROW_MAJOR)
     has_w, has_b = weight is not None, bias is not None and not rms
-    dw = torch.empty(weight.shape, dtype=weight.dtype, device=device) if has_w else None
-    db = torch.empty(bias.shape, dtype=bias.dtype, device=device) if has_b else None
+    dw = torch.empty_like(weight, memory_format=_ROW_MAJOR) if has_w else None
+    db = torch.empty_like(bias, memory_format=_ROW_MAJOR) if has_b else None
     if m == 0:
         for g in (dw, db):
             if g is not None:
@@ -487,8 +490,9 @@ def layer_norm_bwd(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, r
         bias = bias.contiguous()
     plan = _bwd_plan(n, m, device, max_block, rms, has_w, has_b, from_output)
     programs = plan.programs
-    dw_part = torch.empty((programs, n), dtype=torch.float32, device=device) if has_w else None
-    db_part = torch.empty((programs, n), dtype=torch.float32, device=device) if has_b else None
+    # partial rows [programs, n], flat (the kernels index them as pid * n + column)
+    dw_part = torch.empty(programs * n, dtype=torch.float32, device=device) if has_w else None
+    db_part = torch.empty(programs * n, dtype=torch.float32, device=device) if has_b else None
     stats = rstd if plan.one_pass else torch.empty((m, 2), dtype=torch.float32, device=device)
     any_part = dw_part if has_w else (db_part if has_b else rstd)
     _BWD.launch((programs,), (

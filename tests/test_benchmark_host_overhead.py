@@ -59,10 +59,11 @@ def test_norm_host_cost_rows(tmp_path):
     assert set(rows) == {f"{n} {k}" for n in ("LayerNorm", "RMSNorm")
                          for k in ("forward", "forward+backward")}
     for name, r in rows.items():
-        assert r["ours_us"] > 0 and r["torch_us"] > 0
+        assert r["ours_us"] > 0 and r["torch_us"] > 0 and r["floor_us"] > 0
         if name.endswith("forward+backward"):
             assert r["launches"] == ["_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel",
                                      "_layer_norm_bwd_reduce_kernel"]
         else:
             assert r["launches"] == ["_layer_norm_fwd_kernel"]
     assert "| LayerNorm forward |" in proc.stdout
+    assert "Python Function floor (us)" in proc.stdout

@@ -118,6 +118,52 @@ def test_functional_forms_match_torch():
                                F.layer_norm(x, (30,), w, b, 1e-6), **tol)
 
 
+def test_non_contiguous_parameters_get_gradients_in_their_layout():
+    """A 2-D normalized shape with transposed weight and bias: each gradient comes back
+    with its parameter's shape and values (the launchers write row-major buffers)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 5, 6, generator=g)
+    dy = torch.randn(3, 5, 6, generator=g)
+    w_base = (1 + 0.2 * torch.randn(6, 5, generator=g)).requires_grad_()
+    b_base = (0.2 * torch.randn(6, 5, generator=g)).requires_grad_()
+    w, b = w_base.t(), b_base.t()
+    assert not w.is_contiguous() and not b.is_contiguous()
+    grads = []
+    for fn in (lambda xx: fused_layer_norm_affine(xx, w, b, (5, 6), 1e-5),
+               lambda xx: F.layer_norm(xx, (5, 6), w, b, 1e-5)):
+        xx = x.clone().requires_grad_()
+        fn(xx).backward(dy)
+        grads.append((xx.grad, w_base.grad.clone(), b_base.grad.clone()))
+        w_base.grad = b_base.grad = None
+    for ours, want in zip(*grads):
+        torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm])
+def test_create_graph_gives_the_gradients_and_refuses_a_second_derivative(cls):
+    """backward(create_graph=True) returns the same first-order gradients; differentiating
+    them again raises, as torch's once_differentiable makes it (no silent zeros)."""
+    m = _randomise(cls(16))
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(4, 16, generator=g)
+    dy = torch.randn(4, 16, generator=g)
+    _, want_dx, want_grads = _fwd_bwd(m, x, dy)
+    m.zero_grad(set_to_none=True)
+    xx = x.clone().requires_grad_()
+    dy_leaf = dy.clone().requires_grad_()  # (a differentiable incoming gradient)
+    (dx,) = torch.autograd.grad(m(xx), xx, dy_leaf, create_graph=True)
+    torch.testing.assert_close(dx.detach(), want_dx, rtol=0, atol=0)
+    assert dx.requires_grad
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dx.sum().backward()
+    # without create_graph the gradient is a plain tensor
+    m.zero_grad(set_to_none=True)
+    xx = x.clone().requires_grad_()
+    (dx,) = torch.autograd.grad(m(xx), xx, dy)
+    assert not dx.requires_grad
+    torch.testing.assert_close(dx, want_dx, rtol=0, atol=0)
+
+
 def test_mixed_output_takes_parameter_dtype():
     g = torch.Generator().manual_seed(6)
     x = torch.randn(4, 32, generator=g).bfloat16().requires_grad_()

@@ -77,6 +77,21 @@ def _norm_backward(ctx, dy, _dmean, _drstd):
 _norm_fwd.register_autograd(_norm_backward, setup_context=_norm_setup_context)
 
 
+def _eager_grads(ctx, dy):
+    saved, weight, bias, mean, rstd = ctx.saved_tensors
+    n, rms, from_output, x_dtype = ctx.config
+    dx, dw, db = layer_norm_bwd(dy.contiguous(), saved, n, weight, bias,
+                                None if rms or from_output else mean, rstd, rms, from_output,
+                                x_dtype)
+    return (dx, dw if weight is not None else None,
+            db if bias is not None and not rms else None, None, None, None, None, None)
+
+
+# create_graph=True: the gradients are not differentiable again (torch's wrapper makes a
+# second backward through them raise)
+_eager_grads_once = torch.autograd.function.once_differentiable(_eager_grads)
+
+
 class _EagerNorm(torch.autograd.Function):
     """The same forward and backward as the custom ops, for eager mode: a Function calls
     the launchers directly, without the custom-op dispatch (about 15 us of Python a
@@ -86,18 +101,16 @@ class _EagerNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, n, eps, rms, out_dtype, memory_efficient):
         y, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, rms, out_dtype)
         ctx.save_for_backward(y if memory_efficient else x, weight, bias, mean, rstd)
-        ctx.n, ctx.rms, ctx.from_output, ctx.x_dtype = n, rms, memory_efficient, x.dtype
+        ctx.config = (n, rms, memory_efficient, x.dtype)
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        saved, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dw, db = layer_norm_bwd(dy.contiguous(), saved, ctx.n, weight, bias,
-                                    None if ctx.rms or ctx.from_output else mean, rstd,
-                                    ctx.rms, ctx.from_output, ctx.x_dtype)
-        return (dx, dw if weight is not None else None,
-                db if bias is not None and not ctx.rms else None, None, None, None, None, None)
+        # The usual backward runs with grad mode off: the gradients straight away, without
+        # once_differentiable's no_grad block (a few microseconds a call).
+        if torch.is_grad_enabled():
+            return _eager_grads_once(ctx, dy)
+        return _eager_grads(ctx, dy)
 
 
 _is_compiling = torch.compiler.is_compiling
