@@ -376,6 +376,37 @@ def test_scale_loss_with_an_optimizer_not_initialised():
             pass
 
 
+@pytest.mark.parametrize("second", [dict(opt_level="O3", half_dtype=torch.bfloat16),
+                                    dict(opt_level="O2"), dict(enabled=False)],
+                         ids=["O3-bf16", "O2-again", "disabled"])
+def test_scale_loss_refuses_an_optimizer_of_an_earlier_initialize(second):
+    """A second initialize replaces amp's properties and scalers: an O2 optimizer from the
+    first call would have its masters silently left as they were (bf16 O3's exit does
+    nothing), so scale_loss refuses it, naming the fix; nothing is touched."""
+    model = mlp()
+    model, opt = amp.initialize(model, sgd(model), opt_level="O2", verbosity=0)
+    x, y = mlp_batch()
+    amp_step(model, opt, x, y)
+    model2 = mlp()
+    model2, opt2 = amp.initialize(model2, sgd(model2), verbosity=0, **second)
+    before = [p.detach().clone() for p in model.parameters()]
+    masters = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+    scalers = amp.state_dict()
+    loss = mse(model(x), y)
+    with pytest.raises(RuntimeError, match="the current amp.initialize did not prepare.*one "
+                                           "amp.initialize call"):
+        with amp.scale_loss(loss, opt):
+            pass
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert all(torch.equal(b, p) for b, p in zip(
+        masters, [p for g in opt.param_groups for p in g["params"]]))
+    assert amp.state_dict() == scalers
+    # the new call's optimizer trains
+    before2 = [p.detach().clone() for p in model2.parameters()]
+    amp_step(model2, opt2, x, y)
+    assert all(not torch.equal(b, p) for b, p in zip(before2, model2.parameters()))
+
+
 # --------------------------------------------------------------------------------------
 # argparse strings
 # --------------------------------------------------------------------------------------

@@ -36,10 +36,21 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
         raise RuntimeError("Invoked 'with amp.scale_loss`, but internal Amp state has not been "
                            "initialized.  model, optimizer = amp.initialize(model, optimizer, "
                            "opt_level=...) must be called before `with amp.scale_loss`.")
+    optimizers = _as_list(optimizers)
+    for opt in optimizers:
+        stash = getattr(opt, "_amp_stash", None)
+        if stash is not None and stash.initialized_by is not props:
+            raise RuntimeError(
+                f"scale_loss got an optimizer ({type(opt).__name__}) that the current "
+                "amp.initialize did not prepare: a later amp.initialize call replaced amp's "
+                "properties and loss scalers (or the optimizer belongs to an FP16_Optimizer), "
+                "so its gradients would be handled with another call's settings (an O2 "
+                "optimizer's master weights would silently not be updated). Pass every model "
+                "and optimizer to one amp.initialize call (as lists), or build a fresh "
+                "optimizer and pass it to the new call.")
     if not props.enabled:
         yield loss
         return
-    optimizers = _as_list(optimizers)
     for opt in optimizers:
         if not hasattr(opt, "_amp_stash"):
             raise RuntimeError(f"scale_loss got an optimizer ({type(opt).__name__}) that did not go "

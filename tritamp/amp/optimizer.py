@@ -53,6 +53,9 @@ from .state import logger
 class AmpStash:
     def __init__(self, optimizer, master_weights):
         self.master_weights = bool(master_weights)
+        # the Properties of the amp.initialize call that prepared this optimizer (None for
+        # FP16_Optimizer's): scale_loss refuses it once a later call replaced amp's state
+        self.initialized_by = None
         self.supports_amp_scaling = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         # An optimizer that speaks tritamp's step contract (tritamp.contract) is handed
         # each step through its StepHandoff; it reads a master's gradient from the half
@@ -517,6 +520,7 @@ def process_optimizer(optimizer, properties):
         raise RuntimeError("A given optimizer should only be passed through amp.initialize once. "
                            "Create a fresh optimizer over the model returned by initialize.")
     stash = AmpStash(optimizer, properties.master_weights)
+    stash.initialized_by = properties
     for group in optimizer.param_groups:
         stash.adopt_group(group, optimizer)
     optimizer._amp_stash = stash
