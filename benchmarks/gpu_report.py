@@ -144,7 +144,8 @@ def main(argv=None):
         results.append(run_step(name, cmd, limit))
         print(f"gpu_report: {name}: {results[-1]['status']} in {results[-1]['seconds']} s",
               flush=True)
-    paths = write_report(env, results, args.out)
+        # written after every step: a run cut short still leaves the steps it finished
+        paths = write_report(env, results, args.out)
     print("gpu_report: wrote " + " and ".join(os.path.relpath(p, ROOT) for p in paths))
     return 0 if all(r["status"] == "ok" for r in results) else 1
 

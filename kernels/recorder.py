@@ -222,9 +222,19 @@ class Recording:
 
 
 def _registered_jit_functions():
+    """Every ``JITFunction`` whose kernel cache the recorder swaps: Triton's registry of
+    them where it keeps one (3.7 and later), else those of tritamp's kernel modules (a
+    kernel defined elsewhere is still recorded; its cache is emptied on exit)."""
+    import sys
     from triton.runtime import jit
-    return {id(f): f for f in list(jit._triton_jit_function_registry.values())
-            if isinstance(f, jit.JITFunction)}
+    registry = getattr(jit, "_triton_jit_function_registry", None)
+    if registry is not None:
+        found = list(registry.values())
+    else:
+        found = [f for name, module in list(sys.modules.items())
+                 if name.startswith(__package__ + ".") and module is not None
+                 for f in list(vars(module).values())]
+    return {id(f): f for f in found if isinstance(f, jit.JITFunction)}
 
 
 def _check_not_interpreted():
