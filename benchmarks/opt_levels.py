@@ -316,6 +316,13 @@ def worker(name, args):
                           peak_memory_mb=_peak_memory(device) / 2**20)
         else:
             return 0
+        if device.type == "cuda":
+            # The workers take turns: an idle one hands its cached blocks (activations)
+            # back, so that every configuration's process fits beside the others on one
+            # GPU. The next turn allocates them again in its first step; the round's
+            # median step leaves that out.
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
         print(json.dumps(answer), flush=True)
     return 0
 

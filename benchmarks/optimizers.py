@@ -374,7 +374,8 @@ def start_report(device, cpu_reps, cpu_notice):
     """Print what runs where; return the timer, the facts every row carries and the
     measured copy bandwidth."""
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        if device.index is not None:  # ("cuda" alone: the current device)
+            torch.cuda.set_device(device.index)
     else:
         print(cpu_notice)
     timed = make_timer(device, cpu_reps)

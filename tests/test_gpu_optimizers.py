@@ -95,5 +95,13 @@ def test_o2_step_with_a_fused_optimizer_makes_no_host_sync(make):
         opt.step()
 
     run_without_sync(step)
-    masters = list(amp.master_params(opt))
+    # The fp32 masters of the half parameters have no gradient (the step read the half
+    # model's); BatchNorm's parameters, kept fp32 at O2 with no master, keep theirs
+    # (docs/grads-after-step.md).
+    model_ids = {id(p) for p in model.parameters()}
+    updated = list(amp.master_params(opt))
+    masters = [p for p in updated if id(p) not in model_ids]
+    plain = [p for p in updated if id(p) in model_ids]
+    assert len(masters) == 4 and len(plain) == 2
     assert all(m.grad is None for m in masters)
+    assert all(p.dtype == torch.float32 and p.grad is not None for p in plain)
