@@ -398,18 +398,24 @@ class GroupPlan:
         addresses are those already there. The protos of those columns become stand-ins
         of their dtype: the tensors they were may be freed, and a launch must not pass
         a freed tensor (Triton's interpreter copies every tensor argument's memory)."""
-        columns = [j for j in columns if self.present[j]]
-        if any(j in self.proto_cols for j in columns):
+        self.set_many([(columns, ptrs)])
+
+    def set_many(self, pairs):
+        """:meth:`set_addresses` for several ``(columns, ptrs)`` pairs, in one copy."""
+        pairs = [([j for j in columns if self.present[j]], ptrs) for columns, ptrs in pairs]
+        stale = [j for columns, _ in pairs for j in columns if j in self.proto_cols]
+        if stale:
             protos = list(self.protos)
-            for j in columns:
-                if j in self.proto_cols:
-                    k = self.proto_cols.index(j)
-                    protos[k] = _stand_in(protos[k].dtype, protos[k].device)
+            for j in stale:
+                k = self.proto_cols.index(j)
+                protos[k] = _stand_in(protos[k].dtype, protos[k].device)
             self.protos = tuple(protos)
-        if not columns or all(np.array_equal(self.host_meta[:, j], ptrs) for j in columns):
+        if all(np.array_equal(self.host_meta[:, j], ptrs)
+               for columns, ptrs in pairs for j in columns):
             return
-        for j in columns:
-            self.host_meta[:, j] = ptrs
+        for columns, ptrs in pairs:
+            for j in columns:
+                self.host_meta[:, j] = ptrs
         host = torch.from_numpy(self.host_meta)
         if self.meta.device.type == "cuda":
             # a fresh pinned block: an earlier copy may still be reading the last one
@@ -541,25 +547,37 @@ class Prepared:
         its kernels were specialised for: the caller then prepares the sweep again.
         ``addresses`` (optional): the tensors' addresses, when the caller has them (its
         cache key holds them)."""
-        col = list(tensors)
-        names = (name,) + same_as
+        return self.rebind_columns([((name,) + same_as, tensors, addresses)])
+
+    def rebind_columns(self, columns):
+        """:meth:`rebind` of several columns at once: ``columns`` is a list of
+        ``(names, tensors, addresses)`` (the columns ``names`` all take ``tensors``;
+        ``addresses`` may be None). All or nothing: on the Triton path every group's new
+        addresses are checked for every column before any is written, and each group's
+        table is written in one host-to-device copy."""
+        cols = [(tuple(names), list(tensors), addresses) for names, tensors, addresses in columns]
         if self.triton:
-            index = [j for j, c in enumerate(self.sweep.columns) if c.name in names]
-            if addresses is None:
-                addresses = list(map(_data_ptr, col))
-            addresses = np.array(addresses, dtype=np.int64)
-            found = [g.new_addresses(addresses) for g in self.groups]
-            if any(ptrs is None for ptrs in found):
-                return False
-            for g, ptrs in zip(self.groups, found):
-                g.set_addresses(index, ptrs)
-            for n in names:
-                self._lists[n] = None
+            planned = []
+            for names, col, addresses in cols:
+                index = [j for j, c in enumerate(self.sweep.columns) if c.name in names]
+                if addresses is None:
+                    addresses = list(map(_data_ptr, col))
+                addresses = np.array(addresses, dtype=np.int64)
+                found = [g.new_addresses(addresses) for g in self.groups]
+                if any(ptrs is None for ptrs in found):
+                    return False
+                planned.append((index, found))
+            for k, g in enumerate(self.groups):
+                g.set_many([(index, found[k]) for index, found in planned])
+            for names, _, _ in cols:
+                for n in names:
+                    self._lists[n] = None
             return True
-        for n in names:
-            self._lists[n] = col
-            for g in self.cpu_groups:
-                g.lists[n] = g.pick(col)
+        for names, col, _ in cols:
+            for n in names:
+                self._lists[n] = col
+                for g in self.cpu_groups:
+                    g.lists[n] = g.pick(col)
         return True
 
     def release(self, name):
@@ -770,6 +788,9 @@ class StagedPrepared:
 
     def rebind(self, name, tensors, *same_as, addresses=None):
         return self.prepared.rebind(name, tensors, *same_as, addresses=addresses)
+
+    def rebind_columns(self, columns):
+        return self.prepared.rebind_columns(columns)
 
     def release(self, name):
         self.prepared.release(name)

@@ -260,6 +260,32 @@ class LayoutPrepared:
         self.lists["srcs"] = None if self.triton else srcs
         return True
 
+    @property
+    def rebindable_writes(self):
+        """A check/unscale that writes, with no stand-in and no third list:
+        :meth:`rebind_lists` may give it another step's sources and destinations."""
+        return (self.options["write"] and self.prepared.rebindable
+                and not self.layouts.reads and not self.layouts.writeback
+                and self.lists["adds"] is None)
+
+    def rebind_lists(self, srcs, dsts, addresses=None):
+        """The same validated sweep over ``srcs`` and ``dsts`` (this step's: the caller's
+        key says they have the kept ones' strides, shapes and dtypes, and that the same
+        rows write in place); returns whether it could, changing nothing when not (see
+        :meth:`~._multi_tensor.Prepared.rebind_columns`). ``addresses``: those of the
+        sources, then those of the destinations."""
+        srcs, dsts = list(srcs), list(dsts)
+        n = len(srcs)
+        if addresses is None:
+            src_at = dst_at = None
+        else:
+            src_at, dst_at = addresses[:n], addresses[n:]
+        if not self.prepared.rebind_columns([(("srcs",), srcs, src_at),
+                                             (("dsts",), dsts, dst_at)]):
+            return False
+        self.lists["srcs"] = self.lists["dsts"] = None  # (read by nothing: no reference kept)
+        return True
+
     def release(self):
         """Drop the references to the sources until the next :meth:`rebind_sources`."""
         self.lists["srcs"] = None

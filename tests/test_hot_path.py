@@ -4,6 +4,8 @@ A TorchFunctionMode sees every host read of a tensor value (.item(), bool(), flo
 .tolist(), .cpu()); on a GPU each is a host-device sync. The scaler's own logging reads
 a host-side snapshot, which is not a tensor op and not a sync.
 """
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -81,11 +83,62 @@ def test_a_planted_item_is_seen():
     assert reads.calls == ["item"]
 
 
+UNSCALING = [  # (opt level, optimizer): amp's exit unscales into destinations
+    ("O2", lambda p: torch.optim.SGD(p, lr=0.1, fused=True)),       # half grads -> masters
+    ("O2", lambda p: torch.optim.Adam(p, lr=1e-3)),
+    ("O1", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),     # in place
+]
+
+
+@pytest.mark.parametrize("cpu_path", [False, True], ids=["triton", "cpu-path"])
+@pytest.mark.parametrize("level,make", UNSCALING, ids=["O2-sgd-fused", "O2-adam", "O1-sgd"])
+def test_steady_unscale_rebinds_its_sweep_bitwise(level, make, cpu_path, monkeypatch):
+    """Each step's gradients are new tensors, at new addresses on a CPU (and, measured,
+    on a GPU too). amp's kept unscale sweep takes them (and the destinations) instead of
+    being prepared again: no validation, no table built or uploaded in the steady state,
+    and the training is bitwise that of a sweep prepared afresh every step (an overflow
+    step included)."""
+    import tritamp.kernels as K
+    from tritamp.testing import force_cpu_path, recording_uploads, stash_of
+
+    def train(fresh_every_step):
+        torch.manual_seed(0)
+        model = _model()
+        model, opt = amp.initialize(model, make(model.parameters()), opt_level=level,
+                                    half_dtype=torch.bfloat16, loss_scale="dynamic",
+                                    verbosity=0)
+        x, y = torch.randn(2, 3, 6, 6), torch.tensor([0, 2])
+        prepares, uploads = [], []
+        real = K.check_unscale_prepare
+        monkeypatch.setattr(K, "check_unscale_prepare",
+                            lambda *a, **k: prepares.append(1) or real(*a, **k))
+        for i, factor in enumerate([None, None, None, float("inf"), None, None]):
+            if fresh_every_step:
+                stash_of(opt)._sweeps.clear()
+            if i == 2:
+                prepares.clear()
+            with recording_uploads() as up:
+                amp_step(model, opt, x, y, loss_fn=nn.functional.cross_entropy,
+                         factor=factor)
+            if i >= 2:
+                uploads += up
+        monkeypatch.setattr(K, "check_unscale_prepare", real)
+        return [p.detach().clone() for p in model.parameters()], len(prepares), uploads
+
+    with force_cpu_path() if cpu_path else contextlib.nullcontext():
+        kept, prepared, uploads = train(False)
+        fresh, prepared_fresh, _ = train(True)
+    assert prepared == 0 and uploads == []
+    assert prepared_fresh >= 4  # (the reference did prepare every step)
+    for a, b in zip(kept, fresh):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.gpu
 def test_steady_state_builds_no_new_launch_plan(monkeypatch):
-    """After the first step the gradients' addresses repeat (CUDA's caching allocator
-    hands the same blocks back), so no table is uploaded. CPU allocations move, which is
-    why this is a GPU test."""
+    """In the steady state no table is uploaded: the gradients' addresses change from
+    step to step (CUDA's caching allocator did not hand the same blocks back on torch
+    2.11), and the kept sweeps take the new addresses instead of being prepared again."""
     from tritamp.testing import recording_uploads
     model = _model().cuda()
     model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, fused=True),

@@ -128,3 +128,42 @@ def test_amp_check_is_rebound_on_the_triton_path_and_still_catches_an_overflow()
     assert amp.last_step_skipped(opt)
     assert all(torch.equal(x, p) for x, p in zip(before, model.parameters()))
     reset_amp()
+
+
+def test_amp_unscale_into_masters_is_rebound_and_a_misaligned_gradient_prepares_it_again():
+    """O2 with torch's optimizer: amp's exit unscales the half gradients into the fp32
+    masters' gradient buffers (a sweep that writes). New gradient tensors rebind it; a
+    gradient off the 16-byte alignment its kernels were specialised for makes it prepare
+    again, changing nothing before; the training is bitwise that of a model whose
+    gradients all stay aligned."""
+    def run(misalign):
+        reset_amp()
+        torch.manual_seed(0)  # every numel a multiple of 8: 16-byte vectors for bf16 rows
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+        model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16,
+                                    loss_scale="dynamic", verbosity=0)
+        builds, vec = [], []
+        for step in range(4):
+            opt.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            with amp.scale_loss(model(torch.randn(5, 8)).float().square().mean(),
+                                opt) as scaled:
+                scaled.backward()
+                if misalign and step == 2:
+                    model[0].weight.grad = _misaligned(model[0].weight.grad)
+            opt.step()
+            unscale = stash_of(opt)._sweeps["unscale"]
+            builds.append(unscale.builds)
+            vec.append(unscale.prepared.prepared.groups[0].constexprs["VEC"])
+        assert unscale.prepared.triton is True
+        out = [p.detach().clone() for p in model.parameters()]
+        reset_amp()
+        return out, builds, vec
+
+    aligned, aligned_builds, aligned_vec = run(False)
+    moved, moved_builds, moved_vec = run(True)
+    assert aligned_builds == [1, 1, 1, 1] and min(aligned_vec) > 1
+    assert moved_builds == [1, 1, 2, 2] and moved_vec[2] == 1
+    for a, b in zip(aligned, moved):
+        assert torch.equal(a, b)

@@ -104,6 +104,14 @@ class AmpStash:
             # layout_key refuses a sparse gradient by name (it has no address to key on)
             key = (layout_key(tensors, op="amp"), tuple(map(_shape_of, tensors)),
                    tuple(map(_dtype_of, tensors)))
+            if write and dsts is not None and adds is None and rebind_on is None:
+                # An unscale into destinations: when only addresses changed (on a CPU, and
+                # on a GPU whose allocator hands the gradients other blocks, they do every
+                # step), the kept sweep takes the new lists. Which rows write in place is
+                # part of what must not change.
+                rebind_on = (key[0][1], key[1], key[2], tuple(map(operator.is_, srcs, dsts)))
+                addresses = key[0][0]
+                key = (key[0][0],)
         if rebind_on is None:
             key = (key, None, len(srcs), dsts is None, adds is None, write)
         else:
@@ -113,8 +121,8 @@ class AmpStash:
             cache = self._sweeps[purpose] = SweepCache()
         prepared = cache.get(key)
         if prepared is None and rebind_on is not None and cache.prepared is not None \
-                and cache.prepared.rebindable and cache.key[1:] == key[1:] \
-                and cache.prepared.rebind_sources(srcs, addresses):
+                and cache.key[1:] == key[1:] and self._rebound(cache.prepared, srcs, dsts,
+                                                               write, addresses):
             # Only the gradients' addresses changed (on a CPU they do every step; under
             # FSDP2 the gradients are new tensors): the kept, validated check takes them.
             prepared = cache.prepared
@@ -133,6 +141,13 @@ class AmpStash:
                 lent[:n], dsts=None if dsts is None else lent[n:n + m],
                 adds=None if adds is None else lent[n + m:], write=write))
         K.check_unscale_launch(prepared, scale=scale, found_inf=found)
+
+    @staticmethod
+    def _rebound(prepared, srcs, dsts, write, addresses):
+        """The kept sweep ``prepared`` rebound to this step's lists, if it can be."""
+        if not write:
+            return prepared.rebindable and prepared.rebind_sources(srcs, addresses)
+        return prepared.rebindable_writes and prepared.rebind_lists(srcs, dsts, addresses)
 
     # -- parameters -----------------------------------------------------------------
     def adopt_group(self, group, optimizer):
