@@ -129,13 +129,34 @@ def parse_args(argv=None):
     return args
 
 
+def progress(row):
+    """One line on stderr as each row is measured: a run stopped at a time limit (the GPU
+    report's) still shows the rows it finished."""
+    t = row.get("time_ms")
+    what = f"{t:.4g} ms" if t is not None else row.get("note", "no time")
+    print(f"kernels: {row.get('optimizer')} [{row.get('impl')}] {row.get('layout')} "
+          f"{row.get('size', '')}{' ' + row['half_dtype'] if row.get('half_dtype') else ''}"
+          f": {what}", file=sys.stderr, flush=True)
+
+
+class _Rows(list):
+    def append(self, row):
+        progress(row)
+        super().append(row)
+
+    def __iadd__(self, rows):
+        for row in rows:
+            self.append(row)
+        return self
+
+
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
     timed, meta, copy_gbps = ob.start_report(
         device, args.cpu_reps, "No GPU in use: these are CPU figures of small sizes (torch "
         "reference paths); they say nothing about GPU speed.")
-    rows = []
+    rows = _Rows()
     for n in args.sizes:
         for layout in args.layouts:
             for name, impl, make in kernel_cases(ob.layout_shapes(layout, n), device):

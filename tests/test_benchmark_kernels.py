@@ -8,9 +8,14 @@ def test_smoke_run_writes_one_table(tmp_path, capsys):
     rc = kb.main(["--device", "cpu", "--sizes", "20K", "--layouts", "transformer",
                   "--cpu-reps", "1", "--out", str(tmp_path)])
     assert rc == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "CPU figures" in out and "amp check" in out and "adam" in out
     data = json.loads((tmp_path / "kernels_cpu.json").read_text())
+    # one progress line per row on stderr, as it is measured (a run cut short keeps them)
+    progress = [line for line in captured.err.splitlines() if line.startswith("kernels: ")]
+    assert len(progress) == len(data["rows"])
+    assert progress[0].startswith("kernels: amp check [tritamp] transformer")
     names = {r["optimizer"] for r in data["rows"]}
     assert {"amp check", "amp unscale->fp32", "l2norm", "adam", "sgd", "layer_norm fwd",
             "layer_norm fwd+bwd", "rms_norm fwd", "rms_norm fwd+bwd"} <= names
