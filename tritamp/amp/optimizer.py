@@ -107,11 +107,13 @@ class AmpStash:
             if write and dsts is not None and adds is None and rebind_on is None:
                 # An unscale into destinations: when only addresses changed (on a CPU, and
                 # on a GPU whose allocator hands the gradients other blocks, they do every
-                # step), the kept sweep takes the new lists. Which rows write in place is
-                # part of what must not change.
-                rebind_on = (key[0][1], key[1], key[2], tuple(map(operator.is_, srcs, dsts)))
+                # step), the kept sweep takes the new lists. Which rows write in place (a
+                # destination at its source's address) is part of what must not change.
                 addresses = key[0][0]
-                key = (key[0][0],)
+                n = len(srcs)
+                in_place = tuple(map(operator.eq, addresses[:n], addresses[n:]))
+                rebind_on = (key[0][1], key[1], key[2], in_place)
+                key = (addresses,)
         if rebind_on is None:
             key = (key, None, len(srcs), dsts is None, adds is None, write)
         else:
