@@ -122,7 +122,7 @@ def decay_factor(lr, weight_decay, skip):
     return torch.where(skip.bool(), 1.0, factor)
 
 
-def step_parts(prepared, group, grad_scale, write_grads=False):
+def step_parts(group, grad_scale, write_grads=False):
     """What a CPU step runs its body on, one after another: ``(group,)``, or its ranges
     (:class:`~._multi_tensor.GroupChunk`, see ``CHUNK_ELEMENTS``) when the group is big
     and goes through fp32 scratch (half parameters, half gradients or moments, or
@@ -143,7 +143,7 @@ def step_parts(prepared, group, grad_scale, write_grads=False):
 def run_in_parts(prepared, step, grad_scale, write_grads=False):
     """``prepared.run_cpu`` with ``step`` run on each group's parts (:func:`step_parts`)."""
     def each(group):
-        for part in step_parts(prepared, group, grad_scale, write_grads):
+        for part in step_parts(group, grad_scale, write_grads):
             step(part)
     prepared.run_cpu(each)
 

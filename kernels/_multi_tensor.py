@@ -789,9 +789,6 @@ class StagedPrepared:
     def rebind(self, name, tensors, *same_as, addresses=None):
         return self.prepared.rebind(name, tensors, *same_as, addresses=addresses)
 
-    def rebind_columns(self, columns):
-        return self.prepared.rebind_columns(columns)
-
     def release(self, name):
         self.prepared.release(name)
 

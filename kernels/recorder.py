@@ -45,6 +45,7 @@ operators are left out, host reads of device values (``.item()``) are counted ap
 import collections
 import contextlib
 import dataclasses
+import sys
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -225,7 +226,6 @@ def _registered_jit_functions():
     """Every ``JITFunction`` whose kernel cache the recorder swaps: Triton's registry of
     them where it keeps one (3.7 and later), else those of tritamp's kernel modules (a
     kernel defined elsewhere is still recorded; its cache is emptied on exit)."""
-    import sys
     from triton.runtime import jit
     registry = getattr(jit, "_triton_jit_function_registry", None)
     if registry is not None:

@@ -38,6 +38,7 @@ import triton.language as tl
 from ._multi_tensor import Column, _size, _stride, flat_views
 from ._tl_utils import from_bf16, load_f32, store_param, to_bf16
 
+
 def check_rounding_rows(sweep, lists):
     """A sweep's rule across its rounding columns (the engine runs it with its own checks,
     before anything is written): a row with a compensation or a key is a bf16 parameter,

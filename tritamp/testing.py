@@ -84,4 +84,3 @@ def jit_kernels():
             if isinstance(value, JITFunction) and value.__module__ == mod.__name__:
                 found[name.lstrip("_")] = value
     return found
-
