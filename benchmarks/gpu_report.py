@@ -131,16 +131,19 @@ def main(argv=None):
     ap.add_argument("--only", default=None,
                     help="comma-separated step names to run (default: every step)")
     args = ap.parse_args(argv)
+    wanted = None
+    if args.only is not None:  # checked on any machine: every step name a plan can hold
+        names = [name for name, _, _ in plan(2)]
+        wanted = [s.strip() for s in args.only.split(",") if s.strip()]
+        unknown = [w for w in wanted if w not in names]
+        if unknown or not wanted:
+            ap.error(f"--only: unknown step(s) {unknown or [args.only]}; the steps are "
+                     f"{names}")
     if not torch.cuda.is_available():
         print(NO_GPU)
         return 0
     steps = plan(torch.cuda.device_count())
-    if args.only:
-        wanted = [s.strip() for s in args.only.split(",") if s.strip()]
-        unknown = [w for w in wanted if w not in {name for name, _, _ in steps}]
-        if unknown:
-            ap.error(f"unknown step(s) {unknown}; the steps are "
-                     f"{[name for name, _, _ in steps]}")
+    if wanted is not None:
         steps = [s for s in steps if s[0] in wanted]
     if args.dry_run:
         for name, cmd, limit in steps:

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks import gpu_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,3 +61,13 @@ def test_the_report_has_the_environment_and_every_step(tmp_path):
                  "| kernels | ok | 12.5 (150) |", "| gpu tests | timed out |",
                  "| row | 1.0 |"):
         assert fact in text, fact
+
+
+def test_only_refuses_an_unknown_step_on_any_machine(tmp_path, capsys):
+    for only in ("gpu tests,kernals", " , "):
+        with pytest.raises(SystemExit) as exc:
+            gpu_report.main(["--only", only, "--out", str(tmp_path)])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "--only: unknown step(s)" in err and "'kernels'" in err
+    assert list(tmp_path.iterdir()) == []
