@@ -27,9 +27,10 @@ No GPU needed. Two parts:
    exactly as a GPU run would compile it.
 2. **Compile** each distinct specialisation with
    ``triton.compile(ASTSource(fn, signature, constexprs, attrs), target=sm_90)`` (the
-   recorded attrs, so the alignment specialisation matches), in a pool of two worker
-   processes, and read the cubin: registers and spills (``REG``, ``STACK``, ``LOCAL``
-   from ``cuobjdump -res-usage``), and every global load and store in the SASS
+   recorded attrs, so the alignment specialisation matches), in a pool of worker
+   processes (one per available CPU, at most 16: ``--workers``), and read the cubin:
+   registers and spills (``REG``, ``STACK``, ``LOCAL`` from ``cuobjdump -res-usage``),
+   and every global load and store in the SASS
    (``nvdisasm``) by width: ``LDG.E.128`` moves 16 bytes, ``LDG.E.64`` 8, ``LDG.E`` 4,
    ``LDG.E.U16`` 2. The PTX is checked for ``.target sm_90``, approximate square roots or
    divisions (``sqrt.approx``, ``div.full``) and round-to-nearest bf16 conversions
@@ -37,6 +38,12 @@ No GPU needed. Two parts:
 
 Configurations that fail (a launcher mid-port, an API change) are reported with their
 error; the rest still runs.
+
+Each compile goes through Triton's cache (``~/.triton/cache`` or ``TRITON_CACHE_DIR``)
+under the key a launch of the same specialisation computes (the same source, signature,
+constexprs, attributes, options and target): on an sm_90 device, kernels the report
+compiled are loaded from the cache on first launch instead of compiled again. The GPU
+report runs it first for that reason.
 """
 import argparse
 import json
@@ -416,6 +423,16 @@ def _compile_index(i):
     return out
 
 
+def default_workers():
+    """Compile processes: one per CPU this process may run on, at most 16 (each is a
+    forked copy of the recording process)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(16, cpus))
+
+
 def compile_all(specs, workers=2):
     """Compile every specialisation; returns one result dict per spec, in order."""
     global _SPECS
@@ -609,13 +626,14 @@ def _jsonable(report):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=OUT, help="output path, or - for stdout")
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=None,
+                    help="compile processes (default: one per available CPU, at most 16)")
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     args = ap.parse_args(argv)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     try:
-        report = build_report(tuple(o for o in args.optimizers.split(",") if o), args.workers,
-                              log)
+        report = build_report(tuple(o for o in args.optimizers.split(",") if o),
+                              args.workers or default_workers(), log)
     except Exception as e:
         log(f"compile_report: cannot run ({type(e).__name__}: {e})")
         traceback.print_exc()

@@ -9,12 +9,14 @@ Rows: the benchmark rows of the op registry (``tritamp.kernels.registry``; each 
 overflow check alone, and check + unscale of fp16 gradients into fp32 master gradients)
 against torch's ``_amp_foreach_non_finite_check_and_unscale_`` (what GradScaler runs), the
 multi-tensor l2-norm against ``torch._foreach_norm``; then LayerNorm / RMSNorm forward and forward+backward
-against torch's (benchmarks/norms.py), SyncBatchNorm forward+backward at ResNet-50 shapes
-against torch's SyncBatchNorm and cudnn (benchmarks/syncbn.py), then every fused optimizer step from
-benchmarks/optimizers.py. Each row: time (median, p20-p80), bytes moved, GB/s, the
-share of the device's measured copy bandwidth and the ratio to the torch baseline. Timing
-as in optimizers.py: ``triton.testing.do_bench`` on the GPU, a short wall-clock median of
-the reference path on a CPU (which says nothing about GPU speed).
+against torch's (benchmarks/norms.py), every fused optimizer step from
+benchmarks/optimizers.py, then SyncBatchNorm forward+backward at ResNet-50 shapes against
+torch's SyncBatchNorm and cudnn (benchmarks/syncbn.py). Each row: time (median, p20-p80),
+bytes moved, GB/s, the share of the device's measured copy bandwidth and the ratio to the
+torch baseline. Timing as in optimizers.py: replays of a CUDA graph on the GPU, a short
+wall-clock median of the reference path on a CPU (which says nothing about GPU speed).
+``--budget-s`` bounds the run: rows that would start after it are skipped unmeasured, and
+the table and JSON are still written.
 """
 import argparse
 import sys
@@ -112,8 +114,13 @@ def parse_args(argv=None):
     p.add_argument("--no-norms", action="store_true", help="leave out the LayerNorm/RMSNorm rows")
     p.add_argument("--no-syncbn", action="store_true", help="leave out SyncBatchNorm")
     p.add_argument("--cpu-reps", type=int, default=5)
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="seconds after which the rows not yet started are skipped (the table "
+                        "and the JSON are still written)")
     p.add_argument("--out", default="benchmarks/out")
     args = p.parse_args(argv)
+    if args.budget_s is not None and not args.budget_s >= 0:
+        p.error(f"--budget-s must be a number of seconds >= 0; got {args.budget_s}")
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     kind = torch.device(args.device).type
@@ -130,8 +137,8 @@ def parse_args(argv=None):
 
 
 def progress(row):
-    """One line on stderr as each row is measured: a run stopped at a time limit (the GPU
-    report's) still shows the rows it finished."""
+    """One line on stderr as each row is measured or skipped: a run stopped at a time
+    limit (the GPU report's) still shows the rows it finished."""
     t = row.get("time_ms")
     what = f"{t:.4g} ms" if t is not None else row.get("note", "no time")
     print(f"kernels: {row.get('optimizer')} [{row.get('impl')}] {row.get('layout')} "
@@ -139,24 +146,23 @@ def progress(row):
           f": {what}", file=sys.stderr, flush=True)
 
 
-class _Rows(list):
-    def append(self, row):
-        progress(row)
-        super().append(row)
-
-    def __iadd__(self, rows):
-        for row in rows:
-            self.append(row)
-        return self
-
-
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
+    ob.set_budget(args.budget_s)
+    ob.set_progress(progress)
+    try:
+        return _run(args, device)
+    finally:
+        ob.set_budget(None)
+        ob.set_progress(None)
+
+
+def _run(args, device):
     timed, meta, copy_gbps = ob.start_report(
         device, args.cpu_reps, "No GPU in use: these are CPU figures of small sizes (torch "
         "reference paths); they say nothing about GPU speed.")
-    rows = _Rows()
+    rows = []
     for n in args.sizes:
         for layout in args.layouts:
             for name, impl, make in kernel_cases(ob.layout_shapes(layout, n), device):

@@ -24,8 +24,8 @@ traffic the step needs in its layout: every read and write of weight, gradient, 
 and copy once, plus the overflow check's (fp32 state; LAMB and NovoGrad really need
 more passes). GB/s is bytes / median time; "copy BW" is the share of a large device copy's
 measured bandwidth; "vs torch" is torch's time / this row's time (its fused optimizer
-where torch has one on the device, else foreach). Timing: ``triton.testing.do_bench``
-quantiles 0.5 / 0.2 / 0.8 on the GPU; on a CPU a short wall-clock median of the torch
+where torch has one on the device, else foreach). Timing on the GPU: quantiles 0.5 / 0.2 /
+0.8 over replays of the step captured in a CUDA graph (:func:`cuda_graph_ms`); on a CPU a short wall-clock median of the torch
 reference path, which says nothing about GPU speed.
 """
 import argparse
@@ -214,15 +214,73 @@ def host_ms(fn, calls=HOST_CALLS):
     return (t1 - t0) * 1e3 / calls
 
 
+GRAPH_MS = 5.0          # device time one captured graph aims at
+GRAPH_MAX_CALLS = 1000  # calls captured in one graph at most
+GRAPH_REPLAYS = 20      # replays timed, each between its own pair of CUDA events
+
+
+def graph_calls(estimate_ms, graph_ms=GRAPH_MS, max_calls=GRAPH_MAX_CALLS):
+    """Calls of a step captured in one CUDA graph: enough for ``graph_ms`` of device time
+    at ``estimate_ms`` a call (events around a replay then time milliseconds), at least 1
+    and at most ``max_calls``: capturing costs the host one call's Python per call, and
+    an uncapped count (``rep / estimate``) made a microsecond kernel's row cost seconds of
+    capture."""
+    if not estimate_ms > 0:  # (0 or nan: below the events' resolution)
+        return max_calls
+    return max(1, min(max_calls, math.ceil(graph_ms / estimate_ms)))
+
+
+def _quantiles(samples, qs):
+    """Quantiles ``qs`` of ``samples``, linearly interpolated between order statistics."""
+    xs = sorted(samples)
+    out = []
+    for q in qs:
+        pos = q * (len(xs) - 1)
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        out.append(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo))
+    return out
+
+
+def cuda_graph_ms(fn, quantiles=(0.5, 0.2, 0.8), replays=GRAPH_REPLAYS):
+    """Device ms of one call of ``fn``: ``graph_calls`` calls captured in one CUDA graph,
+    the graph replayed ``replays`` times, each replay between CUDA events; the
+    ``quantiles`` of (replay time / calls). Raises if ``fn`` cannot be captured."""
+    with torch.cuda.stream(torch.cuda.Stream()):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        calls = graph_calls(start.elapsed_time(end) / 5)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        torch.cuda.synchronize()
+        graph.replay()  # (the first replay uploads the graph)
+        samples = []
+        for _ in range(replays):
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end) / calls)
+    return _quantiles(samples, quantiles)
+
+
 def make_timer(device, cpu_reps):
     """``timed(fn) -> [median ms, p20 ms, p80 ms, timing, host ms]``.
 
     On a GPU the device time comes from replaying ``fn`` captured in a CUDA graph
-    (``triton.testing.do_bench_cudagraph``: CUDA events around many replays, so the
-    host's launch cost is not in it); a step that cannot be captured (it reads a device
-    value on the host, as GradScaler's unscale_ + step of a non-fused optimizer does) is
-    timed with CUDA events around plain calls (``do_bench``) and says so. The host time
-    of one call is measured apart (:func:`host_ms`). On a CPU: a short wall-clock median."""
+    (:func:`cuda_graph_ms`: CUDA events around each replay of a graph of up to
+    ``GRAPH_MAX_CALLS`` calls, so the host's launch cost is not in it); a step that cannot
+    be captured (it reads a device value on the host, as GradScaler's unscale_ + step of a
+    non-fused optimizer does) is timed with CUDA events around plain calls
+    (``triton.testing.do_bench``) and says so. The host time of one call is measured apart
+    (:func:`host_ms`). On a CPU: a short wall-clock median."""
     if device.type == "cuda":
         import triton.testing
 
@@ -231,8 +289,7 @@ def make_timer(device, cpu_reps):
             torch.cuda.synchronize()
             host = host_ms(fn)
             try:
-                res = triton.testing.do_bench_cudagraph(fn, rep=100,
-                                                        quantiles=[0.5, 0.2, 0.8])
+                res = cuda_graph_ms(fn)
                 how = "cuda graph"
             except Exception:  # not capturable: events around plain calls
                 torch.cuda.synchronize()
@@ -342,24 +399,52 @@ class SkipRow(Exception):
     """Raised by a measurement that cannot run here; the row says ``skipped: <reason>``."""
 
 
+_BUDGET = [None, None]  # [monotonic deadline, the budget in seconds]
+_PROGRESS = [None]      # called with each row once it is measured or skipped
+
+
+def set_progress(fn):
+    """Call ``fn(row)`` as each row of :func:`time_row` (or :func:`run_one`) is done, or
+    stop with ``None``."""
+    _PROGRESS[0] = fn
+
+
+def _done(row):
+    if _PROGRESS[0] is not None:
+        _PROGRESS[0](row)
+    return row
+
+
+def set_budget(seconds):
+    """From now on, rows that would start more than ``seconds`` later are not measured
+    (:func:`time_row` marks them skipped), so a run under a time limit still ends with
+    its table and JSON. ``None``: no budget."""
+    _BUDGET[:] = ([None, None] if seconds is None
+                  else [time.monotonic() + seconds, seconds])
+
+
 def time_row(row, make, device, timed, copy_gbps):
     """Fill ``row`` with the timing of the step from ``make() -> (step, bytes moved,
     tensors kept alive while it is timed)`` (every benchmark's row format): quantiles,
     bytes moved, GB/s and the share of the copy bandwidth. A failure is reported in
-    ``note`` and the run goes on; the tensors are released before the next configuration."""
+    ``note`` and the run goes on; the tensors are released before the next configuration.
+    Once the time budget (:func:`set_budget`) has run out, the row is skipped unmeasured."""
+    if _BUDGET[0] is not None and time.monotonic() > _BUDGET[0]:
+        row["note"] = f"skipped: the time budget ({_BUDGET[1]:g} s) ran out"
+        return _done(row)
     step = keep = None
     try:
         step, nbytes, keep = make()
         med, p20, p80, *how = timed(step)
     except SkipRow as why:
         row["note"] = f"skipped: {why}"
-        return row
+        return _done(row)
     except torch.cuda.OutOfMemoryError:
         row["note"] = "skipped: out of device memory"
-        return row
+        return _done(row)
     except Exception as exc:  # a failing configuration is reported, the run goes on
         row["note"] = f"failed: {type(exc).__name__}: {exc}"[:300]
-        return row
+        return _done(row)
     finally:
         step = keep = None  # noqa: F841
         _release(device)
@@ -367,7 +452,7 @@ def time_row(row, make, device, timed, copy_gbps):
     row.update(time_ms=med, time_ms_p20=p20, time_ms_p80=p80, bytes=nbytes, gbps=gbps,
                copy_bw_fraction=gbps / copy_gbps if copy_gbps else None,
                timing=how[0] if how else None, host_ms=how[1] if len(how) > 1 else None)
-    return row
+    return _done(row)
 
 
 def start_report(device, cpu_reps, cpu_notice):
@@ -410,7 +495,7 @@ def run_one(spec, impl, factory, layout, n, device, timed, copy_gbps, meta, half
     if need > 0.9 * free_bytes(device):
         row["note"] = (f"skipped: needs about {need / 2**30:.1f} GiB, "
                        f"{free_bytes(device) / 2**30:.1f} GiB free")
-        return row
+        return _done(row)
     nbytes = bytes_per_element(impl, spec.states) * count
 
     def make():

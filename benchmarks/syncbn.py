@@ -24,7 +24,7 @@ twice (statistics, normalisation) and writes y, the backward reads dy and x twic
 (reductions, input gradient) and writes dx: 8 passes over the activation. "vs torch" is
 the ``torch sync`` row's time / this row's time (on a CPU: torch's BatchNorm2d row's);
 ``vs_cudnn`` in the JSON likewise against the ``cudnn`` row.
-Timing as in benchmarks/optimizers.py: ``triton.testing.do_bench`` on the GPU, a short
+Timing as in benchmarks/optimizers.py: replays of a CUDA graph on the GPU, a short
 wall-clock median on a CPU, where tritamp runs its torch reference path (or Triton's
 interpreter under ``TRITON_INTERPRET=1``) and the figures say nothing about GPU speed.
 

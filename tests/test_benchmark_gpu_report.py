@@ -33,6 +33,12 @@ def test_the_plan_runs_every_benchmark_and_the_gpu_tests_within_ten_minutes():
             assert os.path.exists(os.path.join(ROOT, "benchmarks", f"{module}.py"))
         assert any("torch.distributed.run --nproc_per_node 2 -m benchmarks.syncbn "
                    "--distributed" in c for c in commands) == distributed
+        # the compile report first (it fills Triton's cache for the later steps)
+        assert steps[0][0] == "compile report" and "--workers" not in steps[0][1]
+        # the kernel benchmark stops starting rows before its limit, so its table is written
+        (name, cmd, limit), = [s for s in steps if s[0] == "kernels"]
+        budget = float(cmd[cmd.index("--budget-s") + 1])
+        assert 0 < budget <= limit - 10
 
 
 def test_a_step_that_fails_or_runs_out_of_time_is_reported():

@@ -1,6 +1,8 @@
 """benchmarks/kernels.py gathers every kernel benchmark in one format; CPU smoke run."""
 import json
 
+import pytest
+
 from benchmarks import kernels as kb  # noqa: E402
 
 
@@ -24,3 +26,24 @@ def test_smoke_run_writes_one_table(tmp_path, capsys):
         assert r["device"] == data["device"] and "torch" in r and "tritamp" in r
         if "time_ms" in r:
             assert r["gbps"] > 0 and r["bytes"] > 0
+
+
+def test_a_spent_budget_still_writes_the_table_with_every_row_skipped(tmp_path, capsys):
+    rc = kb.main(["--device", "cpu", "--sizes", "20K", "--layouts", "transformer",
+                  "--cpu-reps", "1", "--no-syncbn", "--budget-s", "0", "--out", str(tmp_path)])
+    assert rc == 0  # skipped rows are not failures
+    captured = capsys.readouterr()
+    data = json.loads((tmp_path / "kernels_cpu.json").read_text())
+    assert data["rows"] and all(
+        r.get("note") == "skipped: the time budget (0 s) ran out" and "time_ms" not in r
+        for r in data["rows"])
+    progress = [line for line in captured.err.splitlines() if line.startswith("kernels: ")]
+    assert len(progress) == len(data["rows"])
+    assert progress[0].endswith(": skipped: the time budget (0 s) ran out")
+    assert "ran out" in captured.out  # the table shows why
+
+
+def test_budget_must_be_a_number_of_seconds(capsys):
+    with pytest.raises(SystemExit):
+        kb.parse_args(["--device", "cpu", "--budget-s", "-1"])
+    assert "--budget-s must be a number of seconds >= 0; got -1.0" in capsys.readouterr().err

@@ -72,3 +72,48 @@ def test_sizes_and_unknown_names():
         bench.parse_args(["--device", "cpu", "--optimizers", "adamax"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--device", "cpu", "--sizes", "lots"])
+
+
+@pytest.mark.parametrize("estimate_ms, calls", [
+    (0.005, bench.GRAPH_MAX_CALLS),   # a 5 us kernel: capped (5 ms would take 1000 calls)
+    (0.001, bench.GRAPH_MAX_CALLS),   # below the cap's 5 us: still capped
+    (0.05, 100),                      # 100 calls make the graph's 5 ms
+    (0.3, 17),                        # rounded up: 17 x 0.3 ms >= 5 ms
+    (5.0, 1), (80.0, 1),              # one call is already long enough
+    (0.0, bench.GRAPH_MAX_CALLS),     # below the events' resolution
+    (float("nan"), bench.GRAPH_MAX_CALLS)])
+def test_graph_calls_bounded_by_graph_time_and_capture_cost(estimate_ms, calls):
+    assert bench.GRAPH_MS == 5.0 and bench.GRAPH_MAX_CALLS == 1000
+    assert bench.graph_calls(estimate_ms) == calls
+
+
+def test_quantiles_interpolate_between_order_statistics():
+    xs = [4.0, 1.0, 3.0, 2.0, 5.0]
+    assert bench._quantiles(xs, (0.5, 0.0, 1.0, 0.25)) == [3.0, 1.0, 5.0, 2.0]
+    assert bench._quantiles([1.0, 2.0], (0.5, 0.2)) == [1.5, pytest.approx(1.2)]
+    assert bench._quantiles([7.0], (0.2, 0.8)) == [7.0, 7.0]
+
+
+def test_time_budget_skips_the_rows_after_it_and_reports_each(monkeypatch):
+    seen, calls = [], []
+
+    def make():
+        calls.append(1)
+        return (lambda: None), 8, None
+
+    timed = bench.make_timer(torch.device("cpu"), 1)
+    bench.set_progress(seen.append)
+    try:
+        bench.set_budget(60)
+        first = bench.time_row({}, make, torch.device("cpu"), timed, 1.0)
+        now = bench.time.monotonic()
+        monkeypatch.setattr(bench.time, "monotonic", lambda: now + 61)
+        late = bench.time_row({}, make, torch.device("cpu"), timed, 1.0)
+        bench.set_budget(None)
+        after = bench.time_row({}, make, torch.device("cpu"), timed, 1.0)
+    finally:
+        bench.set_budget(None)
+        bench.set_progress(None)
+    assert "time_ms" in first and "time_ms" in after and len(calls) == 2  # the late row: no make
+    assert late == {"note": "skipped: the time budget (60 s) ran out"}
+    assert seen == [first, late, after]

@@ -135,6 +135,70 @@ def test_everything_is_restored(child):
     assert child["restored_after_error"]
 
 
+CACHE_CHILD = textwrap.dedent(r"""
+    import json, os, tempfile
+    os.environ["TRITON_INTERPRET"] = "0"
+    import torch
+    from triton.runtime.jit import JITFunction
+    from tritamp.kernels.recorder import record_launches
+    from tritamp.normalization import fused_layer_norm_affine
+
+    x = torch.zeros(64, 768, dtype=torch.bfloat16)
+    w, b = torch.ones(768, dtype=torch.bfloat16), torch.zeros(768, dtype=torch.bfloat16)
+    do_compile = JITFunction.__dict__["_do_compile"]
+
+    def entries(d):
+        return len(os.listdir(d)) if os.path.isdir(d) else 0
+
+    def launch_as_on_the_device():
+        # Triton's own compile, through its cache; the stand-in driver cannot launch
+        compiled = []
+        def counting(self, *args, **kwargs):
+            compiled.append(self.__name__)
+            return do_compile(self, *args, **kwargs)
+        with record_launches():
+            JITFunction._do_compile = counting  # (the recorder restores it on exit)
+            try:
+                with torch.no_grad():
+                    fused_layer_norm_affine(x, w, b, (768,), 1e-5)
+            except Exception:
+                pass
+        return compiled
+
+    out = {}
+    for phase in ("launch only", "recorded and compiled first"):
+        cache = os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()
+        if phase != "launch only":
+            with record_launches() as rec, torch.no_grad():
+                fused_layer_norm_affine(x, w, b, (768,), 1e-5)
+            for spec in rec.specialisations:
+                spec.compile()
+        before = entries(cache)
+        compiled = launch_as_on_the_device()
+        out[phase] = dict(before=before, after=entries(cache), compiled=compiled)
+    print(json.dumps(out))
+""")
+
+
+def test_a_recorded_compile_is_the_cache_entry_the_launch_loads():
+    """Specialisation.compile() stores its kernel in Triton's cache under the key the
+    device launch of the same call computes: the GPU report's compile report, run first,
+    saves the later steps those compiles."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-c", CACHE_CHILD], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    fresh, warm = out["launch only"], out["recorded and compiled first"]
+    # the launch reaches Triton's compile: on an empty cache it adds the kernel ...
+    assert (fresh["before"], fresh["after"]) == (0, 1)
+    assert fresh["compiled"] == ["_layer_norm_fwd_kernel"]
+    # ... and after the recorded compile it finds it there: no second entry
+    assert (warm["before"], warm["after"]) == (1, 1)
+    assert warm["compiled"] == ["_layer_norm_fwd_kernel"]
+
+
 def test_refuses_interpreted_kernels():
     from tritamp.kernels import interpreter_on
     from tritamp.kernels.recorder import record_launches
