@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -92,18 +93,39 @@ def environment():
 
 
 def run_step(name, argv, limit, cwd=ROOT):
-    """Run one step; returns {name, argv, limit_s, seconds, status, returncode, output}."""
+    """Run one step; returns {name, argv, limit_s, seconds, status, returncode, output}.
+
+    The step runs in a session of its own: at its limit the whole process group is
+    killed, the worker processes it started included (opt_levels' workers hold GPU
+    memory the next step needs), and what it printed until then is kept."""
     t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
-        proc = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=limit)
+        out, err = proc.communicate(timeout=limit)
         status = "ok" if proc.returncode == 0 else "failed"
-        output, rc = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        status, rc = "timed out", None
-        output = "".join(x.decode() if isinstance(x, bytes) else (x or "")
-                         for x in (e.stdout, e.stderr))
+        output, rc = out + err, proc.returncode
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        try:  # (every writer of the pipes in the group is gone: the rest comes at once)
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a process outside the group holds a pipe
+            proc.kill()
+            out, err = "", "(the output could not be collected after the kill)"
+        status, rc, output = "timed out", None, out + err
+    finally:
+        if proc.poll() is None:  # (interrupted: leave nothing behind)
+            _kill_group(proc)
+            proc.wait()
     return dict(name=name, argv=argv, limit_s=limit, seconds=round(time.perf_counter() - t0, 1),
                 status=status, returncode=rc, output=output)
+
+
+def _kill_group(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # (already gone)
+        pass
 
 
 def markdown(env, results):

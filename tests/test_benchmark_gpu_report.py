@@ -2,8 +2,10 @@
 on one (every benchmark, the GPU tests, under 10 minutes of limits); the report it writes."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -48,6 +50,45 @@ def test_a_step_that_fails_or_runs_out_of_time_is_reported():
     assert (bad["status"], bad["returncode"]) == ("failed", 3)
     slow = gpu_report.run_step("slow", [sys.executable, "-c", "import time; time.sleep(30)"], 1)
     assert slow["status"] == "timed out" and slow["returncode"] is None
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def test_a_step_out_of_time_takes_its_child_processes_with_it(tmp_path):
+    """The benchmarks start worker processes (opt_levels: one per configuration, each
+    holding GPU memory; the compile report: a pool): at the step's limit they go too,
+    and what the step printed before it is kept."""
+    pid_file = tmp_path / "grandchild.pid"
+    script = (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        "print('started', flush=True)\n"
+        "time.sleep(60)\n")
+    t0 = time.monotonic()
+    slow = gpu_report.run_step("slow", [sys.executable, "-c", script], 3)
+    assert slow["status"] == "timed out" and time.monotonic() - t0 < 30
+    assert "started" in slow["output"]
+    pid = int(pid_file.read_text())
+    for _ in range(100):  # gone within moments of the kill (or a zombie not yet reaped)
+        if not _alive(pid):
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        raise AssertionError("the step's child process outlived the step's time limit")
 
 
 def test_the_report_has_the_environment_and_every_step(tmp_path):
