@@ -189,4 +189,5 @@ def _run(args, device):
 
 
 if __name__ == "__main__":
+    ob.freeze_imports()
     sys.exit(main())

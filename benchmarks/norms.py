@@ -127,4 +127,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    ob.freeze_imports()
     sys.exit(main())

@@ -5,6 +5,8 @@ tiny transformer layout; the layouts themselves are checked without running anyt
 """
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -117,3 +119,19 @@ def test_time_budget_skips_the_rows_after_it_and_reports_each(monkeypatch):
     assert "time_ms" in first and "time_ms" in after and len(calls) == 2  # the late row: no make
     assert late == {"note": "skipped: the time budget (60 s) ran out"}
     assert seen == [first, late, after]
+
+
+def test_freeze_imports_leaves_the_collections_between_rows_only_new_objects():
+    # in a child: freezing is process-wide (the benchmarks call it as programs)
+    code = ("import gc\n"
+            "from benchmarks import optimizers as ob\n"
+            "ob.freeze_imports()\n"
+            "frozen = gc.get_freeze_count()\n"
+            "assert frozen > 10000, frozen  # torch, triton, tritamp\n"
+            "x = [[]]; x[0].append(x)  # new cyclic garbage is still collected\n"
+            "del x\n"
+            "assert gc.collect() >= 2 and gc.get_freeze_count() == frozen\n"
+            "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
