@@ -3,6 +3,7 @@
 Under the test session the kernels run in Triton's interpreter, so the smoke run is a
 tiny transformer layout; the layouts themselves are checked without running anything.
 """
+import contextlib
 import json
 import os
 import subprocess
@@ -135,3 +136,69 @@ def test_freeze_imports_leaves_the_collections_between_rows_only_new_objects():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+class _FakeCuda:
+    """Stand-ins for the torch.cuda calls of cuda_graph_ms: a device clock that a call of
+    the step advances by ``call_ms`` (when not capturing) and a replay by its captured
+    calls x ``call_ms`` x the next factor of ``replay_factors``."""
+
+    def __init__(self, call_ms, replay_factors):
+        self.clock, self.call_ms, self.factors = 0.0, call_ms, list(replay_factors)
+        self.capturing, self.captured, self.replays, self.outside = False, 0, 0, 0
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.t = None
+
+            def record(self):
+                self.t = fake.clock
+
+            def elapsed_time(self, end):
+                return end.t - self.t
+
+        class CUDAGraph:
+            def replay(self):
+                fake.replays += 1
+                fake.clock += fake.captured * fake.call_ms * fake.factors.pop(0)
+
+        self.Event, self.CUDAGraph = Event, CUDAGraph
+
+    def step(self):
+        if self.capturing:
+            self.captured += 1
+        else:
+            self.outside += 1
+            self.clock += self.call_ms
+
+    def graph(self, g):
+        @contextlib.contextmanager
+        def capture():
+            self.capturing = True
+            yield
+            self.capturing = False
+        return capture()
+
+
+@pytest.mark.parametrize("call_ms, calls", [(0.004, 1000), (0.05, 100), (2.0, 3), (9.0, 1)])
+def test_cuda_graph_timer_captures_graph_calls_and_times_each_replay(monkeypatch, call_ms,
+                                                                     calls):
+    # the first replay uploads the graph (untimed), then 20 timed replays
+    factors = [5.0] + [1.0 + 0.01 * i for i in range(bench.GRAPH_REPLAYS)]
+    fake = _FakeCuda(call_ms, factors)
+    for name, value in (("Event", fake.Event), ("CUDAGraph", fake.CUDAGraph),
+                        ("graph", fake.graph), ("Stream", lambda: None),
+                        ("stream", lambda s: contextlib.nullcontext()),
+                        ("synchronize", lambda: None)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    med, p20, p80 = bench.cuda_graph_ms(fake.step)
+    assert fake.captured == calls == bench.graph_calls(call_ms)
+    assert fake.outside == 6 and fake.replays == 1 + bench.GRAPH_REPLAYS
+    # per call: the replay's time / calls; quantiles over the 20 timed replays
+    per_call = [call_ms * f for f in factors[1:]]
+    assert med == pytest.approx(bench._quantiles(per_call, [0.5])[0])
+    assert (p20, p80) == (pytest.approx(bench._quantiles(per_call, [0.2])[0]),
+                          pytest.approx(bench._quantiles(per_call, [0.8])[0]))
+    assert p20 < med < p80 and med < 5 * call_ms  # the upload replay is left out
