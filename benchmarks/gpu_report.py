@@ -8,9 +8,9 @@ On a machine with a CUDA device it runs, each in its own process with its own ti
 
 1. ``benchmarks.compile_report`` (registers, spills and access widths of what the
    launchers compile for the device's architecture family, checked for sm_90), first,
-   with one compile process per CPU (at most 16): what it compiles lands in Triton's cache under the
-   keys the launches of the later steps look up, so they load those kernels instead of
-   compiling them one at a time;
+   with one compile process per CPU (at most 16): what it compiles lands in Triton's
+   cache under the keys the launches of the later steps look up, so they load those
+   kernels instead of compiling them one at a time;
 2. the tests marked ``gpu`` (``pytest -m gpu``);
 3. ``benchmarks.opt_levels`` (the main job: every opt level on the default workloads);
 4. ``benchmarks.kernels`` (amp's check/unscale, l2-norm, LayerNorm/RMSNorm at

@@ -8,8 +8,8 @@ Rows: the benchmark rows of the op registry (``tritamp.kernels.registry``; each 
 ``benchmarks``), each against its torch baseline here: amp's end-of-backward kernels (the
 overflow check alone, and check + unscale of fp16 gradients into fp32 master gradients)
 against torch's ``_amp_foreach_non_finite_check_and_unscale_`` (what GradScaler runs), the
-multi-tensor l2-norm against ``torch._foreach_norm``; then LayerNorm / RMSNorm forward and forward+backward
-against torch's (benchmarks/norms.py), every fused optimizer step from
+multi-tensor l2-norm against ``torch._foreach_norm``; then LayerNorm / RMSNorm forward and
+forward+backward against torch's (benchmarks/norms.py), every fused optimizer step from
 benchmarks/optimizers.py, then SyncBatchNorm forward+backward at ResNet-50 shapes against
 torch's SyncBatchNorm and cudnn (benchmarks/syncbn.py). Each row: time (median, p20-p80),
 bytes moved, GB/s, the share of the device's measured copy bandwidth and the ratio to the

@@ -25,8 +25,8 @@ and copy once, plus the overflow check's (fp32 state; LAMB and NovoGrad really n
 more passes). GB/s is bytes / median time; "copy BW" is the share of a large device copy's
 measured bandwidth; "vs torch" is torch's time / this row's time (its fused optimizer
 where torch has one on the device, else foreach). Timing on the GPU: quantiles 0.5 / 0.2 /
-0.8 over replays of the step captured in a CUDA graph (:func:`cuda_graph_ms`); on a CPU a short wall-clock median of the torch
-reference path, which says nothing about GPU speed.
+0.8 over replays of the step captured in a CUDA graph (:func:`cuda_graph_ms`); on a CPU a
+short wall-clock median of the torch reference path, which says nothing about GPU speed.
 """
 import argparse
 import gc
@@ -392,9 +392,9 @@ def torch_step(factory, shapes, device):
 def freeze_imports():
     """Move every object alive now (the modules, torch, triton, tritamp) to the garbage
     collector's permanent generation: the ``gc.collect()`` after each row then scans only
-    the objects made since, which took one from tens of milliseconds (hundreds of rows:
-    tens of seconds of a time-limited GPU run) to microseconds. For a benchmark run as a
-    program, before its ``main``."""
+    the objects made since, which took one from about 90 ms on a 2-core x86-64 machine
+    (hundreds of rows: tens of seconds of a time-limited GPU run) to microseconds. For a
+    benchmark run as a program, before its ``main``."""
     gc.collect()
     gc.freeze()
 
