@@ -329,6 +329,45 @@ def _turned_float64_is_refused(name):
 
 
 # =====================================================================================
+# a parameter listed twice in one group (torch.optim warns; a fused sweep would race)
+# =====================================================================================
+
+DUPLICATE = (r"parameter group {g} lists the same parameter twice \(positions 0 and 2, "
+             r"shape \(3, 4\)\); one step would update it twice, and on a GPU two "
+             r"programs of its multi-tensor kernel would race on it: list each parameter once")
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_a_parameter_listed_twice_is_refused_at_construction(name):
+    ps = params((3, 4), (5,))
+    with pytest.raises(ValueError, match=f"{ALL[name].__name__}: " + DUPLICATE.format(g=0)):
+        ALL[name]([ps[0], ps[1], ps[0]], **KW[name])
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_a_group_listing_a_parameter_twice_is_refused_and_changes_nothing(name):
+    ps, opt = trained(name)
+    before = snapshot(opt)
+    extra = params((3, 4), (2,), seed=3)
+    with pytest.raises(ValueError, match=DUPLICATE.format(g=1)):
+        opt.add_param_group({"params": [extra[0], extra[1], extra[0]]})
+    assert_unchanged(before, opt)
+
+
+@pytest.mark.parametrize("path", ["kernel", "cpu"])
+@pytest.mark.parametrize("name", list(ALL))
+def test_a_parameter_appended_twice_in_place_is_refused_at_step(name, path):
+    with force_cpu_path() if path == "cpu" else _null():
+        ps, opt = trained(name)
+        opt.param_groups[0]["params"].append(ps[0])  # the list changed behind its back
+        set_grads(ps, grads_for(ps, 5))
+        before = snapshot(opt)
+        with pytest.raises(ValueError, match=r"positions 0 and 2, shape \(3, 4\)"):
+            opt.step()
+        assert_unchanged(before, opt)
+
+
+# =====================================================================================
 # zero-size and frozen parameters; fp32/fp16/bf16 parameters in one group
 # =====================================================================================
 

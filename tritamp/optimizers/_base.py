@@ -368,6 +368,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 params = param_group["params"] = list(params)
             if params is not None and not isinstance(params, set):
                 self._check_param_dtypes(params, len(self.param_groups))
+                self._check_listed_once(params, len(self.param_groups))
             for key, default in self.defaults.items():
                 if default is required and key not in param_group:
                     # torch's message, and the fix
@@ -455,6 +456,21 @@ class FusedOptimizer(torch.optim.Optimizer):
                     f"{_dtype_name(p.dtype)} with shape {tuple(p.shape)}; {name} updates "
                     "float32, float16 and bfloat16 parameters (its state in float32): "
                     f"{instead}.")
+
+    def _check_listed_once(self, params, group_index):
+        """A tensor listed twice in one group is refused (torch.optim only warns): the
+        group's step updates its tensors in one multi-tensor pass, which would update
+        it twice on a CPU and, on a GPU, run two programs racing on it."""
+        seen = {}
+        for i, p in enumerate(params):
+            first = seen.setdefault(id(p), i)
+            if first != i:
+                name = type(self).__name__
+                raise ValueError(
+                    f"{name}: parameter group {group_index} lists the same parameter twice "
+                    f"(positions {first} and {i}, shape {tuple(p.shape)}); one step would "
+                    "update it twice, and on a GPU two programs of its multi-tensor kernel "
+                    "would race on it: list each parameter once")
 
     # -- zero_grad / state --------------------------------------------------------------------
     def zero_grad(self, set_to_none=None):
@@ -714,6 +730,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 and cache[2] == gen and (not cache[3].sharded or all(
                     map(operator.is_, cache[3].shards, locals_of(params)))):
             return cache[3]
+        self._check_listed_once(params, gi)  # (a list changed in place: before any write)
         targets, copies, models = [], [], []
         model_of = pairs.model_of
         sharded = any_dtensor(params)
