@@ -159,19 +159,28 @@ def main(argv=None):
 
 
 def _run(args, device):
+    """The rows in priority order, so that a run stopped by its budget loses the later
+    sizes (the larger ones, by default) rather than whole kinds of rows: amp's sweeps, the
+    norms at the first row count, the optimizers at the first size, SyncBatchNorm, then
+    the other row counts and sizes. The table keeps the usual order (SyncBatchNorm last: its rows carry their own
+    ratios)."""
     timed, meta, copy_gbps = ob.start_report(
         device, args.cpu_reps, "No GPU in use: these are CPU figures of small sizes (torch "
         "reference paths); they say nothing about GPU speed.")
-    rows = []
+    first = []
     for n in args.sizes:
         for layout in args.layouts:
             for name, impl, make in kernel_cases(ob.layout_shapes(layout, n), device):
-                rows.append(run_kernel(name, impl, make, layout, n, device, timed, copy_gbps,
-                                       meta))
-    if not args.no_norms:
-        rows += nb.norm_rows(device, timed, copy_gbps, meta)
-    if not args.no_optimizers:
-        for n in args.optimizer_sizes:
+                first.append(run_kernel(name, impl, make, layout, n, device, timed, copy_gbps,
+                                        meta))
+    norm_counts = nb.row_counts(device)
+
+    def norms(counts):
+        return nb.norm_rows(device, timed, copy_gbps, meta, counts) if counts else []
+
+    def optimizers(sizes):
+        rows = []
+        for n in sizes:
             for layout in args.layouts:
                 for spec in ob.optimizer_specs().values():
                     for half in ob.DEFAULT_HALVES.get(device.type, "fp16").split(","):
@@ -180,12 +189,21 @@ def _run(args, device):
                     for impl, factory in spec.torch_impls:
                         rows.append(ob.run_one(spec, impl, factory, layout, n, device, timed,
                                                copy_gbps, meta))
-    ob.add_ratios(rows)
+        return rows
+
+    norm_first = norms(norm_counts[:1]) if not args.no_norms else []
+    opt_first = optimizers(args.optimizer_sizes[:1]) if not args.no_optimizers else []
+    syncbn = []
     if not args.no_syncbn:
         from . import syncbn as sbn  # its rows carry their own ratios
-        rows += sbn.syncbn_rows(device, timed, copy_gbps, meta,
-                                shapes=None if device.type == "cuda" else sbn.cpu_shapes()[:2])
-    return ob.finish_report(rows, meta, copy_gbps, args.out, "kernels", device, "kernel")
+        syncbn = sbn.syncbn_rows(device, timed, copy_gbps, meta,
+                                 shapes=None if device.type == "cuda" else sbn.cpu_shapes()[:2])
+    norm_later = norms(norm_counts[1:]) if not args.no_norms else []
+    opt_later = optimizers(args.optimizer_sizes[1:]) if not args.no_optimizers else []
+    rows = first + norm_first + norm_later + opt_first + opt_later
+    ob.add_ratios(rows)
+    return ob.finish_report(rows + syncbn, meta, copy_gbps, args.out, "kernels", device,
+                            "kernel")
 
 
 if __name__ == "__main__":

@@ -86,15 +86,19 @@ def run_case(name, impl, make, rows, n, dtype_name, device, timed, copy_gbps, me
     return ob.time_row(row, make, device, timed, copy_gbps)
 
 
+def row_counts(device):
+    """The default row counts on ``device``'s kind."""
+    return [int(r) for r in DEFAULTS[device.type]["rows"].split(",")]
+
+
 def norm_rows(device, timed, copy_gbps, meta, rows=None, widths=None, dtypes=None):
     d = DEFAULTS[device.type]
-    row_counts = ([rows] if isinstance(rows, int) else rows) or \
-        [int(r) for r in d["rows"].split(",")]
+    counts = ([rows] if isinstance(rows, int) else rows) or row_counts(device)
     widths = widths or [int(w) for w in d["widths"].split(",")]
     dtypes = dtypes or d["dtypes"].split(",")
     out = []
     for dt in dtypes:
-        for m in row_counts:
+        for m in counts:
             for n in widths:
                 for name, impl, make in norm_cases(m, n, DTYPES[dt], device):
                     out.append(run_case(name, impl, make, m, n, dt, device, timed, copy_gbps,
@@ -120,8 +124,8 @@ def main(argv=None):
         device, args.cpu_reps, "No GPU in use: these are CPU figures of small sizes (torch "
         "reference paths); they say nothing about GPU speed.")
     widths = [int(w) for w in args.widths.split(",")] if args.widths else None
-    row_counts = [int(r) for r in args.rows.split(",")] if args.rows else None
-    rows = norm_rows(device, timed, copy_gbps, meta, row_counts, widths, dtypes)
+    counts = [int(r) for r in args.rows.split(",")] if args.rows else None
+    rows = norm_rows(device, timed, copy_gbps, meta, counts, widths, dtypes)
     ob.add_ratios(rows)
     return ob.finish_report(rows, meta, copy_gbps, args.out, "norms", device, "kernel")
 

@@ -7,8 +7,8 @@ from benchmarks import kernels as kb  # noqa: E402
 
 
 def test_smoke_run_writes_one_table(tmp_path, capsys):
-    rc = kb.main(["--device", "cpu", "--sizes", "20K", "--layouts", "transformer",
-                  "--cpu-reps", "1", "--out", str(tmp_path)])
+    rc = kb.main(["--device", "cpu", "--sizes", "20K", "--optimizer-sizes", "20K,2K",
+                  "--layouts", "transformer", "--cpu-reps", "1", "--out", str(tmp_path)])
     assert rc == 0
     captured = capsys.readouterr()
     out = captured.out
@@ -26,6 +26,18 @@ def test_smoke_run_writes_one_table(tmp_path, capsys):
         assert r["device"] == data["device"] and "torch" in r and "tritamp" in r
         if "time_ms" in r:
             assert r["gbps"] > 0 and r["bytes"] > 0
+    # run order: the second optimizer size (2K) after SyncBatchNorm (a budget cuts the later
+    # sizes, not a whole kind of row); the table keeps SyncBatchNorm last
+    kinds = [("syncbn" if "kernels: syncbn" in line else "2K" if " 2K" in line else
+              "20K-opt" if line.startswith(("kernels: adam ", "kernels: sgd ")) else None)
+             for line in progress]
+    first_sync, last_sync = kinds.index("syncbn"), len(kinds) - 1 - kinds[::-1].index("syncbn")
+    assert "20K-opt" in kinds[:first_sync] and "2K" not in kinds[:last_sync + 1]
+    assert "2K" in kinds[last_sync + 1:]
+    names = [r["optimizer"] for r in data["rows"]]
+    first_syncbn = next(i for i, n in enumerate(names) if n.startswith("syncbn"))
+    assert all(n.startswith("syncbn") for n in names[first_syncbn:])
+    assert any(r["size"] == "2K" for r in data["rows"][:first_syncbn])
 
 
 def test_a_spent_budget_still_writes_the_table_with_every_row_skipped(tmp_path, capsys):
