@@ -344,6 +344,12 @@ def test_a_parameter_listed_twice_is_refused_at_construction(name):
         ALL[name]([ps[0], ps[1], ps[0]], **KW[name])
 
 
+def test_a_non_tensor_listed_twice_gets_torchs_error():
+    with pytest.raises(TypeError, match="optimizer can only optimize Tensors, but one of "
+                                        "the params is int"):
+        FusedAdam([1, 1])
+
+
 @pytest.mark.parametrize("name", list(ALL))
 def test_a_group_listing_a_parameter_twice_is_refused_and_changes_nothing(name):
     ps, opt = trained(name)

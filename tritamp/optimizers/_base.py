@@ -463,6 +463,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         it twice on a CPU and, on a GPU, run two programs racing on it."""
         seen = {}
         for i, p in enumerate(params):
+            if not isinstance(p, torch.Tensor):  # (torch.optim refuses it, with its message)
+                continue
             first = seen.setdefault(id(p), i)
             if first != i:
                 name = type(self).__name__
