@@ -361,7 +361,7 @@ class GroupPlan:
         block_idx = (np.arange(total, dtype=np.int64) - np.repeat(starts, per_tensor)).astype(np.int32)
         blocks = np.ascontiguousarray(np.stack([tensor_idx, block_idx], axis=1))
         self.meta = _upload(torch.from_numpy(meta), device)
-        self.host_meta = meta  # the table as uploaded, for new_addresses / set_addresses
+        self.host_meta = meta  # the table as uploaded, for new_addresses / set_many
         self.present = [col is not None for col in cols]
         self.blocks = _upload(torch.from_numpy(blocks), device)
         self.n_blocks = total
@@ -391,17 +391,14 @@ class GroupPlan:
             return None
         return ptrs
 
-    def set_addresses(self, columns, ptrs):
-        """Write ``ptrs`` as the addresses of the columns ``columns`` (indices; those absent
-        from this group are skipped) into the device table: one host-to-device copy,
-        ordered on the stream after the launches that read the old ones; none when the
-        addresses are those already there. The protos of those columns become stand-ins
-        of their dtype: the tensors they were may be freed, and a launch must not pass
-        a freed tensor (Triton's interpreter copies every tensor argument's memory)."""
-        self.set_many([(columns, ptrs)])
-
     def set_many(self, pairs):
-        """:meth:`set_addresses` for several ``(columns, ptrs)`` pairs, in one copy."""
+        """For each ``(columns, ptrs)`` pair, write ``ptrs`` as the addresses of the
+        columns ``columns`` (indices; those absent from this group are skipped) into the
+        device table: one host-to-device copy for all of them, ordered on the stream after
+        the launches that read the old ones; none when the addresses are those already
+        there. The protos of those columns become stand-ins of their dtype: the tensors
+        they were may be freed, and a launch must not pass a freed tensor (Triton's
+        interpreter copies every tensor argument's memory)."""
         pairs = [([j for j in columns if self.present[j]], ptrs) for columns, ptrs in pairs]
         stale = [j for columns, _ in pairs for j in columns if j in self.proto_cols]
         if stale:

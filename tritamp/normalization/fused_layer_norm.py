@@ -70,8 +70,14 @@ def _norm_backward(ctx, dy, _dmean, _drstd):
     saved, weight, bias, mean, rstd = ctx.saved_tensors
     dx, dw, db = _norm_bwd(dy.contiguous(), saved, weight, bias, mean, rstd, ctx.n, ctx.rms,
                            ctx.from_output, ctx.x_dtype)
+    return _input_grads(dx, dw, db, weight, bias, ctx.rms)
+
+
+def _input_grads(dx, dw, db, weight, bias, rms):
+    """The gradients of the forward's eight inputs: ``dw`` / ``db`` only where there is a
+    weight / a bias (the kernels hand placeholders back otherwise)."""
     return (dx, dw if weight is not None else None,
-            db if bias is not None and not ctx.rms else None, None, None, None, None, None)
+            db if bias is not None and not rms else None, None, None, None, None, None)
 
 
 _norm_fwd.register_autograd(_norm_backward, setup_context=_norm_setup_context)
@@ -83,8 +89,7 @@ def _eager_grads(ctx, dy):
     dx, dw, db = layer_norm_bwd(dy.contiguous(), saved, n, weight, bias,
                                 None if rms or from_output else mean, rstd, rms, from_output,
                                 x_dtype)
-    return (dx, dw if weight is not None else None,
-            db if bias is not None and not rms else None, None, None, None, None, None)
+    return _input_grads(dx, dw, db, weight, bias, rms)
 
 
 # create_graph=True: the gradients are not differentiable again (torch's wrapper makes a
