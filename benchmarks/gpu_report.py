@@ -52,12 +52,12 @@ def plan(gpus):
     """[(name, argv, time limit in seconds)]: what runs, in order. The limits sum to
     under 10 minutes."""
     py = sys.executable
-    kernels_limit = 150
+    kernels_limit = 145
     steps = [
-        ("compile report", [py, "-m", "benchmarks.compile_report"], 75),
+        ("compile report", [py, "-m", "benchmarks.compile_report"], 50),
         ("gpu tests", [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                       "tests"], 70),
-        ("opt levels", [py, "-m", "benchmarks.opt_levels", "--rounds", "3"], 230),
+                       "tests"], 65),
+        ("opt levels", [py, "-m", "benchmarks.opt_levels", "--rounds", "5"], 260),
         ("kernels", [py, "-m", "benchmarks.kernels", "--sizes", "25M",
                      "--optimizer-sizes", "25M,100M",
                      "--budget-s", str(kernels_limit - KERNELS_MARGIN_S)], kernels_limit),
@@ -93,7 +93,8 @@ def environment():
 
 
 def run_step(name, argv, limit, cwd=ROOT):
-    """Run one step; returns {name, argv, limit_s, seconds, status, returncode, output}.
+    """Run one step; returns {name, argv, limit_s, seconds, status, returncode, output,
+    stdout, stderr} (``output`` is both streams, stdout first).
 
     The step runs in a session of its own: at its limit the whole process group is
     killed, the worker processes it started included (opt_levels' workers hold GPU
@@ -104,7 +105,7 @@ def run_step(name, argv, limit, cwd=ROOT):
     try:
         out, err = proc.communicate(timeout=limit)
         status = "ok" if proc.returncode == 0 else "failed"
-        output, rc = out + err, proc.returncode
+        rc = proc.returncode
     except subprocess.TimeoutExpired:
         _kill_group(proc)
         try:  # (every writer of the pipes in the group is gone: the rest comes at once)
@@ -112,13 +113,14 @@ def run_step(name, argv, limit, cwd=ROOT):
         except subprocess.TimeoutExpired:  # a process outside the group holds a pipe
             proc.kill()
             out, err = "", "(the output could not be collected after the kill)"
-        status, rc, output = "timed out", None, out + err
+        status, rc = "timed out", None
     finally:
         if proc.poll() is None:  # (interrupted: leave nothing behind)
             _kill_group(proc)
             proc.wait()
+    output = out + err
     return dict(name=name, argv=argv, limit_s=limit, seconds=round(time.perf_counter() - t0, 1),
-                status=status, returncode=rc, output=output)
+                status=status, returncode=rc, output=output, stdout=out, stderr=err)
 
 
 def _kill_group(proc):
@@ -128,8 +130,15 @@ def _kill_group(proc):
         pass
 
 
+STDOUT_CHARS = 80000  # of a step's standard output in the Markdown report (its tables)
+STDERR_CHARS = 4000  # of its standard error (progress lines, warnings, a traceback): the end
+
+
 def markdown(env, results):
-    """The report as Markdown: the environment, a summary line per step, every output."""
+    """The report as Markdown: the environment, a summary line per step, every output:
+    a step's standard output (its tables, which the benchmarks print there) and the end
+    of its standard error apart, so progress lines cannot push a table out. The JSON
+    keeps both whole."""
     lines = [f"# GPU report: {env['device']}, {env['date']}", "",
              "| | |", "|---|---|"]
     for key in ("device", "gpus", "capability", "sms", "memory_gib", "driver", "cuda", "torch",
@@ -139,8 +148,19 @@ def markdown(env, results):
     for r in results:
         lines.append(f"| {r['name']} | {r['status']} | {r['seconds']} ({r['limit_s']}) |")
     for r in results:
-        lines += ["", f"## {r['name']}", "", f"`{' '.join(r['argv'][1:])}`: {r['status']}",
-                  "", "```text", r["output"].rstrip()[-20000:], "```"]
+        lines += ["", f"## {r['name']}", "", f"`{' '.join(r['argv'][1:])}`: {r['status']}"]
+        out, err = r.get("stdout"), r.get("stderr")
+        if out is None:  # (a report from before the streams were kept apart)
+            out, err = r["output"], ""
+        out, err = out.rstrip(), err.rstrip()
+        if len(out) > STDOUT_CHARS:
+            out = f"(the first {STDOUT_CHARS} characters; the JSON has all)\n" + out[:STDOUT_CHARS]
+        if out:
+            lines += ["", "```text", out, "```"]
+        if err:
+            lines += ["", "standard error" + (f", its last {STDERR_CHARS} characters:"
+                                               if len(err) > STDERR_CHARS else ":"),
+                      "", "```text", err[-STDERR_CHARS:], "```"]
     return "\n".join(lines) + "\n"
 
 

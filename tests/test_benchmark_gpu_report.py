@@ -110,6 +110,24 @@ def test_the_report_has_the_environment_and_every_step(tmp_path):
         assert fact in text, fact
 
 
+def test_the_report_keeps_a_table_that_long_progress_lines_follow(tmp_path):
+    """benchmarks.kernels prints its table on stdout and a progress line per row on
+    stderr: the Markdown report shows the whole table and only the end of the rest."""
+    script = ("import sys\n"
+              "print('| the table | 1.0 |')\n"
+              "for i in range(4000): print(f'kernels: row {i}: 0.1 ms', file=sys.stderr)\n")
+    step = gpu_report.run_step("kernels", [sys.executable, "-c", script], 60)
+    assert step["stdout"].strip() == "| the table | 1.0 |"
+    assert step["stderr"].count("kernels: row") == 4000
+    assert step["output"] == step["stdout"] + step["stderr"]
+    env = dict(device="NVIDIA H100 80GB HBM3", date="2026-11-26")
+    js, md = gpu_report.write_report(env, [step], str(tmp_path))
+    text = open(md).read()
+    assert "| the table | 1.0 |" in text and "kernels: row 3999: 0.1 ms" in text
+    assert "kernels: row 0: 0.1 ms" not in text  # (the start of stderr gives way)
+    assert json.loads(open(js).read())["steps"][0]["stderr"].count("kernels: row") == 4000
+
+
 def test_only_refuses_an_unknown_step_on_any_machine(tmp_path, capsys):
     for only in ("gpu tests,kernals", " , "):
         with pytest.raises(SystemExit) as exc:

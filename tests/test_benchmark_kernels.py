@@ -59,3 +59,36 @@ def test_budget_must_be_a_number_of_seconds(capsys):
     with pytest.raises(SystemExit):
         kb.parse_args(["--device", "cpu", "--budget-s", "-1"])
     assert "--budget-s must be a number of seconds >= 0; got -1.0" in capsys.readouterr().err
+
+
+def _results(out):
+    return [t.clone() if t is not None else None
+            for t in (out if isinstance(out, tuple) else (out,))]
+
+
+def test_the_registry_rows_time_the_prepared_launch_and_compute_what_the_launcher_does():
+    """tritamp's amp / l2norm rows time one launch of a sweep prepared once (what a
+    training step pays), and that launch gives what the one-shot launcher gives."""
+    import torch
+    from tritamp.kernels import registry
+    shapes = [(64,), (33, 5), (7,)]
+    device = torch.device("cpu")
+    seen = set()
+    for op in registry.OPS:
+        for row, make_sample in op.benchmarks.items():
+            seen.add(row)
+            whole, _ = make_sample(shapes, device)
+            kept, _ = make_sample(shapes, device)
+            step = kb.prepared_step(op, kept)
+            assert "launch" in step.__code__.co_names, row  # not the one-shot launcher
+            for _ in range(2):  # the kept sweep called again: the same result each time
+                got = _results(step())
+                want = _results(whole.call(op.launcher))
+                for g, w in zip(got, want):
+                    assert (g is None) == (w is None)
+                    if g is not None:
+                        torch.testing.assert_close(g, w, rtol=0, atol=0)
+                for (name, a), (_, b) in zip(op.arguments(kept), op.arguments(whole)):
+                    if a is not None:
+                        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{row}: {name}")
+    assert {"amp check", "amp unscale->fp32", "l2norm"} <= seen

@@ -56,6 +56,21 @@ def test_cpu_defaults_run_three_workloads_without_fp16():
     assert not any(opt_levels.CONFIGS[c][1] == torch.float16 for c in args.levels)
 
 
+def test_gpu_defaults_give_the_host_bound_transformer_longer_rounds(monkeypatch):
+    """On a GPU a transformer step takes ~15 ms, bound by the host's Python: its rounds
+    are 40 steps (about half a second, as ResNet-50's 10), so host jitter averages out."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = opt_levels.parse_args(["--device", "cuda", "--rounds", "5"])
+    specs = args.workload_specs
+    assert list(specs) == ["cnn-sgd", "transformer-adamw"]
+    assert [(w["steps_per_round"], w["warmup"], w["rounds"]) for w in specs.values()] == \
+        [(10, 5, 5), (40, 5, 5)]
+    args = opt_levels.parse_args(["--device", "cuda", "--model", "transformer"])
+    assert [w["steps_per_round"] for w in args.workload_specs.values()] == [40]
+    args = opt_levels.parse_args(["--device", "cuda", "--steps-per-round", "7"])
+    assert [w["steps_per_round"] for w in args.workload_specs.values()] == [7, 7]
+
+
 def test_sync_counter_counts_a_planted_item():
     counter = opt_levels.SyncCounter(torch.device("cpu"))
     x = torch.ones(3)

@@ -122,6 +122,48 @@ def test_time_budget_skips_the_rows_after_it_and_reports_each(monkeypatch):
     assert seen == [first, late, after]
 
 
+@pytest.mark.parametrize("nbytes, l2, copies", [
+    (25_000_000, 50_000_000, 4),      # a norm row of 25 MB under a 50 MB L2: 4 sets
+    (60_000_000, 50_000_000, 2),
+    (100_000_000, 50_000_000, 1),     # twice the cache or more: one set
+    (1_000, 50_000_000, bench.ROTATE_MAX),
+    (25_000_000, 0, 1),               # no cache known (a CPU)
+])
+def test_rotation_covers_twice_the_cache(nbytes, l2, copies):
+    assert bench.rotation(nbytes, l2) == copies
+    if 1 < copies < bench.ROTATE_MAX:
+        assert copies * nbytes >= 2 * l2 > (copies - 1) * nbytes
+
+
+def test_a_small_row_rotates_its_own_working_sets(monkeypatch):
+    """A step that moves less than twice the L2 is made once per set and the sets are
+    called in turn, each on its own tensors; the row says how many."""
+    made, called = [], []
+
+    def make():
+        k = len(made)
+        made.append(k)
+        return (lambda: called.append(k)), 10_000_000, [torch.zeros(1)]
+
+    monkeypatch.setattr(bench, "l2_bytes", lambda device: 50_000_000)
+    timed = bench.make_timer(torch.device("cpu"), 2)
+    row = bench.time_row({}, make, torch.device("cpu"), timed, 1.0)
+    assert made == list(range(10)) and row["rotated"] == 10
+    assert len(called) >= 2 and called == [i % 10 for i in range(len(called))]
+    step = bench.Rotating([lambda k=k: called.append(k) for k in range(3)])
+    called.clear()
+    for _ in range(7):
+        step()
+    assert called == [0, 1, 2, 0, 1, 2, 0]
+    assert row["bytes"] == 10_000_000  # bytes of one call, as before
+    assert ", 10 sets" in bench.format_table([dict(row, optimizer="x", impl="tritamp",
+                                                   layout="l", params=1, tensors=1)])
+    monkeypatch.setattr(bench, "l2_bytes", lambda device: 0)
+    made.clear()
+    assert "rotated" not in bench.time_row({}, make, torch.device("cpu"), timed, 1.0)
+    assert made == [0]
+
+
 def test_freeze_imports_leaves_the_collections_between_rows_only_new_objects():
     # in a child: freezing is process-wide (the benchmarks call it as programs)
     code = ("import gc\n"

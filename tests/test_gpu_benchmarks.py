@@ -36,3 +36,6 @@ def test_small_rows_are_timed_from_cuda_graphs(tmp_path):
     # tritamp's rows read nothing back on the host: every one is captured in a graph
     ours = [r for r in rows if r["impl"] == "tritamp"]
     assert ours and all(r["timing"] == "cuda graph" for r in ours), ours
+    # 1M parameters move a few MB, under the L2: each row rotates its own working sets
+    l2 = ob.l2_bytes(torch.device("cuda"))
+    assert l2 > 0 and all(r["rotated"] == ob.rotation(r["bytes"], l2) > 1 for r in rows), rows
