@@ -368,7 +368,12 @@ class GroupPlan:
         has_scalar = any(c.role == "scalar" and present[c.name] for c in sweep.columns)
         self.counters = (torch.zeros(n, dtype=torch.int32, device=device) if has_scalar
                          else self.meta)
-        fallback = params[0]
+        # An absent column's proto: a stand-in of the first column's dtype, owned by this
+        # module. The first column's own tensor may be borrowed (a gradient, see
+        # borrowed()) and no rebind replaces an absent column's proto: once that memory
+        # was handed back to the device (torch.cuda.empty_cache()), Triton's launcher
+        # refused the dangling pointer ("Pointer argument ... cannot be accessed").
+        fallback = _stand_in(params[0].dtype, params[0].device)
         self.protos = tuple((col[0] if col is not None else fallback)
                             for c, col in zip(sweep.columns, cols) if c.typed)
         # the column of each proto (a typed column's first tensor: its dtype is what the

@@ -167,3 +167,45 @@ def test_amp_unscale_into_masters_is_rebound_and_a_misaligned_gradient_prepares_
     assert moved_builds == [1, 1, 2, 2] and moved_vec[2] == 1
     for a, b in zip(aligned, moved):
         assert torch.equal(a, b)
+
+
+def _protos(sweep_cache):
+    prepared = sweep_cache.prepared
+    prepared = getattr(prepared, "prepared", prepared)  # (amp's wraps the engine's)
+    return [t for g in prepared.groups for t in g.protos]
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_rebound_sweep_passes_no_pointer_into_an_earlier_steps_gradients(level):
+    """Every tensor a kept sweep hands its kernel (each typed column's proto: only its
+    dtype and alignment matter) must own its memory or be this step's. A proto borrowed
+    from the first step's gradients (an absent column's stand-in was the first column's
+    tensor, and no rebind replaced it) pointed, once those gradients were freed and
+    ``torch.cuda.empty_cache()`` handed their blocks back, at memory the device no
+    longer had: Triton's launcher refused the step ("Pointer argument (at 5) cannot be
+    accessed from Triton"), seen on an H100 with O1 in fp16."""
+    reset_amp()
+    model = _model()
+    opt = (torch.optim.SGD(model.parameters(), lr=1e-2) if level == "O2"
+           else FusedAdam(model.parameters(), lr=1e-2))
+    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    alive, earlier = [], set()
+    for step in range(4):
+        opt.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        with amp.scale_loss(model(torch.randn(5, 8)).float().square().mean(), opt) as scaled:
+            scaled.backward()
+        grads = [p.grad for p in model.parameters()]
+        current = {g.untyped_storage().data_ptr() for g in grads}
+        alive.append(grads)  # (kept alive: each step's gradients land at new addresses)
+        opt.step()
+        sweeps = stash_of(opt)._sweeps
+        assert sweeps and all(c.builds == 1 for c in sweeps.values()), \
+            {k: c.builds for k, c in sweeps.items()}
+        for purpose, cache in sweeps.items():
+            for t in _protos(cache):
+                at = t.untyped_storage().data_ptr()
+                assert at not in earlier or at in current, (step, purpose, t.shape)
+        earlier |= current
+    reset_amp()
