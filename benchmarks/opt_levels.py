@@ -587,8 +587,9 @@ def parse_args(argv=None):
             base.update(batch_size=256 if not cpu else 8, image_size=224 if not cpu else 64)
         workloads = {f"{args.model}-{base['optimizer']}": base}
     else:
-        available = default_workloads(device) if args.workloads is None else \
-            {k: dict(v) for k, v in WORKLOADS.items()}
+        available = default_workloads(device)
+        if args.workloads is not None:  # a name picks the device's sizes where it has them
+            available = {**{k: dict(v) for k, v in WORKLOADS.items()}, **available}
         names = list(available) if args.workloads is None else \
             [s.strip() for s in args.workloads.split(",") if s.strip()]
         unknown = [s for s in names if s not in available]

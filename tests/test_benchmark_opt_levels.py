@@ -67,6 +67,11 @@ def test_gpu_defaults_give_the_host_bound_transformer_longer_rounds(monkeypatch)
         [(10, 5, 5), (40, 5, 5)]
     args = opt_levels.parse_args(["--device", "cuda", "--model", "transformer"])
     assert [w["steps_per_round"] for w in args.workload_specs.values()] == [40]
+    # a workload named on a GPU keeps the GPU's sizes (it ran the CPU's once)
+    args = opt_levels.parse_args(["--device", "cuda", "--workloads", "transformer-adamw"])
+    (t,) = args.workload_specs.values()
+    assert (t["batch_size"], t["image_size"], t["depth"], t["steps_per_round"]) == \
+        (32, 512, 6, 40)
     args = opt_levels.parse_args(["--device", "cuda", "--steps-per-round", "7"])
     assert [w["steps_per_round"] for w in args.workload_specs.values()] == [7, 7]
 

@@ -244,3 +244,27 @@ def test_cuda_graph_timer_captures_graph_calls_and_times_each_replay(monkeypatch
     assert (p20, p80) == (pytest.approx(bench._quantiles(per_call, [0.2])[0]),
                           pytest.approx(bench._quantiles(per_call, [0.8])[0]))
     assert p20 < med < p80 and med < 5 * call_ms  # the upload replay is left out
+
+
+def test_the_tritamp_row_steps_as_a_training_step_does_preparing_nothing():
+    """The tritamp row's step is amp's steady state: the overflow check prepared once
+    (it timed the one-shot check before: validation, tables and their upload at every
+    call, 1-4 ms of host time a step on the GPU machine), then the fused step."""
+    import tritamp.kernels as K
+    from tritamp.testing import recording_uploads
+    spec = bench.optimizer_specs()["adam"]
+    shapes = bench.layout_shapes("transformer", bench.parse_size("20K"))
+    prepares = []
+    real = K.check_unscale_prepare
+    K.check_unscale_prepare = lambda *a, **k: prepares.append(1) or real(*a, **k)
+    try:
+        step, keep = bench.tritamp_step(spec, shapes, torch.device("cpu"), torch.bfloat16)
+        step()
+        step()
+        prepares.clear()
+        with recording_uploads() as uploads:
+            for _ in range(3):
+                step()
+    finally:
+        K.check_unscale_prepare = real
+    assert prepares == [] and uploads == []

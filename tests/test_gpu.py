@@ -94,3 +94,38 @@ def test_skip_is_logged_once_the_device_catches_up(caplog):
     assert torch.equal(model.weight, before)
     assert "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0" \
         in caplog.text
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_steps_survive_the_cache_handing_the_last_gradients_blocks_back(opt_level):
+    """The kept check/unscale sweeps hand their kernels no pointer into a gradient that
+    is gone: between steps the gradients are freed (``set_to_none``), their blocks handed
+    back to the device (``torch.cuda.empty_cache()``), and this step's land elsewhere.
+    Triton's launcher refuses a pointer the device no longer maps; it did so for O1 in
+    fp16 on an H100 before the fix (tests/test_triton_rebind.py checks the same on CPU)."""
+    from tritamp.optimizers import FusedAdam
+    from tritamp.testing import reset_amp
+    reset_amp()
+    torch.manual_seed(0)
+    # gradients of 32 MB and more: each in a block of its own, which empty_cache frees
+    model = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 8)).cuda()
+    model, opt = amp.initialize(model, FusedAdam(model.parameters(), lr=1e-4),
+                                opt_level=opt_level, loss_scale="dynamic", verbosity=0)
+    x = torch.randn(16, 4096, device="cuda")
+    before = None
+    for step in range(5):
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        hold = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # takes the old block
+        with amp.scale_loss(model(x).float().square().mean(), opt) as scaled:
+            scaled.backward()
+            del hold  # the last step's gradient memory is no longer the device's...
+            torch.cuda.empty_cache()  # ...when the exit's check/unscale launches
+        opt.step()
+        weights = [p.detach().float().clone() for p in model.parameters()]
+        if before is not None:
+            assert any(not torch.equal(a, b) for a, b in zip(before, weights))
+        before = weights
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(w).all() for w in before)
+    reset_amp()
