@@ -99,6 +99,43 @@ def test_names_are_rate_limited_and_clean_steps_read_nothing(caplog, monkeypatch
     assert _warnings(caplog)[0].endswith("non-finite gradients on rank 0: 2.bias (3 values)")
 
 
+def test_the_counts_follow_gradients_to_new_addresses_without_preparing_again(
+        caplog, no_rate_limit, monkeypatch):
+    """At the default verbosity every step's exit runs the count (it returns at once on a
+    clean step). Gradients that land at new addresses every step (on a GPU they do; here
+    the old ones are kept alive) rebind the kept count instead of preparing it again:
+    nothing validated, no table built or uploaded. An overflow after several moves is
+    still counted against the right parameters."""
+    from tritamp.testing import recording_uploads
+    caplog.set_level(logging.WARNING, logger="tritamp.amp")
+    prepares = []
+    real = overflow.count_nonfinite_prepare
+    monkeypatch.setattr(overflow, "count_nonfinite_prepare",
+                        lambda *a, **k: prepares.append(1) or real(*a, **k))
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=1)
+    alive = []
+    for i in range(4):
+        with recording_uploads() as uploads:
+            with amp.scale_loss(model(torch.randn(4, 8)).float().sum(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+        alive.append([p.grad for p in model.parameters()])  # the next ones land elsewhere
+        opt.zero_grad(set_to_none=True)
+        if i:
+            assert uploads == [], i
+    assert prepares == [1] and _warnings(caplog) == []
+    hook = model[2].weight.register_hook(_poison([float("nan")] * 3))
+    _step(model, opt)
+    hook.remove()
+    assert prepares == [1]
+    assert _warnings(caplog) == [
+        "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0; "
+        "non-finite gradients on rank 0: 2.weight (3 values)"]
+
+
 def test_verbosity_0_counts_nothing():
     model = _model()
     opt = FusedAdam(model.parameters(), lr=1e-3)

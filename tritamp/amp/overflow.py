@@ -56,14 +56,30 @@ class Ledger:
         CPU path is called on a skipped step only (the caller read the flag)."""
         kept = [grads[i] for i in self.keep]
         if triton:
-            if self.key != key:
+            if self.key != key and not self._rebound(kept, key):
                 # borrowed: the sweep does not keep the gradients alive (the key holds
                 # their addresses)
                 self.prepared = count_nonfinite_prepare(borrowed(kept), self.keep)
-                self.key = key
+            self.key = key
             self.launch(found_inf)
         else:
             count_nonfinite(kept, self.counts, found_inf, self.keep)
+
+    def _rebound(self, kept, key):
+        """The kept sweep over this step's gradients when only their addresses changed
+        (the same layout, so the same positions, shapes and dtypes): their addresses go
+        into its tables, nothing is validated or planned again. On a GPU the gradients
+        land at other addresses every step; without this the count was prepared anew at
+        every step the skip warning was enabled for (verbosity 1, the default)."""
+        prepared = self.prepared
+        if prepared is None or self.key is None or self.key[1] != key[1] \
+                or not prepared.prepared.rebindable:
+            return False
+        addresses = [key[0][i] for i in self.keep]
+        if not prepared.prepared.rebind("srcs", kept, addresses=addresses):
+            return False  # (an address off the alignment its kernel was specialised for)
+        prepared.lists["srcs"] = None  # (no reference kept between steps)
+        return True
 
     def launch(self, found_inf):
         """The prepared count over the same gradients as the last :meth:`count`."""
