@@ -20,7 +20,7 @@ OPTIMIZERS = {
     "sgd": lambda p: FusedSGD(p, lr=1e-2, momentum=0.9),
     "adagrad": lambda p: FusedAdagrad(p, lr=1e-2),
     "novograd": lambda p: FusedNovoGrad(p, lr=1e-2),
-    # LAMB's global norm keeps a sweep over the gradients too: it prepares both again
+    # LAMB's global norm keeps a sweep over the gradients too: both are rebound
     "lamb": lambda p: FusedLAMB(p, lr=1e-2),
 }
 
@@ -49,6 +49,7 @@ def test_new_gradient_tensors_rebind_the_kept_sweep_and_match_fresh_sweeps(name)
     a, b = _model(), _model()
     opt_a, opt_b = OPTIMIZERS[name](a.parameters()), OPTIMIZERS[name](b.parameters())
     alive = []  # every step's gradients stay alive: each step's land at new addresses
+    norms = set()  # LAMB's global norm: its kept sweep, rebound with the step's
     for step in range(3):
         for model, opt in ((a, opt_a), (b, opt_b)):
             opt.zero_grad(set_to_none=True)
@@ -58,16 +59,21 @@ def test_new_gradient_tensors_rebind_the_kept_sweep_and_match_fresh_sweeps(name)
         opt_b.__dict__.pop("_norm_plan", None)
         opt_a.step()
         opt_b.step()
+        if name == "lamb":
+            norms.add(id(opt_a._norm_plan[1]))
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
     (cache,) = plans_of(opt_a).values()
     assert cache.prepared.triton is True
-    assert cache.builds == (3 if name == "lamb" else 1)
+    assert cache.builds == 1
+    assert len(norms) == (1 if name == "lamb" else 0)
 
 
-def test_the_rebound_sweep_holds_no_gradient_between_steps():
+@pytest.mark.parametrize("name", ["adam", "lamb", "lamb-unclipped"])
+def test_the_rebound_sweep_holds_no_gradient_between_steps(name):
     model = _model()
-    opt = FusedAdam(model.parameters(), lr=1e-2)
+    opt = (FusedLAMB(model.parameters(), lr=1e-2, max_grad_norm=0.0)
+           if name == "lamb-unclipped" else OPTIMIZERS[name](model.parameters()))
     _backward(model, 0)
     opt.step()
     keep = model[0].weight.grad
@@ -209,3 +215,34 @@ def test_a_rebound_sweep_passes_no_pointer_into_an_earlier_steps_gradients(level
                 assert at not in earlier or at in current, (step, purpose, t.shape)
         earlier |= current
     reset_amp()
+
+
+def test_lamb_norm_sweep_is_prepared_again_from_kept_and_new_plans_alike():
+    """LAMB over two groups: group 0's gradient moves off its alignment (its plan is
+    prepared again), group 1's stays (its kept plan is a cache hit and holds no gradient
+    between steps). The global norm's sweep is then prepared over both groups' current
+    gradients, and training stays bitwise that of sweeps prepared anew every step."""
+    def run(fresh):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        opt = FusedLAMB([{"params": model[0].parameters()},
+                         {"params": model[2].parameters(), "lr": 5e-3}], lr=1e-2)
+        norms = []
+        for step in range(4):
+            opt.zero_grad(set_to_none=False)  # the same gradient tensors: cache hits
+            _backward(model, step)
+            if step == 2:
+                model[0].weight.grad = _misaligned(model[0].weight.grad)
+            if fresh:
+                opt._plans.clear()
+                opt.__dict__.pop("_norm_plan", None)
+            opt.step()
+            norms.append(id(opt._norm_plan[1]))
+        return [p.detach().clone() for p in model.parameters()], norms, opt
+
+    kept, norms, opt = run(False)
+    fresh, _, _ = run(True)
+    for a, b in zip(kept, fresh):
+        assert torch.equal(a, b)
+    assert norms[0] == norms[1] != norms[2] == norms[3]  # prepared again once, at step 2
+    assert [c.builds for c in plans_of(opt).values()] == [2, 1]

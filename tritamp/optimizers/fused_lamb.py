@@ -5,7 +5,7 @@ import numbers
 import torch
 
 from tritamp import compiled
-from tritamp.kernels.engine import take_grad_writes
+from tritamp.kernels.engine import borrowed, take_grad_writes
 from tritamp.kernels.l2norm import multi_tensor_l2norm_launch, multi_tensor_l2norm_prepare
 from tritamp.kernels.lamb import lamb_launch, lamb_prepare
 
@@ -13,13 +13,17 @@ from ._base import FusedOptimizer
 
 
 class _LambPlan:
-    """A group's prepared LAMB sweep and the gradients it was given (the global norm's
-    input), rebound together on the CPU path."""
-    __slots__ = ("prepared", "grads")
+    """A group's prepared LAMB sweep and what the global norm needs of its gradients:
+    this step's tensors while the step runs (``grads``; None once a Triton step dropped
+    them, to keep no gradient alive between steps), their addresses (``ptrs``), and a
+    count of rebinds (``gen``) that tells the kept norm sweep to take new addresses."""
+    __slots__ = ("prepared", "grads", "ptrs", "gen")
 
     def __init__(self, prepared, grads):
         self.prepared = prepared
         self.grads = list(grads)
+        self.ptrs = [g.data_ptr() for g in self.grads]
+        self.gen = 0
 
     @property
     def triton(self):
@@ -27,13 +31,17 @@ class _LambPlan:
 
     @property
     def rebindable(self):
-        # The CPU path only: on the Triton path the global norm's kept sweep reads the
-        # gradients too, so new addresses prepare both again.
-        return self.prepared.rebindable and not self.prepared.triton
+        return self.prepared.rebindable
 
     def rebind(self, name, tensors, addresses=None):
-        self.grads = list(tensors)
-        return self.prepared.rebind(name, tensors, addresses=addresses)
+        tensors = list(tensors)
+        if not self.prepared.rebind(name, tensors, addresses=addresses):
+            return False
+        self.grads = tensors
+        self.ptrs = (list(addresses) if addresses is not None
+                     else [t.data_ptr() for t in tensors])
+        self.gen += 1
+        return True
 
     def release(self, name):
         self.prepared.release(name)
@@ -105,23 +113,55 @@ class FusedLAMB(FusedOptimizer):
         reduce = self._shard_reduce()
         norm_reduce = self._norm_reduce()  # (the seam the compile report substitutes)
         if not (live and max_grad_norm):
+            for plan in live:  # (no norm: nothing reads them; none kept between steps)
+                if plan.triton:
+                    plan.grads = None
             return dict(global_norm=None, norm_reduce=norm_reduce)
         # One norm over every gradient of every group, of the unscaled gradients; planned
-        # once while every group keeps its plan. On the CPU path the plans keep no
-        # gradient between steps: the norm takes this step's (rebind) and drops them.
+        # once while every group keeps its plan. When a group's plan took new gradients
+        # (rebind), the norm's kept sweep takes them too: on the CPU path this step's
+        # tensors (dropped after the launch), on the Triton path their addresses.
         cached = getattr(self, "_norm_plan", None)
-        grads = [g for plan in live for g in plan.grads]
+        gens = tuple(plan.gen for plan in live)
         if cached is None or len(cached[0]) != len(live) \
                 or any(a is not b for a, b in zip(cached[0], live)):
-            cached = self._norm_plan = (live, multi_tensor_l2norm_prepare(grads))
-        elif cached[1].rebindable and not cached[1].triton:
-            cached[1].rebind("tensors", grads)
+            cached = self._norm_plan = (live, self._norm_prepare(plans, grad_scale), gens)
+        elif cached[1].triton:
+            if cached[2] != gens:
+                ptrs = [a for plan in live for a in plan.ptrs]
+                if not (cached[1].rebindable
+                        and cached[1].rebind("tensors", [None] * len(ptrs), addresses=ptrs)):
+                    # (an address off its kernel's alignment, or a staged copy)
+                    cached = (live, self._norm_prepare(plans, grad_scale), gens)
+                self._norm_plan = cached = (live, cached[1], gens)
+        elif cached[1].rebindable:
+            cached[1].rebind("tensors", [g for plan in live for g in plan.grads])
         norm = multi_tensor_l2norm_launch(cached[1], scale=grad_scale)[0]
-        if cached[1].rebindable and not cached[1].triton:
+        if cached[1].triton:
+            for plan in live:  # (no reference to this step's gradients kept)
+                plan.grads = None
+        elif cached[1].rebindable:
             cached[1].release("tensors")
         if reduce is not None:  # sharded: the norm of the whole gradients
             norm = reduce.norm(norm)
         return dict(global_norm=norm, norm_reduce=norm_reduce)
+
+    def _norm_prepare(self, plans, grad_scale):
+        """The global norm's sweep over this step's gradients of every group with a plan,
+        in the plans' row order; borrowed, so the kept sweep keeps none alive. A plan
+        whose gradients a Triton step dropped (its sweep kept since) gives the group's
+        current ones: the cache hit that kept it says they are at its addresses."""
+        grads = []
+        for gi, plan in enumerate(plans):
+            if plan is None:
+                continue
+            if plan.grads is not None:
+                grads.extend(plan.grads)
+            else:
+                group = self.param_groups[gi]
+                step_grads, _ = self._group_grads(self._group_links(gi, group), grad_scale)
+                grads.extend(g for g in step_grads if g is not None)
+        return multi_tensor_l2norm_prepare(borrowed(grads))
 
     def _launch(self, group, plan, grad_scale, found_inf, global_norm=None, norm_reduce=None):
         plan, write_grads = take_grad_writes(plan)
