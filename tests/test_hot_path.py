@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from conftest import amp_step
 from tritamp import amp
+from tritamp.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 
 HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__,
               torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__,
@@ -177,3 +178,46 @@ def test_fused_norm_and_fused_adam_step_reads_nothing(opt_level):
         _step(model, opt, x, y)
         _step(model, opt, x, y)
     assert calls == []
+
+
+STEADY_OPTIMIZERS = {
+    "FusedAdam": lambda p: FusedAdam(p, lr=1e-3),
+    "FusedSGD": lambda p: FusedSGD(p, lr=0.1, momentum=0.9),
+    "FusedLAMB": lambda p: FusedLAMB(p, lr=1e-3),
+    "FusedNovoGrad": lambda p: FusedNovoGrad(p, lr=1e-3),
+    "FusedAdagrad": lambda p: FusedAdagrad(p, lr=0.1),
+    "torch-SGD": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "torch-AdamW-fused": lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True),
+    "torch-Adam": lambda p: torch.optim.Adam(p, lr=1e-3),
+}
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+@pytest.mark.parametrize("name", STEADY_OPTIMIZERS)
+def test_the_steady_state_uploads_no_table_when_the_gradients_move(name, opt_level):
+    """Every optimizer at O1 and O2, with the default verbosity (the skip warning's
+    counts on) and a dynamic scale: once the first steps have prepared every sweep
+    (amp's check or unscale, the overflow count, the optimizer's, LAMB's global norm),
+    a step whose gradients are new tensors at new addresses (a GPU's allocator hands
+    them other blocks; the old ones are kept alive here) prepares nothing again: no
+    launch table is built or uploaded. The overflow count and LAMB's norm were prepared
+    anew every such step before."""
+    from tritamp.testing import recording_uploads, reset_amp
+    reset_amp()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
+    model, opt = amp.initialize(model, STEADY_OPTIMIZERS[name](model.parameters()),
+                                opt_level=opt_level, half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=1)
+    alive, uploads = [], []
+    for step in range(4):
+        with recording_uploads() as up:
+            with amp.scale_loss(model(torch.randn(4, 8)).float().square().mean(),
+                                opt) as scaled:
+                scaled.backward()
+            opt.step()
+        alive.append([p.grad for p in model.parameters()])
+        opt.zero_grad(set_to_none=True)
+        uploads.append(len(up))
+    reset_amp()
+    assert uploads[0] > 0 and uploads[2:] == [0, 0], uploads
