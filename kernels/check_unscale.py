@@ -262,28 +262,32 @@ class LayoutPrepared:
 
     @property
     def rebindable_writes(self):
-        """A check/unscale that writes, with no stand-in and no third list:
-        :meth:`rebind_lists` may give it another step's sources and destinations."""
+        """A check/unscale that writes, with no stand-in: :meth:`rebind_lists` may give
+        it another step's sources and destinations (and addends, if it has them)."""
         return (self.options["write"] and self.prepared.rebindable
-                and not self.layouts.reads and not self.layouts.writeback
-                and self.lists["adds"] is None)
+                and not self.layouts.reads and not self.layouts.writeback)
 
-    def rebind_lists(self, srcs, dsts, addresses=None):
-        """The same validated sweep over ``srcs`` and ``dsts`` (this step's: the caller's
-        key says they have the kept ones' strides, shapes and dtypes, and that the same
-        rows write in place); returns whether it could, changing nothing when not (see
-        :meth:`~._multi_tensor.Prepared.rebind_columns`). ``addresses``: those of the
-        sources, then those of the destinations."""
+    def rebind_lists(self, srcs, dsts, addresses=None, adds=None):
+        """The same validated sweep over ``srcs``, ``dsts`` and ``adds`` (this step's: the
+        caller's key says they have the kept ones' strides, shapes and dtypes, and that
+        the same rows alias: a destination at its source's address, an addend at its
+        destination's or source's); returns whether it could, changing nothing when not
+        (see :meth:`~._multi_tensor.Prepared.rebind_columns`). ``adds`` must be given
+        exactly when the sweep was prepared with addends. ``addresses``: those of the
+        sources, then of the destinations, then of the addends."""
         srcs, dsts = list(srcs), list(dsts)
-        n = len(srcs)
-        if addresses is None:
-            src_at = dst_at = None
-        else:
-            src_at, dst_at = addresses[:n], addresses[n:]
-        if not self.prepared.rebind_columns([(("srcs",), srcs, src_at),
-                                             (("dsts",), dsts, dst_at)]):
+        if (adds is not None) != self.options.get("adds", False):
             return False
-        self.lists["srcs"] = self.lists["dsts"] = None  # (read by nothing: no reference kept)
+        n, m = len(srcs), len(dsts)
+        at = [None, None, None] if addresses is None else \
+            [addresses[:n], addresses[n:n + m], addresses[n + m:]]
+        columns = [(("srcs",), srcs, at[0]), (("dsts",), dsts, at[1])]
+        if adds is not None:
+            columns.append((("adds",), list(adds), at[2]))
+        if not self.prepared.rebind_columns(columns):
+            return False
+        # (read by nothing: no reference kept)
+        self.lists["srcs"] = self.lists["dsts"] = self.lists["adds"] = None
         return True
 
     def release(self):
@@ -334,7 +338,8 @@ def check_unscale_prepare(srcs, dsts=None, adds=None, write=True):
                 cols["adds"].append(layouts.source(adds[i], w, a))
     prepared = CHECK_UNSCALE.prepare(cols)
     lists = dict(srcs=srcs, dsts=dsts, adds=adds if write else None, write=write)
-    return LayoutPrepared(prepared, lists, layouts, dict(write=write))
+    return LayoutPrepared(prepared, lists, layouts,
+                          dict(write=write, adds=write and adds is not None))
 
 
 def check_unscale_launch(prepared, scale=None, found_inf=None):

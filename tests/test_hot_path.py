@@ -221,3 +221,66 @@ def test_the_steady_state_uploads_no_table_when_the_gradients_move(name, opt_lev
         uploads.append(len(up))
     reset_amp()
     assert uploads[0] > 0 and uploads[2:] == [0, 0], uploads
+
+
+@pytest.mark.parametrize("cpu_path", [False, True], ids=["triton", "cpu-path"])
+@pytest.mark.parametrize("pattern", ["two-losses", "accumulate"])
+@pytest.mark.parametrize("level,make", [
+    ("O2", lambda p: FusedAdam(p, lr=1e-2)),
+    ("O1", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+], ids=["O2-FusedAdam", "O1-torch-SGD"])
+def test_a_second_backward_into_the_step_rebinds_its_sweep_bitwise(level, make, pattern,
+                                                                 cpu_path):
+    """Two backwards into one step (two losses, or accumulation without delay_unscale):
+    the second exit unscales and adds the first's gradients (a sweep with addends). With
+    new gradient tensors every step its kept sweep is rebound (sources, destinations and
+    addends) instead of prepared again, and the training is bitwise that of a sweep
+    prepared afresh every step, an overflow in the second loss and a gradient moved off
+    its 16-byte alignment (prepared again) included."""
+    from tritamp.testing import force_cpu_path, recording_uploads, reset_amp, stash_of
+
+    def misaligned(t):
+        buf = torch.empty(t.numel() + 8, dtype=t.dtype)
+        start = next(i for i in range(8) if (buf[i:].data_ptr() % 16) != 0)
+        out = buf[start:start + t.numel()].view_as(t)
+        return out.copy_(t)
+
+    def train(fresh_every_step):
+        reset_amp()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        model, opt = amp.initialize(model, make(model.parameters()), opt_level=level,
+                                    half_dtype=torch.bfloat16, loss_scale="dynamic",
+                                    num_losses=2, verbosity=0)
+        alive, uploads = [], []
+        for step in range(6):
+            if fresh_every_step:
+                stash_of(opt)._sweeps.clear()
+            opt.zero_grad(set_to_none=True)
+            with recording_uploads() as up:
+                for k in range(2):
+                    torch.manual_seed(10 * step + k)
+                    loss = model(torch.randn(4, 8)).float().square().mean()
+                    if step == 3 and k == 1:
+                        loss = loss * float("inf")  # the second loss overflows
+                    with amp.scale_loss(loss, opt,
+                                        loss_id=k if pattern == "two-losses" else 0) as s:
+                        s.backward()
+                        if step == 4 and k == 1:
+                            p = model[0].weight
+                            p.grad = misaligned(p.grad)
+                opt.step()
+            alive.append([p.grad for p in model.parameters()])
+            uploads.append(len(up))
+        out = [p.detach().clone() for p in model.parameters()]
+        reset_amp()
+        return out, uploads
+
+    with force_cpu_path() if cpu_path else contextlib.nullcontext():
+        kept, uploads = train(False)
+        fresh, _ = train(True)
+    if not cpu_path:  # prepared again only where the misaligned gradient came in
+        assert uploads[0] > 0 and uploads[2:4] == [0, 0], uploads
+        assert uploads[4] > 0 and uploads[5] == 0, uploads
+    for a, b in zip(kept, fresh):
+        assert torch.equal(a, b)

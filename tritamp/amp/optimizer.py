@@ -104,15 +104,22 @@ class AmpStash:
             # layout_key refuses a sparse gradient by name (it has no address to key on)
             key = (layout_key(tensors, op="amp"), tuple(map(_shape_of, tensors)),
                    tuple(map(_dtype_of, tensors)))
-            if write and dsts is not None and adds is None and rebind_on is None:
-                # An unscale into destinations: when only addresses changed (on a CPU, and
-                # on a GPU whose allocator hands the gradients other blocks, they do every
-                # step), the kept sweep takes the new lists. Which rows write in place (a
-                # destination at its source's address) is part of what must not change.
+            if write and dsts is not None and rebind_on is None:
+                # An unscale into destinations (plus addends: a second backward into the
+                # same step): when only addresses changed (on a CPU, and on a GPU whose
+                # allocator hands the gradients other blocks, they do every step), the
+                # kept sweep takes the new lists. Which rows alias (a destination at its
+                # source's address, an addend at its destination's or its source's) is
+                # part of what must not change.
                 addresses = key[0][0]
                 n = len(srcs)
-                in_place = tuple(map(operator.eq, addresses[:n], addresses[n:]))
-                rebind_on = (key[0][1], key[1], key[2], in_place)
+                src_at, dst_at = addresses[:n], addresses[n:2 * n]
+                aliases = tuple(map(operator.eq, src_at, dst_at))
+                if adds is not None:
+                    add_at = addresses[2 * n:]
+                    aliases += (tuple(map(operator.eq, add_at, dst_at)),
+                                tuple(map(operator.eq, add_at, src_at)))
+                rebind_on = (key[0][1], key[1], key[2], aliases)
                 key = (addresses,)
         if rebind_on is None:
             key = (key, None, len(srcs), dsts is None, adds is None, write)
@@ -124,7 +131,7 @@ class AmpStash:
         prepared = cache.get(key)
         if prepared is None and rebind_on is not None and cache.prepared is not None \
                 and cache.key[1:] == key[1:] and self._rebound(cache.prepared, srcs, dsts,
-                                                               write, addresses):
+                                                               adds, write, addresses):
             # Only the gradients' addresses changed (on a CPU they do every step; under
             # FSDP2 the gradients are new tensors): the kept, validated check takes them.
             prepared = cache.prepared
@@ -145,11 +152,12 @@ class AmpStash:
         K.check_unscale_launch(prepared, scale=scale, found_inf=found)
 
     @staticmethod
-    def _rebound(prepared, srcs, dsts, write, addresses):
+    def _rebound(prepared, srcs, dsts, adds, write, addresses):
         """The kept sweep ``prepared`` rebound to this step's lists, if it can be."""
         if not write:
             return prepared.rebindable and prepared.rebind_sources(srcs, addresses)
-        return prepared.rebindable_writes and prepared.rebind_lists(srcs, dsts, addresses)
+        return prepared.rebindable_writes and prepared.rebind_lists(srcs, dsts, addresses,
+                                                                    adds=adds)
 
     # -- parameters -----------------------------------------------------------------
     def adopt_group(self, group, optimizer):
