@@ -288,13 +288,20 @@ class LayoutPrepared:
             return False
         # (read by nothing: no reference kept)
         self.lists["srcs"] = self.lists["dsts"] = self.lists["adds"] = None
+        if adds is not None:
+            # the CPU path's plan writes into the destinations only while no addend
+            # shares their storage, which the caller's key (per row) does not say
+            self.cpu_plans.clear()
         return True
 
     def release(self):
-        """Drop the references to the sources until the next :meth:`rebind_sources`."""
-        self.lists["srcs"] = None
+        """Drop the references to this step's lists (sources, destinations, addends)
+        until the next :meth:`rebind_sources` / :meth:`rebind_lists`."""
+        self.lists["srcs"] = self.lists["adds"] = None
         self.prepared.release("srcs")
         self.prepared.release("dsts")
+        if self.options.get("adds"):
+            self.prepared.release("adds")
 
     def run_cpu(self, fn):
         """The production CPU path's :meth:`launch`: ``fn(group)`` once per

@@ -284,3 +284,37 @@ def test_a_second_backward_into_the_step_rebinds_its_sweep_bitwise(level, make, 
         assert uploads[4] > 0 and uploads[5] == 0, uploads
     for a, b in zip(kept, fresh):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("cpu_path", [False, True], ids=["triton", "cpu-path"])
+def test_the_rebound_add_sweep_keeps_no_gradient_after_the_step(cpu_path):
+    """The sweep that adds the first backward's gradients, once rebound, holds none of
+    them after the step: ``zero_grad(set_to_none=True)`` frees them (the production CPU
+    path kept the addends in its lists until the next step's rebind)."""
+    import gc
+    import weakref
+
+    from tritamp.testing import force_cpu_path, reset_amp, stash_of
+    reset_amp()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                opt_level="O1", half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", num_losses=2, verbosity=0)
+    alive_after = []
+    with force_cpu_path() if cpu_path else contextlib.nullcontext():
+        for step in range(4):
+            opt.zero_grad(set_to_none=True)
+            for k in range(2):
+                loss = model(torch.randn(4, 8)).float().square().mean()
+                with amp.scale_loss(loss, opt, loss_id=k) as scaled:
+                    scaled.backward()
+                if k == 0:
+                    firsts = [weakref.ref(p.grad) for p in model.parameters()]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            gc.collect()
+            alive_after.append(sum(r() is not None for r in firsts))
+    builds = stash_of(opt)._sweeps["accumulate"].builds
+    reset_amp()
+    assert builds == 1 and alive_after == [0, 0, 0, 0], (builds, alive_after)

@@ -4,6 +4,7 @@ blocks) go through the kept sweep: their addresses are written into its device t
 instead of the sweep being prepared again. Steps match sweeps prepared anew each step;
 the kept sweep holds no gradient between steps; addresses that break the alignment the
 kernels were specialised for make it prepare again."""
+import contextlib
 import gc
 import weakref
 
@@ -246,3 +247,37 @@ def test_lamb_norm_sweep_is_prepared_again_from_kept_and_new_plans_alike():
         assert torch.equal(a, b)
     assert norms[0] == norms[1] != norms[2] == norms[3]  # prepared again once, at step 2
     assert [c.builds for c in plans_of(opt).values()] == [2, 1]
+
+
+@pytest.mark.parametrize("cpu_path", [False, True], ids=["triton", "cpu-path"])
+def test_lamb_norm_over_a_non_dense_gradient_reads_this_steps_gradients(cpu_path):
+    """A non-dense gradient makes the global norm's sweep read it through a copy, so the
+    sweep cannot be rebound; when another group's plan takes new gradients, the norm is
+    prepared again over this step's (the CPU path's kept norm read the last step's), and
+    training (clipping active) is bitwise that of sweeps prepared anew every step."""
+    from tritamp.testing import force_cpu_path
+
+    def run(fresh):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        opt = FusedLAMB([{"params": [model[0].weight]},
+                         {"params": [model[0].bias, *model[2].parameters()]}], lr=1e-2)
+        strided = torch.zeros(16, 16)[:, ::2]  # a non-dense gradient, the same every step
+        alive = []
+        for step in range(4):
+            opt.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            (1000 * model(torch.randn(4, 8)).square().mean()).backward()  # clipped
+            strided.copy_(model[0].weight.grad)
+            model[0].weight.grad = strided
+            alive.append([p.grad for p in model.parameters()])
+            if fresh:
+                opt._plans.clear()
+                opt.__dict__.pop("_norm_plan", None)
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    with force_cpu_path() if cpu_path else contextlib.nullcontext():
+        kept, fresh = run(False), run(True)
+    for a, b in zip(kept, fresh):
+        assert torch.equal(a, b)

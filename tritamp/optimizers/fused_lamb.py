@@ -136,6 +136,8 @@ class FusedLAMB(FusedOptimizer):
                 self._norm_plan = cached = (live, cached[1], gens)
         elif cached[1].rebindable:
             cached[1].rebind("tensors", [g for plan in live for g in plan.grads])
+        elif cached[2] != gens:  # (CPU path, a staged copy: this step's gradients anew)
+            cached = self._norm_plan = (live, self._norm_prepare(plans, grad_scale), gens)
         norm = multi_tensor_l2norm_launch(cached[1], scale=grad_scale)[0]
         if cached[1].triton:
             for plan in live:  # (no reference to this step's gradients kept)
