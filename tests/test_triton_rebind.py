@@ -281,3 +281,28 @@ def test_lamb_norm_over_a_non_dense_gradient_reads_this_steps_gradients(cpu_path
         kept, fresh = run(False), run(True)
     for a, b in zip(kept, fresh):
         assert torch.equal(a, b)
+
+
+def test_a_refused_lamb_step_keeps_no_gradient_of_a_group_it_rebound():
+    """Group 0's plan is rebound to this step's gradients, then group 1's sparse gradient
+    refuses the step: nothing of the step stays referenced (on the Triton path the LAMB
+    plan keeps only the addresses of what it was rebound to)."""
+    model = _model()
+    opt = FusedLAMB([{"params": model[0].parameters()},
+                     {"params": model[2].parameters()}], lr=1e-2)
+    alive = []
+    for step in range(2):
+        opt.zero_grad(set_to_none=True)
+        _backward(model, step)
+        alive.append([p.grad for p in model.parameters()])
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    _backward(model, 2)
+    grad = weakref.ref(model[0].weight.grad)
+    model[2].bias.grad = model[2].bias.grad.to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    assert plans_of(opt)[0].builds == 1  # (group 0 was rebound before the refusal)
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    assert grad() is None

@@ -37,7 +37,10 @@ class _LambPlan:
         tensors = list(tensors)
         if not self.prepared.rebind(name, tensors, addresses=addresses):
             return False
-        self.grads = tensors
+        # The Triton path keeps none of them, even for the step (a step refused after
+        # this rebind must not keep them alive): the norm needs only their addresses,
+        # or, prepared again, takes the group's current gradients (_norm_prepare).
+        self.grads = None if self.prepared.triton else tensors
         self.ptrs = (list(addresses) if addresses is not None
                      else [t.data_ptr() for t in tensors])
         self.gen += 1
