@@ -547,3 +547,46 @@ def test_legacy_scalers_check_and_scale():
     static = LossScaler(4.0)
     static.update_scale(True)
     assert static.loss_scale == 4.0
+
+
+@pytest.mark.parametrize("cpu_path", [False, True], ids=["triton", "cpu-path"])
+def test_per_step_helpers_keep_their_sweeps_when_the_gradients_move(cpu_path):
+    """A manual loop calls model_grads_to_master_grads, master_params_to_model_params and
+    has_overflow every step, on new gradient tensors each time: the kept sweeps take
+    them (no launch table built or uploaded after the first step), the copies are the
+    exact casts, an inf is still seen after the moves, and no gradient is kept alive."""
+    import contextlib
+    import gc
+    import weakref
+
+    from tritamp.testing import force_cpu_path, recording_uploads
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(torch.bfloat16)
+    model_params, masters = prep_param_lists(model)
+    scaler = DynamicLossScaler(init_scale=8.0)
+    alive, uploads = [], []
+    with force_cpu_path() if cpu_path else contextlib.nullcontext():
+        for step in range(5):
+            for p in model_params:
+                p.grad = torch.randn(p.shape).to(torch.bfloat16)
+            if step == 4:
+                model_params[1].grad[3] = float("inf")
+            with recording_uploads() as up:
+                overflow = scaler.has_overflow(model_params)
+                model_grads_to_master_grads(model_params, masters)
+                master_params_to_model_params(model_params, masters)
+            uploads.append(len(up))
+            assert overflow is (step == 4), step
+            for p, m in zip(model_params, masters):
+                assert torch.equal(m.grad, p.grad.float()), step
+                assert torch.equal(p.data, m.data.to(torch.bfloat16)), step
+            alive.append([p.grad for p in model_params])
+        probe = weakref.ref(alive[-1][0])
+    if not cpu_path:
+        assert uploads[2:] == [0, 0, 0], uploads
+    for p, m in zip(model_params, masters):
+        p.grad = m.grad = None
+    del alive
+    gc.collect()
+    assert probe() is None

@@ -11,13 +11,16 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from tritamp import kernels as K
 from tritamp.amp.model import applier
 from tritamp.amp.model import convert_module as _amp_convert_module
 from tritamp.amp.model import convert_network as _amp_convert_network
 from tritamp.amp.properties import check_half_dtype
 from tritamp.kernels.engine import is_dense, same_layout
 from tritamp.optimizers.clip import clip_grad_norm_
+
+from ._kept import KeptSweeps
+
+_COPIES = KeptSweeps("fp16_utils")  # the copies between model and master tensors
 
 __all__ = ["tofp16", "BN_convert_float", "network_to_half", "convert_module", "convert_network",
            "FP16Model", "prep_param_lists", "model_grads_to_master_grads",
@@ -136,7 +139,7 @@ def _copy(srcs, dsts):
             fused_dst.append(d)
         else:
             d.copy_(s)
-    K.check_unscale(fused_src, None, None, dsts=fused_dst)
+    _COPIES.run(fused_src, fused_dst)
 
 
 @torch.no_grad()

@@ -19,7 +19,10 @@ from tritamp import kernels as K
 from tritamp.amp.scaler import LossScaler as _DeviceLossScaler
 from tritamp.amp.scaler import check_number
 
+from ._kept import KeptSweeps
 from .fp16util import to_python_float
+
+_CHECKS = KeptSweeps("has_overflow")  # the legacy scalers' overflow checks
 
 logger = logging.getLogger("tritamp.fp16_utils")
 
@@ -73,7 +76,7 @@ def _found_inf_of(tensors):
     if not tensors:
         return None
     found = torch.zeros((), dtype=torch.float32, device=tensors[0].device)
-    K.check_unscale(tensors, None, found, write=False)
+    _CHECKS.run(tensors, found_inf=found)
     return found
 
 
