@@ -590,3 +590,28 @@ def test_per_step_helpers_keep_their_sweeps_when_the_gradients_move(cpu_path):
     del alive
     gc.collect()
     assert probe() is None
+
+
+@pytest.mark.parametrize("cpu_path", [False, True], ids=["triton", "cpu-path"])
+def test_a_kept_sweep_never_takes_tensors_on_another_device(cpu_path):
+    """After a copy between CPU tensors, the same layout with a master on another device
+    is refused by name, as the one-shot copy refuses it, and nothing is written (a kept
+    sweep's rebind does not look at devices: on a GPU it wrote host addresses from the
+    kernel)."""
+    import contextlib
+
+    from tritamp.testing import force_cpu_path
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)).to(torch.bfloat16)
+    model_params, masters = prep_param_lists(model)
+    with force_cpu_path() if cpu_path else contextlib.nullcontext():
+        for p in model_params:
+            p.grad = torch.randn(p.shape).to(torch.bfloat16)
+        model_grads_to_master_grads(model_params, masters)
+        for p in model_params:
+            p.grad = torch.randn(p.shape).to(torch.bfloat16)
+        masters[1] = nn.Parameter(torch.empty(masters[1].shape, device="meta"))
+        before = masters[0].grad.clone()
+        with pytest.raises(ValueError, match=r"dsts\[1\] is on meta"):
+            model_grads_to_master_grads(model_params, masters)
+        assert torch.equal(masters[0].grad, before)

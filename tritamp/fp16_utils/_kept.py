@@ -37,12 +37,18 @@ class KeptSweeps:
         dsts = None if dsts is None else list(dsts)
         write = dsts is not None
         tensors = srcs + (dsts or [])
+        device = srcs[0].device
+        if any(t.device != device for t in tensors):
+            # (a rebind does not look at devices: the one-shot call refuses the mix, naming
+            # the tensor, before anything is written)
+            K.check_unscale(srcs, None, found_inf, dsts=dsts, write=write)
+            return
         addresses, strides = layout_key(tensors, op=self.op)
         n = len(srcs)
         in_place = (tuple(map(operator.eq, addresses[:n], addresses[n:])) if write
                     else None)
         layout = (strides, tuple(map(_shape, tensors)), tuple(map(_dtype, tensors)),
-                  srcs[0].device, K.use_triton(srcs[0]), n, write, in_place)
+                  device, K.use_triton(srcs[0]), n, write, in_place)
         prepared = self._kept(layout, addresses, srcs, dsts)
         try:
             K.check_unscale_launch(prepared, scale=None, found_inf=found_inf)
