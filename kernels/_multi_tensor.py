@@ -27,6 +27,7 @@ The result, a :class:`Prepared`, is what a caller (an optimizer's parameter grou
 scaler) keeps and reuses while its tensors stay the same: launching it uploads and
 re-derives nothing. Kernels read columns by name through :meth:`Sweep.col`.
 """
+import collections
 import functools
 import operator
 
@@ -870,6 +871,46 @@ class SweepCache:
         self.builds += 1
         _give_scratch(prepared, self.scratch)
         return prepared
+
+
+def list_layout(tensors, op="tritamp"):
+    """``(addresses, layout, triton)`` of a list of tensors: their addresses; what a
+    sweep prepared over them depends on besides (strides, shapes, dtypes, device, and
+    whether the Triton path runs it); that path. The key of :class:`KeptByLayout`."""
+    addresses, strides = layout_key(tensors, op=op)
+    triton = use_triton(tensors[0])
+    return addresses, (strides, tuple(map(_size, tensors)),
+                       tuple(t.dtype for t in tensors), tensors[0].device, triton), triton
+
+
+class KeptByLayout:
+    """Sweeps kept per list layout (:func:`list_layout`), the ``size`` most recently
+    used, each with the addresses its device tables hold: for a caller handed new lists
+    at every call (``clip_grad_norm_``, fp16_utils' per-step helpers), which would
+    otherwise validate, plan and upload at every call. What it keeps must not hold the
+    tensors (prepare over :func:`borrowed` ones)."""
+    __slots__ = ("size", "entries")
+
+    def __init__(self, size):
+        self.size = size
+        self.entries = collections.OrderedDict()  # layout -> [addresses, kept]
+
+    def get(self, addresses, layout, triton, prepare, rebind):
+        """The kept sweep(s) of ``layout``: as they are when the Triton path's tables
+        hold ``addresses``; else ``rebind(kept, addresses)`` gives them this call's
+        tensors (returns whether it could); else ``prepare()`` makes new ones."""
+        entry = self.entries.get(layout)
+        if entry is not None:
+            self.entries.move_to_end(layout)
+            if (entry[0] == addresses and triton) or rebind(entry[1], addresses):
+                entry[0] = addresses
+                return entry[1]
+        made = prepare()
+        self.entries[layout] = [addresses, made]
+        self.entries.move_to_end(layout)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+        return made
 
 
 def _give_scratch(prepared, scratch):

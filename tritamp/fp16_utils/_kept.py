@@ -4,20 +4,17 @@
 scalers' ``has_overflow`` run every step of a manual mixed-precision loop. Each used the
 one-shot ``check_unscale``: its lists validated, planned and its launch tables uploaded
 at every call. Here the prepared sweep is kept per list layout (strides, shapes, dtypes,
-device, path, which rows copy in place), over borrowed tensors (none kept alive between
-calls); when only the addresses changed (new gradient tensors every step) the kept sweep
-takes the new ones (``rebind``), as amp's and the optimizers' do.
+device, path, which rows copy in place: :class:`~tritamp.kernels.engine.KeptByLayout`),
+over borrowed tensors (none kept alive between calls); when only the addresses changed
+(new gradient tensors every step) the kept sweep takes the new ones (``rebind``), as
+amp's and the optimizers' do.
 """
-import collections
 import operator
 
 from tritamp import kernels as K
-from tritamp.kernels.engine import borrowed, layout_key
+from tritamp.kernels.engine import KeptByLayout, borrowed, list_layout
 
 KEPT_MAX = 8  # list layouts kept (the least recently used goes first)
-
-_shape = operator.attrgetter("shape")
-_dtype = operator.attrgetter("dtype")
 
 
 class KeptSweeps:
@@ -25,7 +22,7 @@ class KeptSweeps:
 
     def __init__(self, op):
         self.op = op
-        self.kept = collections.OrderedDict()  # layout -> [addresses, prepared]
+        self.kept = KeptByLayout(KEPT_MAX)
 
     def run(self, srcs, dsts=None, found_inf=None):
         """``check_unscale(srcs, None, found_inf, dsts=dsts, write=dsts is not None)``
@@ -43,40 +40,26 @@ class KeptSweeps:
             # the tensor, before anything is written)
             K.check_unscale(srcs, None, found_inf, dsts=dsts, write=write)
             return
-        addresses, strides = layout_key(tensors, op=self.op)
+        addresses, layout, triton = list_layout(tensors, op=self.op)
         n = len(srcs)
         in_place = (tuple(map(operator.eq, addresses[:n], addresses[n:])) if write
                     else None)
-        layout = (strides, tuple(map(_shape, tensors)), tuple(map(_dtype, tensors)),
-                  device, K.use_triton(srcs[0]), n, write, in_place)
-        prepared = self._kept(layout, addresses, srcs, dsts)
+
+        def prepare():
+            lent = borrowed(tensors)
+            return K.check_unscale_prepare(lent[:n], dsts=lent[n:] if write else None,
+                                           write=write)
+
+        def rebind(prepared, addresses):
+            if not write:
+                return prepared.rebindable and prepared.rebind_sources(srcs, addresses)
+            return prepared.rebindable_writes and prepared.rebind_lists(srcs, dsts,
+                                                                        addresses)
+
+        prepared = self.kept.get(addresses, layout + (n, write, in_place), triton,
+                                 prepare, rebind)
         try:
             K.check_unscale_launch(prepared, scale=None, found_inf=found_inf)
         finally:
             if not prepared.triton:
                 prepared.release()  # (the CPU path's lists: this call's tensors)
-
-    def _kept(self, layout, addresses, srcs, dsts):
-        entry = self.kept.get(layout)
-        if entry is not None:
-            self.kept.move_to_end(layout)
-            prepared = entry[1]
-            if entry[0] == addresses and prepared.triton:
-                return prepared  # (its tables hold these addresses)
-            if dsts is None:
-                ok = prepared.rebindable and prepared.rebind_sources(srcs, addresses)
-            else:
-                ok = prepared.rebindable_writes and prepared.rebind_lists(srcs, dsts,
-                                                                          addresses)
-            if ok:
-                entry[0] = addresses
-                return prepared
-        n = len(srcs)
-        lent = borrowed(srcs + (dsts or []))
-        prepared = K.check_unscale_prepare(lent[:n], dsts=None if dsts is None else lent[n:],
-                                           write=dsts is not None)
-        self.kept[layout] = [addresses, prepared]
-        self.kept.move_to_end(layout)
-        while len(self.kept) > KEPT_MAX:
-            self.kept.popitem(last=False)
-        return prepared

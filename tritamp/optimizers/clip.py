@@ -1,26 +1,14 @@
 """Gradient clipping over many tensors without a host sync."""
-import collections
-import operator
-
 import torch
 
-from tritamp.kernels import use_triton
 from tritamp.kernels.axpby import multi_tensor_scale_launch, multi_tensor_scale_prepare
-from tritamp.kernels.engine import borrowed, layout_key
+from tritamp.kernels.engine import KeptByLayout, borrowed, list_layout
 from tritamp.kernels.l2norm import multi_tensor_l2norm_launch, multi_tensor_l2norm_prepare
 from tritamp.sharding import ShardReduce, locals_of
 
-_KEPT_MAX = 4  # gradient lists whose sweeps are kept (most recently clipped first out last)
-_kept = collections.OrderedDict()  # layout -> [addresses, norm sweep, scale sweep]
-_shape = operator.attrgetter("shape")
-_dtype = operator.attrgetter("dtype")
-
-
-def _rebound(sweep, grads, addresses):
-    """The scale sweep (``grads * coef`` into ``grads``) over this call's gradients."""
-    engine = sweep.prepared
-    return (engine.rebindable and not sweep.layouts.reads and not sweep.layouts.writeback
-            and engine.rebind("outs", grads, "xs", addresses=addresses))
+# The norm and scale sweeps of the last gradient lists clipped, by layout (the path that
+# runs them included: a test may force the CPU path).
+_KEPT = KeptByLayout(4)
 
 
 def _sweeps(grads):
@@ -29,27 +17,21 @@ def _sweeps(grads):
     (new gradient tensors each step: on a CPU always, on a GPU whose allocator hands out
     other blocks), the kept sweeps take the new ones instead of being validated and
     planned again."""
-    addresses, strides = layout_key(grads, op="clip_grad_norm_")
-    # (which path runs them is part of it: a test may force the CPU path)
-    layout = (strides, tuple(map(_shape, grads)), tuple(map(_dtype, grads)),
-              grads[0].device, use_triton(grads[0]))
-    kept = _kept.get(layout)
-    if kept is not None:
-        _kept.move_to_end(layout)
-        norm, scale = kept[1], kept[2]
-        if kept[0] == addresses and norm.triton:
-            return norm, scale  # (the tables hold these addresses)
-        if norm.rebindable and norm.rebind("tensors", grads, addresses=addresses) \
-                and _rebound(scale, grads, addresses):
-            kept[0] = addresses
-            return norm, scale
-    lent = borrowed(grads)
-    norm, scale = multi_tensor_l2norm_prepare(lent), multi_tensor_scale_prepare(lent, lent)
-    _kept[layout] = [addresses, norm, scale]
-    _kept.move_to_end(layout)
-    while len(_kept) > _KEPT_MAX:
-        _kept.popitem(last=False)
-    return norm, scale
+    addresses, layout, triton = list_layout(grads, op="clip_grad_norm_")
+
+    def prepare():
+        lent = borrowed(grads)
+        return multi_tensor_l2norm_prepare(lent), multi_tensor_scale_prepare(lent, lent)
+
+    def rebind(kept, addresses):
+        norm, scale = kept  # (scale: grads * coef into grads)
+        engine = scale.prepared
+        return (norm.rebindable and norm.rebind("tensors", grads, addresses=addresses)
+                and engine.rebindable and not scale.layouts.reads
+                and not scale.layouts.writeback
+                and engine.rebind("outs", grads, "xs", addresses=addresses))
+
+    return _KEPT.get(addresses, layout, triton, prepare, rebind)
 
 
 def _release(norm, scale):

@@ -14,9 +14,10 @@ from ._base import FusedOptimizer
 
 class _LambPlan:
     """A group's prepared LAMB sweep and what the global norm needs of its gradients:
-    this step's tensors while the step runs (``grads``; None once a Triton step dropped
-    them, to keep no gradient alive between steps), their addresses (``ptrs``), and a
-    count of rebinds (``gen``) that tells the kept norm sweep to take new addresses."""
+    the tensors (``grads``: borrowed ones from the prepare, this step's on the CPU path
+    after a rebind, None on the Triton path after a rebind, which keeps no gradient
+    alive), their addresses (``ptrs``), and a count of rebinds (``gen``) that tells the
+    kept norm sweep to take new addresses."""
     __slots__ = ("prepared", "grads", "ptrs", "gen")
 
     def __init__(self, prepared, grads):
@@ -116,9 +117,6 @@ class FusedLAMB(FusedOptimizer):
         reduce = self._shard_reduce()
         norm_reduce = self._norm_reduce()  # (the seam the compile report substitutes)
         if not (live and max_grad_norm):
-            for plan in live:  # (no norm: nothing reads them; none kept between steps)
-                if plan.triton:
-                    plan.grads = None
             return dict(global_norm=None, norm_reduce=norm_reduce)
         # One norm over every gradient of every group, of the unscaled gradients; planned
         # once while every group keeps its plan. When a group's plan took new gradients
@@ -142,10 +140,7 @@ class FusedLAMB(FusedOptimizer):
         elif cached[2] != gens:  # (CPU path, a staged copy: this step's gradients anew)
             cached = self._norm_plan = (live, self._norm_prepare(plans, grad_scale), gens)
         norm = multi_tensor_l2norm_launch(cached[1], scale=grad_scale)[0]
-        if cached[1].triton:
-            for plan in live:  # (no reference to this step's gradients kept)
-                plan.grads = None
-        elif cached[1].rebindable:
+        if not cached[1].triton and cached[1].rebindable:
             cached[1].release("tensors")
         if reduce is not None:  # sharded: the norm of the whole gradients
             norm = reduce.norm(norm)
@@ -154,8 +149,8 @@ class FusedLAMB(FusedOptimizer):
     def _norm_prepare(self, plans, grad_scale):
         """The global norm's sweep over this step's gradients of every group with a plan,
         in the plans' row order; borrowed, so the kept sweep keeps none alive. A plan
-        whose gradients a Triton step dropped (its sweep kept since) gives the group's
-        current ones: the cache hit that kept it says they are at its addresses."""
+        rebound on the Triton path (it keeps no tensor) gives the group's current
+        gradients: this step's key says they are at its addresses."""
         grads = []
         for gi, plan in enumerate(plans):
             if plan is None:
