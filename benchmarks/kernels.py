@@ -8,7 +8,8 @@ Rows: the benchmark rows of the op registry (``tritamp.kernels.registry``; each 
 ``benchmarks``), each against its torch baseline here: amp's end-of-backward kernels (the
 overflow check alone, and check + unscale of fp16 gradients into fp32 master gradients)
 against torch's ``_amp_foreach_non_finite_check_and_unscale_`` (what GradScaler runs), the
-multi-tensor l2-norm against ``torch._foreach_norm``; then LayerNorm / RMSNorm forward and
+multi-tensor l2-norm against ``torch._foreach_norm``, LARC's gradient rewrite against
+torch's foreach ops; then LayerNorm / RMSNorm forward and
 forward+backward against torch's (benchmarks/norms.py), every fused optimizer step from
 benchmarks/optimizers.py, then SyncBatchNorm forward+backward at ResNet-50 shapes against
 torch's SyncBatchNorm and cudnn (benchmarks/syncbn.py). Each row: time (median, p20-p80),
@@ -72,12 +73,30 @@ def _torch_norm(shapes, device):
         sum(g.numel() * 4 for g in grads), grads
 
 
+def _torch_larc(shapes, device):
+    """The same rewrite with torch's foreach ops: ``g += decay * p``, ``g *= factor`` with
+    one 0-d factor and decay per tensor (views of the two vectors), as a LARC on torch's
+    ops would run it."""
+    g = torch.Generator(device=device).manual_seed(0)
+    params = [torch.randn(s, device=device, generator=g) for s in shapes]
+    grads = [torch.randn(s, device=device, generator=g) for s in shapes]
+    factor = torch.rand(len(shapes), device=device, generator=g)
+    decay = torch.full((len(shapes),), 1e-4, device=device)
+    factors, decays = list(factor.unbind(0)), list(decay.unbind(0))
+
+    def step():
+        torch._foreach_add_(grads, torch._foreach_mul(params, decays))
+        torch._foreach_mul_(grads, factors)
+    return step, sum(p.numel() * 12 for p in params), (params, grads, factor, decay)
+
+
 # The torch baseline of each registry benchmark row: make(shapes, device) -> (step
 # function, bytes moved, tensors to keep).
 TORCH_BASELINES = {
     "amp check": _torch_unscale,            # what GradScaler runs (it has no read-only check)
     "amp unscale->fp32": _torch_unscale_to_fp32,  # the same result with torch's ops
     "l2norm": _torch_norm,
+    "larc rescale": _torch_larc,            # LARC's gradient rewrite with foreach ops
 }
 
 

@@ -59,10 +59,14 @@ class Column:
     (same shape and layout; fp32 unless ``dtypes`` says otherwise), ``"copy"`` (same shape
     and layout; fp32/fp16/bf16), ``"scalar"`` (a one-element fp32 tensor per row: a step
     count). ``optional`` columns may be None (the whole list) or hold None per row;
-    ``typed`` columns pass their element type to the kernel (one proto tensor each)."""
-    __slots__ = ("name", "role", "optional", "typed", "dtypes", "written")
+    ``typed`` columns pass their element type to the kernel (one proto tensor each).
+    ``rehome`` (scalar columns): the production CPU path may move the column's tensors
+    into one buffer of its own (see :func:`_share_storage`); off for a column whose
+    tensors are views the caller writes through (their memory must stay theirs)."""
+    __slots__ = ("name", "role", "optional", "typed", "dtypes", "written", "rehome")
 
-    def __init__(self, name, role, optional=False, typed=None, dtypes=None, written=False):
+    def __init__(self, name, role, optional=False, typed=None, dtypes=None, written=False,
+                 rehome=True):
         self.name = name
         self.role = role
         self.optional = optional
@@ -71,6 +75,7 @@ class Column:
             dtypes = (torch.float32,) if role in ("state", "scalar") else HALF_OR_FLOAT
         self.dtypes = tuple(dtypes)
         self.written = written
+        self.rehome = rehome
 
 
 class Sweep:
@@ -471,7 +476,8 @@ class Prepared:
             for i, key in enumerate(zip(*keys)):
                 groups.setdefault(key, []).append(i)
             scalars = [c.name for c in sweep.columns if c.role == "scalar"]
-            self.cpu_groups = [CpuGroup(k, lists, rows, scalars)
+            rehomed = [c.name for c in sweep.columns if c.role == "scalar" and c.rehome]
+            self.cpu_groups = [CpuGroup(k, lists, rows, scalars, rehomed)
                                for k, rows in enumerate(groups.values())]
             return
         block, warps, emulate = kernel_settings(self.device)
@@ -614,7 +620,7 @@ class CpuGroup:
     order; ``dtypes`` is the group key (the dtype of each typed or optional column)."""
     __slots__ = ("index", "dtypes", "rows", "lists", "_pick", "_counts", "_scalars", "_chunks")
 
-    def __init__(self, index, lists, rows, scalars=()):
+    def __init__(self, index, lists, rows, scalars=(), rehomed=None):
         self.index = index
         self.rows = rows
         self._pick = operator.itemgetter(*rows) if len(rows) > 1 else None
@@ -629,7 +635,7 @@ class CpuGroup:
             picked = [col[i] for i in rows]
             self.lists[name] = None if all(map(_is_none, picked)) else picked
         self.dtypes = tuple(None if v is None else v[0].dtype for v in self.lists.values())
-        for name in scalars:
+        for name in (scalars if rehomed is None else rehomed):
             counts = _share_storage(self.lists.get(name))
             if counts is not None:
                 self._counts[name] = [counts]

@@ -40,9 +40,9 @@ def _module(name):
     return importlib.import_module(f"{__package__}.{name}")
 
 
-_adagrad, _adam, _axpby, _cu, _l2norm, _lamb, _ln, _novograd, _su, _sgd, _bn, _ovf = map(
+_adagrad, _adam, _axpby, _cu, _l2norm, _lamb, _ln, _novograd, _su, _sgd, _bn, _ovf, _larc = map(
     _module, ("adagrad", "adam", "axpby", "check_unscale", "l2norm", "lamb", "layer_norm",
-              "novograd", "scale_update", "sgd", "syncbn", "overflow"))
+              "novograd", "scale_update", "sgd", "syncbn", "overflow", "larc"))
 
 # Odd shapes: one element, a partial block, a 2-D tensor whose rows are not a power of two.
 SHAPES = ((1,), (1000,), (3, 257))
@@ -343,6 +343,39 @@ def _axpby_samples(device="cpu", shapes=SHAPES):
         out.append(Sample(f"{DTYPE_NAMES[dt]} x, fp32 y", dt,
                           (xs, ys, outs, 0.5, 2.0, _flag(device), -1)))
     return out
+
+
+def _larc_samples(device="cpu", shapes=SHAPES):
+    """Per dtype: a decay and a factor per row (the last row left alone: factor 1, decay
+    0, as LARC leaves a parameter whose norm is 0); fp32 without decay."""
+    out = []
+    n_rows = len(shapes)
+    for dt in DTYPES:
+        g = _gen(7)
+        params = [_randn(s, dt, device, g) for s in shapes]
+        grads = [_randn(s, dt, device, g, scale=1e-2) for s in shapes]
+        factor = _rand((n_rows,), device, g, scale=3.0)
+        decay = _rand((n_rows,), device, g, scale=1e-3)
+        factor[-1], decay[-1] = 1.0, 0.0
+        out.append(Sample(f"{DTYPE_NAMES[dt]} with decay", dt, (params, grads, factor, decay)))
+    g = _gen(8)
+    out.append(Sample("fp32 without decay", torch.float32, (
+        [_randn(s, torch.float32, device, g) for s in shapes],
+        [_randn(s, torch.float32, device, g) for s in shapes],
+        _rand((n_rows,), device, g, scale=3.0), None)))
+    return out
+
+
+def _bench_larc(shapes, device):
+    g = torch.Generator(device=device).manual_seed(0)
+    params = [torch.randn(s, device=device, generator=g) for s in shapes]
+    grads = [torch.randn(s, device=device, generator=g) for s in shapes]
+    n = len(shapes)
+    factor = torch.rand(n, device=device, generator=g)
+    decay = torch.full((n,), 1e-4, device=device)
+    # reads p and g, writes g (fp32)
+    return (Sample("larc rescale", torch.float32, (params, grads, factor, decay)),
+            sum(t.numel() * 12 for t in params))
 
 
 def _state(values, device):
@@ -713,6 +746,13 @@ OPS = (
            cpu=_axpby.multi_tensor_axpby_cpu, prepare=_axpby.multi_tensor_axpby_prepare,
            launch=_axpby.multi_tensor_axpby_launch, multi_tensor=True,
            kernel_family="axpby", register_budget=48),
+    OpInfo("larc_rescale", _larc.larc_rescale, _larc.larc_rescale_ref, _larc_samples,
+           # fp32 products and sum in the oracle's order, one rounding (the interpreter
+           # never contracts an FMA)
+           tol={"kernel": ALL_EXACT, "cpu": ALL_EXACT}, cpu=_larc.larc_rescale_cpu,
+           prepare=_larc.larc_rescale_prepare, launch=_larc.larc_rescale_launch,
+           multi_tensor=True, kernel_family="larc", register_budget=48,
+           benchmarks={"larc rescale": _bench_larc}),
     OpInfo("scale_update", _su.scale_update, _su.scale_update_ref, _scale_update_samples,
            # the scaler's state is one fp32 vector
            tol={"kernel": ALL_EXACT, "cpu": ALL_EXACT}, cpu=_su.scale_update_cpu,

@@ -18,7 +18,7 @@ the vector width) each sweep kernel must:
 - store them 16 bytes at a time when it writes data (``STG.E.128``; the same rules);
 - spill nothing (``STACK`` and ``LOCAL`` 0);
 - stay within its register budget at BLOCK=1024, num_warps=4: 72 for Adam, LAMB,
-  NovoGrad and Adagrad, 48 for SGD, check/unscale, l2norm and scale/axpby.
+  NovoGrad and Adagrad, 48 for SGD, check/unscale, l2norm, scale/axpby and LARC's rescale.
 
 A sweep kernel not yet on the engine's signature (meta_ptr, blocks_ptr, counters_ptr,
 protos..., args, HAS_<optional>, VEC, EMULATE_BF16_ROUNDING, BLOCK) fails here.
@@ -34,7 +34,7 @@ BUDGET = {op.kernel_family: op.register_budget for op in registry.OPS
 
 def test_every_sweep_family_has_a_budget_within_the_engine_ceiling():
     assert set(BUDGET) == {"adam", "lamb", "novograd", "adagrad", "sgd", "check_unscale",
-                           "l2norm", "axpby", "count_nonfinite"}
+                           "l2norm", "axpby", "count_nonfinite", "larc"}
     assert all(0 < b <= 72 for b in BUDGET.values())  # 4 warps at 72 keeps 7 blocks/SM
 
 

@@ -142,3 +142,196 @@ def test_bad_arguments():
         LARC(torch.optim.SGD(params, lr=0.1), trust_coefficient=0.0)
     with pytest.raises(ValueError, match="already wrapped"):
         LARC(LARC(torch.optim.SGD(params, lr=0.1)))
+
+
+# --------------------------------------------------------------------------------------
+# The kept sweeps: norms and rewrite prepared once, rebound to each step's gradients
+# --------------------------------------------------------------------------------------
+
+def _model_params(dtypes, seed=0, shapes=((1,), (257,), (3, 1000), (64,))):
+    g = torch.Generator().manual_seed(seed)
+    ps = []
+    for i, s in enumerate(shapes):
+        dt = dtypes[i % len(dtypes)]
+        ps.append(torch.nn.Parameter(torch.randn(s, generator=g).to(dt)))
+    with torch.no_grad():
+        ps[-1].zero_()                     # ||p|| = 0: left alone
+    return ps
+
+
+def _grads(ps, step, zero_row=1):
+    g = torch.Generator().manual_seed(100 + step)
+    out = [(torch.randn(p.shape, generator=g) * 0.1).to(p.dtype) for p in ps]
+    out[zero_row].zero_()                  # ||g|| = 0: left alone
+    return out
+
+
+def _each_larc(opt):
+    """The same LARC, every list through the per-parameter rewrite (the path of lists the
+    sweep does not take), as the yardstick: fp32 operations in the same order."""
+    def adapt(index, group, weight_decay):
+        ps = [p for p in group["params"] if p.grad is not None]
+        opt._adapt_each(ps, group, weight_decay)
+    opt._adapt = adapt
+    return opt
+
+
+@pytest.mark.parametrize("cpu_path", [False, True], ids=["triton", "cpu-path"])
+@pytest.mark.parametrize("clip", [True, False])
+def test_kept_sweeps_follow_new_gradients_bitwise_and_hold_none(cpu_path, clip):
+    """Stepped with new gradient tensors every step (other addresses), LARC keeps its
+    norm and rewrite sweeps and rebinds them: no launch table uploaded after the first
+    step, every step's rewritten gradients and parameters bitwise those of the
+    per-parameter rewrite, no gradient kept alive between steps. A gradient laid out
+    unlike its parameter (a transposed copy), a misaligned one and a weight decay that
+    changes to 0 are each handled (prepared again) and as exact."""
+    import contextlib
+    import gc
+    import weakref
+
+    from tritamp.testing import force_cpu_path, recording_uploads
+
+    ours = _model_params([torch.float32])
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = LARC(torch.optim.SGD(ours, lr=0.5, weight_decay=0.01), clip=clip)
+    ref = _each_larc(LARC(torch.optim.SGD(theirs, lr=0.5, weight_decay=0.01), clip=clip))
+    uploads, alive = [], []
+    kinds = [None, None, None, None, "transposed", None, "misaligned", None, "no decay", None]
+    with force_cpu_path() if cpu_path else contextlib.nullcontext():
+        for i, kind in enumerate(kinds):
+            if kind == "no decay":
+                for o in (opt, ref):
+                    o.param_groups[0]["weight_decay"] = 0.0
+            grads, want = _grads(ours, i), _grads(theirs, i)
+            if kind == "transposed":
+                grads[2] = grads[2].t().contiguous().t()   # same values, other strides
+            if kind == "misaligned":
+                buf = torch.empty(grads[1].numel() + 1)
+                grads[1] = buf[1:].copy_(grads[1])
+            for p, gr in zip(ours, grads):
+                p.grad = gr
+            for p, gr in zip(theirs, want):
+                p.grad = gr
+            with recording_uploads() as up:
+                opt.step()
+            ref.step()
+            uploads.append(len(up))
+            for a, b in zip(grads, want):
+                assert torch.equal(a, b), (i, kind)
+            for a, b in zip(ours, theirs):
+                assert torch.equal(a, b), (i, kind)
+            alive.append(grads)  # (kept alive: the next step's land elsewhere)
+            opt.zero_grad()
+            ref.zero_grad()
+        probe = weakref.ref(alive[-1][2])
+    if not cpu_path:
+        assert uploads[0] > 0 and uploads[1:4] == [0, 0, 0], uploads
+        assert uploads[4] > 0, uploads   # a new layout: prepared again
+    else:
+        assert uploads == [0] * len(kinds), uploads  # the CPU path has no launch tables
+    del alive, grads
+    gc.collect()
+    assert probe() is None
+
+
+@pytest.mark.parametrize("cpu_path", [False, True], ids=["triton", "cpu-path"])
+def test_half_and_mixed_dtype_groups_round_once(cpu_path):
+    """fp32, bf16 and fp16 parameters in one group: one rewrite per dtype group, each
+    gradient computed in fp32 and rounded once to its dtype (the oracle of the rescale
+    sweep, given the factors LARC's own per-parameter rule computes)."""
+    import contextlib
+
+    from tritamp.kernels.larc import larc_rescale_ref
+    from tritamp.kernels.l2norm import multi_tensor_l2norm_ref
+    from tritamp.testing import force_cpu_path
+
+    ps = _model_params([torch.float32, torch.bfloat16, torch.float16], seed=3)
+    grads = _grads(ps, 0)
+    want = [g.clone() for g in grads]
+    for p, g in zip(ps, grads):
+        p.grad = g
+    lr, wd, trust, eps = 0.1, 0.01, 0.02, 1e-8
+    opt = LARC(torch.optim.SGD(ps, lr=lr, weight_decay=wd), trust_coefficient=trust)
+    opt.optim.step = lambda *a: None   # the rewrite alone
+    with force_cpu_path() if cpu_path else contextlib.nullcontext():
+        opt.step()
+    _, pn = multi_tensor_l2norm_ref([p.detach() for p in ps], per_tensor=True)
+    _, gn = multi_tensor_l2norm_ref(want, per_tensor=True)
+    factor = torch.clamp(trust * pn / (gn + pn * wd + eps) / lr, max=1.0)
+    keep = (pn != 0) & (gn != 0)
+    larc_rescale_ref([p.detach() for p in ps], want, torch.where(keep, factor, 1.0),
+                     keep * wd)
+    for i, (a, b) in enumerate(zip(grads, want)):
+        assert a.dtype == ps[i].dtype
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"gradient {i}")
+    assert torch.equal(grads[-1], _grads(ps, 0)[-1])   # ||p|| = 0: untouched
+
+
+def test_float64_and_strided_parameters_take_the_per_parameter_rewrite():
+    """Lists the rescale sweep does not take (float64 parameters; a parameter that is a
+    strided view) are rewritten per parameter, with the same rule."""
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(6, 8, generator=g)
+    ps = [torch.nn.Parameter(torch.randn(5, generator=g, dtype=torch.float64)),
+          torch.nn.Parameter(base.t())]                # a transposed view: dense, swept
+    strided = torch.nn.Parameter(torch.randn(4, 6, generator=g)[:, ::2])  # not dense
+    for group_params in (ps[:1], [strided]):
+        for p in group_params:
+            p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1
+        before = [p.detach().clone() for p in group_params]
+        grads = [p.grad.clone() for p in group_params]
+        opt = LARC(torch.optim.SGD(group_params, lr=0.5, weight_decay=0.05))
+        opt.step()
+        expect = _apex_step(before, grads, 0.5, 0.05, 0.02, True, 1e-8)
+        for p, e in zip(group_params, expect):
+            # (the norms are fp32 sums, whatever the dtype)
+            torch.testing.assert_close(p.detach(), e.to(p.dtype), **TOL[torch.float32])
+        assert opt._kept == {}   # nothing kept for lists the sweep does not take
+
+
+def test_a_stepped_larc_pickles_and_copies_without_its_sweeps():
+    import copy
+
+    ps = _model_params([torch.float32], seed=5)
+    opt = LARC(torch.optim.SGD(ps, lr=0.1, weight_decay=1e-4))
+    for p, g in zip(ps, _grads(ps, 0)):
+        p.grad = g
+    opt.step()
+    assert opt._kept
+    for other in (pickle.loads(pickle.dumps(opt)), copy.deepcopy(opt)):
+        assert other._kept == {}
+        qs = other.optim.param_groups[0]["params"]
+        for q, g in zip(qs, _grads(qs, 1)):
+            q.grad = g
+        other.step()   # its sweeps are made again, over its own tensors
+        assert other._kept
+
+
+@pytest.mark.parametrize("cpu_path", [False, True], ids=["triton", "cpu-path"])
+def test_a_kept_rescale_reads_the_vectors_values_at_every_launch(cpu_path):
+    """The rescale sweep reads ``factor`` and ``decay`` where they are: values written
+    into the same vectors after it was prepared are the ones the next launch uses (the
+    CPU path must not move them into a buffer of its own), with mixed dtype groups."""
+    import contextlib
+
+    from tritamp.kernels.larc import (larc_rescale_launch, larc_rescale_prepare,
+                                      larc_rescale_ref)
+    from tritamp.testing import force_cpu_path
+
+    g = torch.Generator().manual_seed(9)
+    dts = [torch.float32, torch.bfloat16, torch.float32, torch.float16]
+    ps = [torch.randn(n, generator=g).to(dt) for n, dt in zip((3, 40, 1, 17), dts)]
+    grads = [torch.randn(p.shape, generator=g).to(p.dtype) for p in ps]
+    want = [t.clone() for t in grads]
+    factor, decay = torch.ones(4), torch.zeros(4)
+    with force_cpu_path() if cpu_path else contextlib.nullcontext():
+        prepared = larc_rescale_prepare(ps, grads, factor, decay)
+        for k in range(3):
+            f, d = torch.rand(4, generator=g) * 2, torch.rand(4, generator=g) * 0.1
+            torch.mul(f, 1.0, out=factor)
+            torch.mul(d, 1.0, out=decay)
+            larc_rescale_launch(prepared)
+            larc_rescale_ref(ps, want, f, d)
+            for i, (a, b) in enumerate(zip(grads, want)):
+                assert torch.equal(a, b), (k, i)
+    assert factor.untyped_storage().data_ptr() == factor[3].untyped_storage().data_ptr()

@@ -2,6 +2,41 @@
 import torch
 
 from tritamp.kernels import multi_tensor_l2norm
+from tritamp.kernels.engine import KeptByLayout, borrowed, is_dense, list_layout
+from tritamp.kernels.l2norm import multi_tensor_l2norm_launch, multi_tensor_l2norm_prepare
+from tritamp.kernels.larc import larc_rescale_launch, larc_rescale_prepare
+
+_SWEPT = (torch.float32, torch.float16, torch.bfloat16)  # what the rescale sweep takes
+
+
+class _Kept:
+    """The sweeps of one parameter list, kept across steps: the norms of the parameters
+    and of the gradients, the per-parameter factor and decay vectors (written on the
+    device at every step, at fixed addresses) and the rescale sweep that reads them.
+    Gradients are borrowed (not kept alive) and rebound at every step."""
+    __slots__ = ("p_norm", "g_norm", "factor", "decay", "one", "rescale")
+
+    def __init__(self, params, grads, decay):
+        lent = borrowed(grads)
+        n = len(params)
+        device = params[0].device
+        self.p_norm = multi_tensor_l2norm_prepare(params)
+        self.g_norm = multi_tensor_l2norm_prepare(lent)
+        self.factor = torch.ones(n, dtype=torch.float32, device=device)
+        self.one = self.factor[0].clone()  # the factor where LARC leaves a gradient alone
+        self.decay = torch.zeros(n, dtype=torch.float32, device=device) if decay else None
+        self.rescale = larc_rescale_prepare(params, lent, self.factor, self.decay)
+
+    def rebind(self, grads, addresses):
+        return (self.g_norm.rebindable and self.rescale.rebindable
+                and self.g_norm.rebind("tensors", grads, addresses=addresses)
+                and self.rescale.rebind("grads", grads, addresses=addresses))
+
+    def release(self):
+        """The CPU path's sweeps drop this step's gradients (the Triton path's hold none)."""
+        if not self.rescale.triton:
+            self.g_norm.release("tensors")
+            self.rescale.release("grads")
 
 
 class LARC:
@@ -30,6 +65,7 @@ class LARC:
     """
 
     def __init__(self, optimizer, trust_coefficient=0.02, clip=True, eps=1e-8):
+        self._kept = {}
         if isinstance(optimizer, LARC):
             raise ValueError("LARC: the optimizer is already wrapped in LARC; wrap it once")
         if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "step"):
@@ -46,6 +82,15 @@ class LARC:
 
     def __repr__(self):
         return self.optim.__repr__()
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_kept"] = {}  # device tables and borrowed gradients: made again after a load
+        return state
+
+    def __setstate__(self, state):
+        state.setdefault("_kept", {})
+        self.__dict__.update(state)
 
     @property
     def state(self):
@@ -75,36 +120,75 @@ class LARC:
     def add_param_group(self, param_group):
         return self.optim.add_param_group(param_group)
 
+    def _factors(self, p_norm, g_norm, group, weight_decay):
+        """(factor, keep) per parameter on the device: LARC's rate as a multiplier of the
+        gradient, and whether it applies (both norms non-zero)."""
+        factor = self.trust_coefficient * p_norm / (g_norm + p_norm * weight_decay + self.eps)
+        if self.clip:
+            # min(local_lr, lr) expressed as a multiplier of lr
+            factor = torch.clamp(factor / group["lr"], max=1.0)
+        return factor, (p_norm != 0) & (g_norm != 0)
+
     @torch.no_grad()
-    def _adapt(self, group, weight_decay):
-        params = [p for p in group["params"] if p.grad is not None]
+    def _adapt(self, index, group, weight_decay):
         by_device = {}
-        for p in params:
-            by_device.setdefault(p.device, []).append(p)
-        for ps in by_device.values():
-            _, p_norm = multi_tensor_l2norm([p.detach() for p in ps], per_tensor=True)
-            _, g_norm = multi_tensor_l2norm([p.grad.detach() for p in ps], per_tensor=True)
-            factor = self.trust_coefficient * p_norm / (g_norm + p_norm * weight_decay + self.eps)
-            if self.clip:
-                # min(local_lr, lr) expressed as a multiplier of lr
-                factor = torch.clamp(factor / group["lr"], max=1.0)
-            keep = (p_norm != 0) & (g_norm != 0)
-            factor = torch.where(keep, factor, 1.0)
-            decay = torch.where(keep, weight_decay, 0.0) if weight_decay != 0 else None
-            for i, p in enumerate(ps):
-                if decay is not None:
-                    p.grad.add_(p * decay[i])
-                p.grad.mul_(factor[i])
+        for p in group["params"]:
+            if p.grad is not None:
+                by_device.setdefault(p.device, []).append(p)
+        for device, ps in by_device.items():
+            grads = [p.grad for p in ps]
+            if all(p.dtype in _SWEPT and g.dtype in _SWEPT and is_dense(p)
+                   for p, g in zip(ps, grads)):
+                self._adapt_swept(index, device, ps, grads, group, weight_decay)
+            else:
+                self._adapt_each(ps, group, weight_decay)
+
+    def _adapt_swept(self, index, device, ps, grads, group, weight_decay):
+        """The norms and the rewrite as kept multi-tensor sweeps: per step two norm
+        launches, a few small vector ops and one rescale launch per dtype group, whatever
+        the number of parameters; nothing validated, planned or uploaded again while the
+        parameters stay and only the gradients' addresses move."""
+        addresses, layout, triton = list_layout(grads, op="LARC")
+        key = (list_layout(ps, op="LARC")[:2], layout, weight_decay != 0)
+        kept_by_layout = self._kept.get((index, device))
+        if kept_by_layout is None:
+            kept_by_layout = self._kept[(index, device)] = KeptByLayout(2)
+        kept = kept_by_layout.get(addresses, key, triton,
+                                  lambda: _Kept(ps, grads, weight_decay != 0),
+                                  lambda kept, addresses: kept.rebind(grads, addresses))
+        try:
+            _, p_norm = multi_tensor_l2norm_launch(kept.p_norm, per_tensor=True)
+            _, g_norm = multi_tensor_l2norm_launch(kept.g_norm, per_tensor=True)
+            factor, keep = self._factors(p_norm, g_norm, group, weight_decay)
+            torch.where(keep, factor, kept.one, out=kept.factor)
+            if kept.decay is not None:
+                torch.mul(keep, weight_decay, out=kept.decay)  # 0 where it is left alone
+            larc_rescale_launch(kept.rescale)
+        finally:
+            kept.release()
+
+    def _adapt_each(self, ps, group, weight_decay):
+        """Tensors the rescale sweep does not take (float64, parameters that are not
+        dense): the norms in one launch per dtype group, the rewrite per parameter."""
+        _, p_norm = multi_tensor_l2norm([p.detach() for p in ps], per_tensor=True)
+        _, g_norm = multi_tensor_l2norm([p.grad.detach() for p in ps], per_tensor=True)
+        factor, keep = self._factors(p_norm, g_norm, group, weight_decay)
+        factor = torch.where(keep, factor, 1.0)
+        decay = torch.where(keep, weight_decay, 0.0) if weight_decay != 0 else None
+        for i, p in enumerate(ps):
+            if decay is not None:
+                p.grad.add_(p * decay[i])
+            p.grad.mul_(factor[i])
 
     def step(self, closure=None):
         weight_decays = []
         try:
-            for group in self.optim.param_groups:
+            for index, group in enumerate(self.optim.param_groups):
                 # LARC applies the weight decay itself (inside the adaptive rate)
                 weight_decay = group.get("weight_decay", 0)
                 weight_decays.append(weight_decay)
                 group["weight_decay"] = 0
-                self._adapt(group, weight_decay)
+                self._adapt(index, group, weight_decay)
             return self.optim.step() if closure is None else self.optim.step(closure)
         finally:
             for group, weight_decay in zip(self.optim.param_groups, weight_decays):
