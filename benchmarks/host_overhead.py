@@ -44,6 +44,11 @@ by the number of dtype groups (distinct model-parameter dtypes: O2 keeps BatchNo
 fp32, so two; O1 one). Every torch operator counts once, ``copy_`` included (the
 scaler's device-to-host snapshot is a memcpy on the stream rather than a kernel).
 ``torch.set_num_threads(1)``. Writes benchmarks/out/host_overhead.json.
+
+Also timed (``--norms-only`` / ``--larc-only`` for one of them alone): FusedLayerNorm and
+FusedRMSNorm per call beside torch's modules, and ``tritamp.parallel.LARC``'s step (its
+gradient rewrite, the wrapped SGD's step left out) over 161 small parameters with new
+gradients every step: its kept sweeps against the per-parameter rewrite.
 """
 import argparse
 import gc
@@ -493,6 +498,86 @@ def norm_table(rows):
     return "\n".join(lines)
 
 
+LARC_TENSORS = 161   # ResNet-50's parameter tensors
+LARC_NUMEL = 16      # elements each: the torch ops on the path do next to no arithmetic
+
+
+def _larc_cases():
+    """(name, step) of ``tritamp.parallel.LARC`` around an SGD whose own step is left
+    out (LARC's rewrite alone), over LARC_TENSORS parameters with new gradient tensors
+    every step (three sets in turn, made before timing: each step sees new addresses):
+    its kept sweeps, and the per-parameter rewrite (the path of the lists its sweep does
+    not take; before its sweeps, every list's)."""
+    from tritamp.parallel import LARC
+
+    class PerParameter(LARC):
+        def _adapt_list(self, index, device, ps, group, weight_decay):
+            self._adapt_each(ps, group, weight_decay)
+
+    cases = []
+    for name, cls in (("kept sweeps", LARC), ("per-parameter rewrite", PerParameter)):
+        g = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(LARC_NUMEL, generator=g))
+                  for _ in range(LARC_TENSORS)]
+        opt = cls(torch.optim.SGD(params, lr=0.1, weight_decay=1e-4))
+        opt.optim.step = lambda *args, **kwargs: None
+        sets = [[torch.randn(LARC_NUMEL, generator=g) * 0.01 for _ in params]
+                for _ in range(3)]
+
+        def one_step(opt=opt, params=params, sets=sets, turn=[0]):
+            grads = sets[turn[0] % 3]
+            turn[0] += 1
+            for p, gr in zip(params, grads):
+                p.grad = gr
+            opt.step()
+        cases.append((name, one_step))
+    return cases
+
+
+def run_larc(rounds, steps_per_round=20, warmup=5):
+    """Median us per LARC step (the gradient assignment included, about 30 us) of each
+    case, rounds interleaved; the Triton launches and torch ops of one step."""
+    from tritamp.kernels.recorder import count_torch_launches, record_launches
+    cases = _larc_cases()
+    times = {name: [] for name, _ in cases}
+    launches = {}
+    with record_launches() as rec:
+        for name, fn in cases:
+            for _ in range(warmup):
+                fn()
+            rec.launches.clear()
+            with count_torch_launches() as count:
+                fn()
+            launches[name] = dict(triton=_by_name(rec.launches),
+                                  torch=sum(count.by_op.values()),
+                                  host_reads=sum(count.host_reads.values()))
+        for _ in range(rounds):
+            for name, fn in cases:
+                t0 = time.perf_counter()
+                for _ in range(steps_per_round):
+                    fn()
+                times[name].append((time.perf_counter() - t0) / steps_per_round * 1e6)
+    return [dict(case=name, us=statistics.median(times[name]), launches=launches[name])
+            for name, _ in cases]
+
+
+def _by_name(recorded):
+    out = {}
+    for launch in recorded:
+        out[launch.name] = out.get(launch.name, 0) + 1
+    return out
+
+
+def larc_table(rows):
+    lines = ["| LARC step | us | Triton launches | torch ops | host reads |",
+             "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        la = r["launches"]
+        lines.append(f"| {r['case']} | {r['us']:.0f} | {sum(la['triton'].values())} | "
+                     f"{la['torch']} | {la['host_reads']} |")
+    return "\n".join(lines)
+
+
 def environment():
     import triton
     try:
@@ -518,6 +603,8 @@ def main(argv=None):
                          "warning (one more launch per dtype group)")
     ap.add_argument("--norms-only", action="store_true",
                     help="only the FusedLayerNorm / FusedRMSNorm host cost")
+    ap.add_argument("--larc-only", action="store_true",
+                    help="only LARC's step (kept sweeps against the per-parameter rewrite)")
     args = ap.parse_args(argv)
     global VERBOSITY
     VERBOSITY = args.verbosity
@@ -537,13 +624,20 @@ def main(argv=None):
     except Exception as e:
         print(f"host_overhead: cannot run ({type(e).__name__}: {e}); nothing measured.")
         return 0
-    rows, norm_rows = [], []
-    try:
-        norm_rows = run_norms(3 if args.quick else 9)
-    except Exception as e:
-        print(f"host_overhead: the norm cases could not run ({type(e).__name__}: {e}).")
-        traceback.print_exc()
-    if args.norms_only:
+    rows, norm_rows, larc_rows = [], [], []
+    if not args.larc_only:
+        try:
+            norm_rows = run_norms(3 if args.quick else 9)
+        except Exception as e:
+            print(f"host_overhead: the norm cases could not run ({type(e).__name__}: {e}).")
+            traceback.print_exc()
+    if not args.norms_only:
+        try:
+            larc_rows = run_larc(3 if args.quick else 9)
+        except Exception as e:
+            print(f"host_overhead: the LARC cases could not run ({type(e).__name__}: {e}).")
+            traceback.print_exc()
+    if args.norms_only or args.larc_only:
         configs = []
     try:
         with record_launches() as recording:
@@ -562,15 +656,20 @@ def main(argv=None):
         print(table(rows))
         print()
         print(verdict(rows))
-    print(f"\nFusedLayerNorm / FusedRMSNorm per call, bf16 [{NORM_ROWS}, {NORM_WIDTH}], on the "
-          "GPU code path, against torch's module on the same CPU tensor:\n")
-    print(norm_table(norm_rows))
+    if norm_rows:
+        print(f"\nFusedLayerNorm / FusedRMSNorm per call, bf16 [{NORM_ROWS}, {NORM_WIDTH}], on "
+              "the GPU code path, against torch's module on the same CPU tensor:\n")
+        print(norm_table(norm_rows))
+    if larc_rows:
+        print(f"\nLARC around SGD (its rewrite alone), {LARC_TENSORS} parameters of "
+              f"{LARC_NUMEL} elements, new gradient tensors every step:\n")
+        print(larc_table(larc_rows))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(environment=env, quick=args.quick, rounds=rounds,
                        steps_per_round=per_round, target_us=TARGET_US,
                        target_launches_per_group=TARGET_LAUNCHES, rows=rows,
-                       norms=norm_rows), f, indent=1)
+                       norms=norm_rows, larc=larc_rows), f, indent=1)
     print(f"\nwrote {os.path.relpath(args.out)}")
     return 0
 

@@ -67,3 +67,27 @@ def test_norm_host_cost_rows(tmp_path):
             assert r["launches"] == ["_layer_norm_fwd_kernel"]
     assert "| LayerNorm forward |" in proc.stdout
     assert "Python Function floor (us)" in proc.stdout
+
+
+def test_larc_host_cost_rows(tmp_path):
+    """--larc-only: LARC's step over ResNet-50's 161 parameter tensors with new gradients
+    every step. Its kept sweeps launch what does not vary with the tensor count: two
+    norms (a partial pass and a segment pass each) and one rewrite, 14 small torch ops
+    on the vectors of rates; the per-parameter rewrite runs ops per tensor. No host
+    read on either."""
+    out = tmp_path / "host_overhead.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.host_overhead", "--larc-only",
+                           "--quick", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["case"]: r for r in json.loads(out.read_text())["larc"]}
+    kept, each = rows["kept sweeps"], rows["per-parameter rewrite"]
+    assert kept["launches"]["triton"] == {"_l2norm_partial_kernel": 2,
+                                          "_l2norm_segment_kernel": 2,
+                                          "_larc_rescale_kernel": 1}, kept
+    assert kept["launches"]["torch"] == 14, kept
+    assert each["launches"]["torch"] >= 3 * 161, each
+    for r in (kept, each):
+        assert r["launches"]["host_reads"] == 0 and r["us"] > 0, r
+    assert "| kept sweeps |" in proc.stdout

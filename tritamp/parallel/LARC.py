@@ -1,4 +1,6 @@
 """LARC: layer-wise adaptive rate control around any optimizer (Apex's ``apex.parallel.LARC``)."""
+import operator
+
 import torch
 
 from tritamp.kernels import multi_tensor_l2norm
@@ -7,6 +9,7 @@ from tritamp.kernels.l2norm import multi_tensor_l2norm_launch, multi_tensor_l2no
 from tritamp.kernels.larc import larc_rescale_launch, larc_rescale_prepare
 
 _SWEPT = (torch.float32, torch.float16, torch.bfloat16)  # what the rescale sweep takes
+_device_of = operator.attrgetter("device")
 
 
 class _Kept:
@@ -131,31 +134,45 @@ class LARC:
 
     @torch.no_grad()
     def _adapt(self, index, group, weight_decay):
+        ps = [p for p in group["params"] if p.grad is not None]
+        if not ps:
+            return
+        devices = set(map(_device_of, ps))
+        if len(devices) == 1:
+            self._adapt_list(index, devices.pop(), ps, group, weight_decay)
+            return
         by_device = {}
-        for p in group["params"]:
-            if p.grad is not None:
-                by_device.setdefault(p.device, []).append(p)
-        for device, ps in by_device.items():
-            grads = [p.grad for p in ps]
-            if all(p.dtype in _SWEPT and g.dtype in _SWEPT and is_dense(p)
-                   for p, g in zip(ps, grads)):
-                self._adapt_swept(index, device, ps, grads, group, weight_decay)
-            else:
-                self._adapt_each(ps, group, weight_decay)
+        for p in ps:
+            by_device.setdefault(p.device, []).append(p)
+        for device, same in by_device.items():
+            self._adapt_list(index, device, same, group, weight_decay)
 
-    def _adapt_swept(self, index, device, ps, grads, group, weight_decay):
+    def _adapt_list(self, index, device, ps, group, weight_decay):
         """The norms and the rewrite as kept multi-tensor sweeps: per step two norm
         launches, a few small vector ops and one rescale launch per dtype group, whatever
         the number of parameters; nothing validated, planned or uploaded again while the
-        parameters stay and only the gradients' addresses move."""
+        parameters stay and only the gradients' addresses move. Lists the rescale sweep
+        does not take (float64, parameters that are not dense) are rewritten per
+        parameter (decided once per layout)."""
+        grads = [p.grad for p in ps]
         addresses, layout, triton = list_layout(grads, op="LARC")
         key = (list_layout(ps, op="LARC")[:2], layout, weight_decay != 0)
         kept_by_layout = self._kept.get((index, device))
         if kept_by_layout is None:
             kept_by_layout = self._kept[(index, device)] = KeptByLayout(2)
-        kept = kept_by_layout.get(addresses, key, triton,
-                                  lambda: _Kept(ps, grads, weight_decay != 0),
-                                  lambda kept, addresses: kept.rebind(grads, addresses))
+
+        def prepare():
+            if all(p.dtype in _SWEPT and is_dense(p) for p in ps) \
+                    and all(g.dtype in _SWEPT for g in grads):
+                return _Kept(ps, grads, weight_decay != 0)
+            return None  # the per-parameter rewrite, for this layout
+
+        kept = kept_by_layout.get(
+            addresses, key, triton, prepare,
+            lambda kept, addresses: kept is None or kept.rebind(grads, addresses))
+        if kept is None:
+            self._adapt_each(ps, group, weight_decay)
+            return
         try:
             _, p_norm = multi_tensor_l2norm_launch(kept.p_norm, per_tensor=True)
             _, g_norm = multi_tensor_l2norm_launch(kept.g_norm, per_tensor=True)
