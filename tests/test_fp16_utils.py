@@ -612,6 +612,58 @@ def test_a_kept_sweep_never_takes_tensors_on_another_device(cpu_path):
             p.grad = torch.randn(p.shape).to(torch.bfloat16)
         masters[1] = nn.Parameter(torch.empty(masters[1].shape, device="meta"))
         before = masters[0].grad.clone()
-        with pytest.raises(ValueError, match=r"dsts\[1\] is on meta"):
+        with pytest.raises(ValueError, match=r"model_params\[1\].grad is on cpu but "
+                                             r"master_params\[1\] is on meta"):
             model_grads_to_master_grads(model_params, masters)
         assert torch.equal(masters[0].grad, before)
+        # the copy back into the model goes through the kept sweep's own device check
+        weights = [p.detach().clone() for p in model_params]
+        with pytest.raises(ValueError, match=r"is on meta"):
+            master_params_to_model_params(model_params, masters)
+        assert all(torch.equal(p, w) for p, w in zip(model_params, weights))
+
+
+@pytest.mark.parametrize("flat_master", [False, True], ids=["per-param", "flat"])
+def test_model_grads_to_master_grads_refuses_before_writing(flat_master):
+    """A sparse model gradient, one of another shape, and a master gradient that cannot
+    take the copy are each refused by name before any master gradient is made or
+    written: the masters' gradients are as they were (None, or their old values)."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).to(torch.bfloat16)
+    model_params, masters = prep_param_lists(model, flat_master=flat_master)
+    model(torch.randn(2, 4, dtype=torch.bfloat16)).sum().backward()
+
+    def snapshot():
+        return [None if m.grad is None else m.grad.clone() for m in masters]
+
+    def same(before):
+        return all((b is None and m.grad is None) or
+                   (b is not None and m.grad is not None and torch.equal(b, m.grad))
+                   for b, m in zip(before, masters))
+
+    good = [p.grad for p in model_params]
+    cases = [(2, good[2].to_sparse(), "model_params\\[2\\].grad is a sparse tensor")]
+    for first in (True, False):      # masters without gradients, then with old ones
+        if not first:
+            model_grads_to_master_grads(model_params, masters, flat_master=flat_master)
+        for i, bad, message in cases:
+            before = snapshot()
+            model_params[i].grad = bad
+            with pytest.raises(ValueError, match=message):
+                model_grads_to_master_grads(model_params, masters, flat_master=flat_master)
+            model_params[i].grad = good[i]
+            assert same(before), (i, first)
+        if not flat_master:          # masters out of order: a weight's master is a bias
+            before = snapshot()
+            swapped = [masters[0], masters[1], masters[3], masters[2]]
+            with pytest.raises(ValueError, match="model_params\\[2\\].grad has shape \\(2, 3\\) "
+                                                 "but master_params\\[2\\] has shape \\(2,\\)"):
+                model_grads_to_master_grads(model_params, swapped)
+            assert same(before), first
+    if not flat_master:
+        before = snapshot()
+        masters[1].grad = torch.zeros(3).to_sparse()
+        with pytest.raises(ValueError, match="master_params\\[1\\].grad is a sparse tensor of "
+                                             "shape \\(3,\\)"):
+            model_grads_to_master_grads(model_params, masters)
+        assert masters[1].grad.is_sparse
+        assert all(torch.equal(before[i], masters[i].grad) for i in (0, 2, 3))

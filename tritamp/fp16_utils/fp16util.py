@@ -105,13 +105,17 @@ def prep_param_lists(model, flat_master=False):
     return model_params, master_params
 
 
-def _flat_views(flat, params):
-    """Views of the flat master ``flat`` shaped like each of ``params``, in order."""
+def _check_flat(flat, params):
     total = sum(p.numel() for p in params)
     if flat.numel() != total:
         raise ValueError(f"the flat master holds {flat.numel()} elements but the model parameters "
                          f"hold {total}; pass the lists prep_param_lists(model, flat_master=True) "
                          "returned")
+
+
+def _flat_views(flat, params):
+    """Views of the flat master ``flat`` shaped like each of ``params``, in order."""
+    _check_flat(flat, params)
     views, offset = [], 0
     for p in params:
         views.append(flat[offset:offset + p.numel()].view(p.shape))
@@ -147,11 +151,18 @@ def model_grads_to_master_grads(model_params, master_params, flat_master=False):
     """Copy the model's (half) gradients into the fp32 masters' gradients.
 
     A model parameter without a gradient leaves its master without one (a zero slice of
-    the flat gradient with ``flat_master=True``)."""
+    the flat gradient with ``flat_master=True``). Every gradient is checked before any
+    master gradient is made or written: a sparse gradient, or one whose shape or device
+    is not its master's, raises and leaves the masters as they were."""
     model_params, master_params = list(model_params), list(master_params)
     _check_pairs(model_params, master_params, flat_master)
     if flat_master:
         master = master_params[0]
+        for i, p in enumerate(model_params):
+            if p.grad is not None:
+                _check_grad(i, p.grad, p.shape, master.device, "the flat master")
+        _check_grad_slot(master, 0)
+        _check_flat(master, model_params)
         if master.grad is None:
             master.grad = torch.zeros_like(master)
         views = _flat_views(master.grad, model_params)
@@ -164,6 +175,10 @@ def model_grads_to_master_grads(model_params, master_params, flat_master=False):
                 dsts.append(v)
         _copy(srcs, dsts)
         return
+    for i, (model, master) in enumerate(zip(model_params, master_params)):
+        if model.grad is not None:
+            _check_grad(i, model.grad, master.shape, master.device, f"master_params[{i}]")
+            _check_grad_slot(master, i)
     srcs, dsts = [], []
     for model, master in zip(model_params, master_params):
         if model.grad is None:
@@ -174,6 +189,36 @@ def model_grads_to_master_grads(model_params, master_params, flat_master=False):
         srcs.append(model.grad)
         dsts.append(master.grad)
     _copy(srcs, dsts)
+
+
+def _check_grad(i, grad, shape, device, master_name):
+    """model_params[i].grad can be copied into a master gradient of ``shape`` on
+    ``device``; else the error names it, its value and the fix."""
+    op = "model_grads_to_master_grads"
+    if grad.layout != torch.strided:
+        raise ValueError(f"{op}: model_params[{i}].grad is a sparse tensor ({grad.layout}); the "
+                         "fp32 master gradients are dense: make the gradient dense (an "
+                         "nn.Embedding with sparse=False) or copy it yourself with "
+                         "grad.to_dense(). Nothing was written")
+    if grad.device != device:
+        raise ValueError(f"{op}: model_params[{i}].grad is on {grad.device} but "
+                         f"{master_name} is on {device}; keep each master on its model "
+                         "parameter's device (prep_param_lists does). Nothing was written")
+    if master_name != "the flat master" and grad.shape != shape:
+        raise ValueError(f"{op}: model_params[{i}].grad has shape {tuple(grad.shape)} but "
+                         f"{master_name} has shape {tuple(shape)}; pass the lists "
+                         "prep_param_lists returned. Nothing was written")
+
+
+def _check_grad_slot(master, i):
+    """A master's existing gradient can take the copy (dense, the master's shape)."""
+    g = master.grad
+    if g is not None and (g.layout != torch.strided or g.shape != master.shape):
+        raise ValueError(f"model_grads_to_master_grads: master_params[{i}].grad is a "
+                         f"{'sparse' if g.layout != torch.strided else 'dense'} tensor of "
+                         f"shape {tuple(g.shape)}, not a dense gradient of the master's shape "
+                         f"{tuple(master.shape)}; set master_params[{i}].grad = None to have "
+                         "it made again. Nothing was written")
 
 
 @torch.no_grad()
