@@ -264,6 +264,7 @@ def _validate(sweep, lists):
 
 
 _device_of = operator.attrgetter("device")
+_get_device = torch.Tensor.get_device
 _dtype_of = operator.attrgetter("dtype")
 _shape_of = operator.attrgetter("shape")
 _is_none = functools.partial(operator.is_, None)
@@ -553,7 +554,8 @@ class Prepared:
         host-to-device copy per group, only for addresses that changed) and keeps no
         reference to them (the column's list is dropped: nothing on that path reads it);
         it refuses, changing nothing, tensors whose addresses break the 16-byte alignment
-        its kernels were specialised for: the caller then prepares the sweep again.
+        its kernels were specialised for, or that are not all on its device: the caller
+        then prepares the sweep again (which validates them).
         ``addresses`` (optional): the tensors' addresses, when the caller has them (its
         cache key holds them)."""
         return self.rebind_columns([((name,) + same_as, tensors, addresses)])
@@ -566,6 +568,11 @@ class Prepared:
         table is written in one host-to-device copy."""
         cols = [(tuple(names), list(tensors), addresses) for names, tensors, addresses in columns]
         if self.triton:
+            for _, col, _ in cols:
+                if not self._on_device(col):
+                    # another device's addresses in this device's tables would be read by
+                    # this device's kernel: the caller prepares (and validates) again
+                    return False
             planned = []
             for names, col, addresses in cols:
                 index = [j for j, c in enumerate(self.sweep.columns) if c.name in names]
@@ -588,6 +595,19 @@ class Prepared:
                 for g in self.cpu_groups:
                     g.lists[n] = g.pick(col)
         return True
+
+    def _on_device(self, col):
+        """Every tensor of ``col`` (None entries, addresses without their tensors from a
+        sweep rebound before, aside) is on this sweep's device. On CUDA by device index
+        (``get_device``: a third of the cost of comparing ``torch.device`` objects, paid
+        at every rebind)."""
+        device = self.device
+        if device.type == "cuda":
+            try:
+                return set(map(_get_device, col)) <= {device.index}
+            except TypeError:  # a None among them
+                return {t.get_device() for t in col if t is not None} <= {device.index}
+        return all(t is None or t.device == device for t in col)
 
     def release(self, name):
         """Drop the references to column ``name``'s tensors until the next :meth:`rebind`

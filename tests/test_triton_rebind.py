@@ -306,3 +306,38 @@ def test_a_refused_lamb_step_keeps_no_gradient_of_a_group_it_rebound():
     opt.zero_grad(set_to_none=True)
     gc.collect()
     assert grad() is None
+
+
+def test_a_kept_sweep_takes_no_tensor_on_another_device():
+    """A rebind writes addresses into the sweep's device tables, read by its device's
+    kernel: tensors on another device (a model moved after its sweeps were kept; here
+    the meta device, on the interpreter's CPU path) are refused, nothing is changed, and
+    the caller prepares again, which validates them by name."""
+    from tritamp.kernels.check_unscale import check_unscale_launch, check_unscale_prepare
+
+    grads = [torch.randn(n) for n in (3, 40)]
+    grads[1][5] = float("inf")
+    prepared = check_unscale_prepare(grads, write=False)
+    assert prepared.triton
+    elsewhere = [torch.empty(n, device="meta") for n in (3, 40)]
+    mixed = [torch.randn(3), elsewhere[1]]
+    for other in (elsewhere, mixed):
+        assert not prepared.rebind_sources(other)
+    found = torch.zeros(1)
+    check_unscale_launch(prepared, scale=None, found_inf=found)   # still the CPU tensors
+    assert found.item() == 1.0
+    with pytest.raises(ValueError, match=r"is on meta"):
+        check_unscale_prepare(mixed, write=False)
+
+
+@pytest.mark.gpu
+def test_a_kept_cuda_sweep_takes_no_tensor_on_the_host_or_another_gpu():
+    from tritamp.kernels.check_unscale import check_unscale_prepare
+
+    grads = [torch.randn(n, device="cuda") for n in (3, 40)]
+    prepared = check_unscale_prepare(grads, write=False)
+    assert not prepared.rebind_sources([torch.randn(3), torch.randn(40)])
+    assert not prepared.rebind_sources([grads[0].clone(), torch.randn(40)])
+    if torch.cuda.device_count() > 1:
+        assert not prepared.rebind_sources([g.to("cuda:1") for g in grads])
+    assert prepared.rebind_sources([g.clone() for g in grads])
