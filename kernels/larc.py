@@ -17,8 +17,10 @@ writes this step's values into the same vectors (``out=``), and nothing is uploa
 or read back.
 
 The parameters anchor each row's layout (dense, fp32/fp16/bf16, as an optimizer's); a
-gradient laid out otherwise is rewritten through a dense copy in the parameter's
-layout, copied back after the launch. :func:`larc_rescale_prepare` validates and plans
+dense gradient laid out otherwise (another dimension order) is rewritten through a
+dense copy in the parameter's layout, copied back after the launch; a gradient that is
+not dense (a strided view) is refused, as every sweep that writes a gradient refuses
+it (``LARC`` rewrites such lists one parameter at a time). :func:`larc_rescale_prepare` validates and plans
 once; :func:`larc_rescale_launch` runs it (the gradients may be rebound to the next
 step's: ``prepared.rebind("grads", grads)``).
 
@@ -28,14 +30,16 @@ fuse the first product and the sum into one fused multiply-add (one rounding few
 the interpreter, the oracle and the production CPU path never do.
 
 On the CPU without the interpreter :func:`larc_rescale_cpu` runs the same operations as
-torch foreach ops per dtype group (fp32 scratch for half tensors): bit for bit the
-oracle's.
+torch foreach ops per dtype group (fp32 scratch for half tensors, a big group in ranges
+of whole tensors so that the scratch kept with the sweep is one range's): bit for bit
+the oracle's.
 """
 import torch
 import triton
 import triton.language as tl
 
-from ._multi_tensor import Column, Sweep
+from . import _cpu_optim
+from ._multi_tensor import Column, GroupChunk, Sweep
 from ._tl_utils import column, load_f32, scalar_ptr, store_cast, sweep_block
 
 LARC_RESCALE = Sweep("larc_rescale", [
@@ -81,9 +85,11 @@ def _vector(name, v, n, device, optional):
     one-element views (their addresses go in the table)."""
     if v is None and optional:
         return None
-    if not isinstance(v, torch.Tensor):
-        raise TypeError(f"larc_rescale: {name} is a {type(v).__name__}, expected a float32 "
-                        f"tensor of {n} values (one per parameter)")
+    if not isinstance(v, torch.Tensor) or v.layout != torch.strided:
+        what = type(v).__name__ if not isinstance(v, torch.Tensor) else f"{v.layout} tensor"
+        raise TypeError(f"larc_rescale: {name} is a {what}, expected a dense float32 "
+                        f"tensor of {n} values (one per parameter): the sweep reads its "
+                        "elements where they are")
     if v.dtype != torch.float32 or v.dim() != 1 or v.numel() != n or v.device != device:
         raise ValueError(
             f"larc_rescale: {name} is a {str(v.dtype).replace('torch.', '')} tensor of shape "
@@ -101,9 +107,12 @@ def larc_rescale_prepare(params, grads, factor, decay=None):
     if len(grads) != len(params):
         raise ValueError(f"larc_rescale: grads has {len(grads)} tensors but params has "
                          f"{len(params)}; one gradient per parameter")
-    device = params[0].device if params and isinstance(params[0], torch.Tensor) else None
     n = len(params)
-    if n and device is not None:
+    if n and not isinstance(params[0], torch.Tensor):
+        raise TypeError(f"larc_rescale: params[0] is a {type(params[0]).__name__}, expected a "
+                        "tensor")
+    if n:
+        device = params[0].device
         factors = _vector("factor", factor, n, device, False)
         decays = _vector("decay", decay, n, device, True)
     else:
@@ -137,11 +146,25 @@ def larc_rescale(params, grads, factor, decay=None):
 def larc_rescale_cpu(prepared):
     """The production CPU path of :func:`larc_rescale_launch`: per dtype group, torch
     foreach ops in the oracle's order (the product, the sum, the product), in fp32:
-    half gradients and parameters go through fp32 scratch kept with the sweep, the
-    result rounded once into the gradient. Bit for bit the oracle's."""
+    half gradients and parameters go through fp32 scratch kept with the sweep (a big
+    group one range of whole tensors at a time: the scratch is one range's), the result
+    rounded once into the gradient. Bit for bit the oracle's."""
 
     def group(g):
-        params, grads, factors, decays = g["params"], g["grads"], g["factors"], g["decays"]
+        lists = g.lists
+        if lists["params"][0].dtype == torch.float32 and lists["grads"][0].dtype == torch.float32:
+            part(g)  # no scratch
+            return
+        ranges, span = g.chunks(_cpu_optim.CHUNK_ELEMENTS)
+        if len(ranges) == 1:
+            part(g)
+            return
+        for k, (a, b) in enumerate(ranges):
+            part(GroupChunk(g, k, a, b, span))
+
+    def part(g):
+        params, grads, factors, decays = (g.lists["params"], g.lists["grads"],
+                                          g.lists["factors"], g.lists["decays"])
         work = grads
         if grads[0].dtype != torch.float32:
             work = prepared.buffers(g, "g", grads)

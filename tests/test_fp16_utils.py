@@ -667,3 +667,19 @@ def test_model_grads_to_master_grads_refuses_before_writing(flat_master):
             model_grads_to_master_grads(model_params, masters)
         assert masters[1].grad.is_sparse
         assert all(torch.equal(before[i], masters[i].grad) for i in (0, 2, 3))
+
+
+def test_float64_pairs_are_copied_by_torch():
+    """A float64 model parameter or master (a dtype the copy sweep does not take) is
+    copied with torch's copy, the others with the sweep: every copy exact."""
+    model_params = [nn.Parameter(torch.randn(3, dtype=torch.float64)),
+                    nn.Parameter(torch.randn(4).to(torch.bfloat16))]
+    masters = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(4, dtype=torch.float64))]
+    for p in model_params:
+        p.grad = torch.randn(p.shape).to(p.dtype)
+    model_grads_to_master_grads(model_params, masters)
+    for p, m in zip(model_params, masters):
+        assert torch.equal(m.grad, p.grad.to(m.dtype))
+    master_params_to_model_params(model_params, masters)
+    for p, m in zip(model_params, masters):
+        assert torch.equal(p.detach(), m.detach().to(p.dtype))

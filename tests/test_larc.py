@@ -336,3 +336,102 @@ def test_a_kept_rescale_reads_the_vectors_values_at_every_launch(cpu_path):
             for i, (a, b) in enumerate(zip(grads, want)):
                 assert torch.equal(a, b), (k, i)
     assert factor.untyped_storage().data_ptr() == factor[3].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("cpu_path", [False, True], ids=["triton", "cpu-path"])
+def test_a_strided_gradient_takes_the_per_parameter_rewrite(cpu_path):
+    """A gradient that is a strided view (not dense) cannot be rewritten by the sweep: the
+    list is rewritten per parameter, with the same results as the sweep gives a dense
+    copy of it."""
+    import contextlib
+
+    from tritamp.testing import force_cpu_path
+
+    g = torch.Generator().manual_seed(11)
+    ours = [torch.nn.Parameter(torch.randn(4, 6, generator=g)), torch.nn.Parameter(
+        torch.randn(5, generator=g))]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    grads = [torch.randn(4, 12, generator=g)[:, ::2], torch.randn(5, generator=g)]
+    want = [gr.clone() for gr in grads]   # dense copies: the sweep takes them
+    for p, gr in zip(ours, grads):
+        p.grad = gr
+    for p, gr in zip(theirs, want):
+        p.grad = gr
+    with force_cpu_path() if cpu_path else contextlib.nullcontext():
+        LARC(torch.optim.SGD(ours, lr=0.5, weight_decay=0.01)).step()
+        LARC(torch.optim.SGD(theirs, lr=0.5, weight_decay=0.01)).step()
+    for a, b in zip(ours + grads, theirs + want):
+        assert torch.equal(a, b)
+
+
+def test_a_removed_group_keeps_nothing_alive():
+    import gc
+    import weakref
+
+    ps = _model_params([torch.float32], seed=12)
+    extra = torch.nn.Parameter(torch.randn(33))
+    opt = LARC(torch.optim.SGD(ps, lr=0.1, weight_decay=1e-4))
+    opt.add_param_group(dict(params=[extra]))
+    for step in range(2):
+        for p, gr in zip(ps + [extra], _grads(ps + [extra], step)):
+            p.grad = gr
+        opt.step()
+    assert {index for index, _ in opt._kept} == {0, 1}
+    probe = weakref.ref(extra)
+    del opt.param_groups[1]
+    del extra
+    for p, gr in zip(ps, _grads(ps, 3)):
+        p.grad = gr
+    opt.step()
+    gc.collect()
+    assert probe() is None
+    assert {index for index, _ in opt._kept} == {0}
+
+
+def test_cpu_path_half_groups_run_in_ranges_bitwise():
+    """A big half group goes through fp32 scratch one range of whole tensors at a time,
+    so the scratch kept with the sweep is one range's: bitwise the oracle, decay and
+    factor per row."""
+    from tritamp.kernels.larc import larc_rescale_launch, larc_rescale_prepare, larc_rescale_ref
+    from tritamp.testing import cpu_step_ranges, force_cpu_path, scratch_bytes
+
+    g = torch.Generator().manual_seed(13)
+    sizes = (700, 3, 900, 800, 1)
+    ps = [torch.randn(n, generator=g).to(torch.bfloat16) for n in sizes]
+    grads = [torch.randn(n, generator=g).to(torch.bfloat16) for n in sizes]
+    want = [t.clone() for t in grads]
+    factor, decay = torch.rand(5, generator=g) * 2, torch.rand(5, generator=g) * 0.1
+    with force_cpu_path(), cpu_step_ranges(1000):
+        prepared = larc_rescale_prepare(ps, grads, factor, decay)
+        larc_rescale_launch(prepared)
+    larc_rescale_ref(ps, want, factor, decay)
+    for i, (a, b) in enumerate(zip(grads, want)):
+        assert torch.equal(a, b), i
+    # fp32 copies of the gradients and the parameters, one range's worth (<= 1000
+    # elements each; the whole group would be 2404)
+    assert 0 < scratch_bytes(prepared) <= 2 * 4 * 1000
+
+
+def test_larc_rescale_refuses_bad_input_by_name_before_writing():
+    from tritamp.kernels.larc import larc_rescale
+
+    ps = [torch.randn(3), torch.randn(5)]
+    grads = [torch.randn(3), torch.randn(5)]
+    before = [t.clone() for t in grads]
+    f = torch.ones(2)
+    cases = [
+        ((ps, grads, f.double()), ValueError, "factor is a float64 tensor of shape \\(2,\\)"),
+        ((ps, grads, torch.ones(3)), ValueError, "factor is a float32 tensor of shape \\(3,\\)"),
+        ((ps, grads, torch.ones(1, 2)), ValueError, "expected a float32 vector of 2 values"),
+        ((ps, grads, f, torch.zeros(2, device="meta")), ValueError, "decay .* on meta"),
+        ((ps, grads, f.to_sparse()), TypeError, "factor is a torch.sparse_coo tensor"),
+        ((ps, grads, [1.0, 1.0]), TypeError, "factor is a list"),
+        ((ps, grads[:1], f), ValueError, "grads has 1 tensors but params has 2"),
+        (([1.0, ps[1]], grads, f), TypeError, "params\\[0\\] is a float"),
+        ((ps, [grads[0], grads[1].to_sparse()], f), RuntimeError, "grads\\[1\\] \\(for params"),
+        ((ps, [grads[0], grads[1].double()], f), TypeError, "grads\\[1\\] is float64"),
+    ]
+    for args, error, message in cases:
+        with pytest.raises(error, match=message):
+            larc_rescale(*args)
+        assert all(torch.equal(a, b) for a, b in zip(grads, before)), message

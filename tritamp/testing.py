@@ -16,7 +16,8 @@ Dispatch
     :func:`force_gpu_path` (CPU tensors take the CUDA code path: launchers, tables,
     constexprs; pair it with :mod:`tritamp.kernels.recorder`), :func:`cpu_path_forced`,
     :func:`gpu_path_forced`, :func:`interpreter_on`; :func:`cpu_step_ranges` (the size
-    of the ranges a big group's CPU step runs in, see docs/cpu-path.md).
+    of the ranges a big group's CPU step runs in, see docs/cpu-path.md) and
+    :func:`scratch_bytes` (what a prepared sweep's CPU-path scratch holds).
 Kernel internals
     :func:`jit_kernels` (every ``@triton.jit`` function of the kernels, by name, for
     compiling them for a GPU target without a GPU), the multi-tensor engine's
@@ -28,6 +29,8 @@ See docs/architecture.md (Testing helpers).
 """
 import importlib
 import pkgutil
+
+import torch
 
 from tritamp import kernels as _kernels
 from tritamp.amp.model import master_of
@@ -43,7 +46,7 @@ __all__ = ["reset_amp", "amp_state", "stash_of", "master_of", "plans_of", "gener
            "force_cpu_path",
            "force_gpu_path", "cpu_path_forced", "gpu_path_forced", "interpreter_on",
            "jit_kernels", "Sweep", "Column", "layout_key", "recording_uploads", "syncbn_geometry",
-           "syncbn_tile", "cpu_step_ranges"]
+           "syncbn_tile", "cpu_step_ranges", "scratch_bytes"]
 
 
 def amp_state():
@@ -51,6 +54,27 @@ def amp_state():
     ``loss_scalers`` and ``verbosity``. Read it; change it only through
     ``amp.initialize`` or :func:`reset_amp`."""
     return _amp_state
+
+
+def scratch_bytes(prepared):
+    """Bytes of the distinct buffers the production CPU path's scratch of ``prepared`` (a
+    prepared sweep, or an op's wrapper of one) keeps between launches."""
+    inner = prepared
+    while not hasattr(inner, "scratch"):
+        inner = inner.prepared
+    seen = {}
+
+    def visit(x):
+        if isinstance(x, torch.Tensor):
+            storage = x.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                visit(v)
+
+    for _, made in inner.scratch._bufs.values():
+        visit(made)
+    return sum(seen.values())
 
 
 def stash_of(optimizer):

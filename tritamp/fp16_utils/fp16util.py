@@ -133,12 +133,17 @@ def _check_pairs(model_params, master_params, flat_master):
                          "parameters; pass the lists prep_param_lists returned")
 
 
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the copy sweep takes
+
+
 def _copy(srcs, dsts):
     """dst = src (cast), one launch per dtype group; pairs whose layouts differ (a
-    channels-last tensor against a flat view) go through torch's copy."""
+    channels-last tensor against a flat view), or with a dtype the sweep does not take
+    (float64), go through torch's copy."""
     fused_src, fused_dst = [], []
     for s, d in zip(srcs, dsts):
-        if is_dense(s) and same_layout(s, d):
+        if is_dense(s) and same_layout(s, d) and s.dtype in _FUSED_DTYPES \
+                and d.dtype in _FUSED_DTYPES:
             fused_src.append(s)
             fused_dst.append(d)
         else:

@@ -23,6 +23,9 @@ class _Kept:
         lent = borrowed(grads)
         n = len(params)
         device = params[0].device
+        # (parameters borrowed too: a kept entry does not keep a removed group's or a
+        # replaced parameter's memory alive; the key holds their addresses)
+        params = borrowed(params)
         self.p_norm = multi_tensor_l2norm_prepare(params)
         self.g_norm = multi_tensor_l2norm_prepare(lent)
         self.factor = torch.ones(n, dtype=torch.float32, device=device)
@@ -152,8 +155,8 @@ class LARC:
         launches, a few small vector ops and one rescale launch per dtype group, whatever
         the number of parameters; nothing validated, planned or uploaded again while the
         parameters stay and only the gradients' addresses move. Lists the rescale sweep
-        does not take (float64, parameters that are not dense) are rewritten per
-        parameter (decided once per layout)."""
+        does not take (float64, parameters or gradients that are not dense) are
+        rewritten per parameter (decided once per layout)."""
         grads = [p.grad for p in ps]
         addresses, layout, triton = list_layout(grads, op="LARC")
         key = (list_layout(ps, op="LARC")[:2], layout, weight_decay != 0)
@@ -163,7 +166,7 @@ class LARC:
 
         def prepare():
             if all(p.dtype in _SWEPT and is_dense(p) for p in ps) \
-                    and all(g.dtype in _SWEPT for g in grads):
+                    and all(g.dtype in _SWEPT and is_dense(g) for g in grads):
                 return _Kept(ps, grads, weight_decay != 0)
             return None  # the per-parameter rewrite, for this layout
 
@@ -185,8 +188,9 @@ class LARC:
             kept.release()
 
     def _adapt_each(self, ps, group, weight_decay):
-        """Tensors the rescale sweep does not take (float64, parameters that are not
-        dense): the norms in one launch per dtype group, the rewrite per parameter."""
+        """Tensors the rescale sweep does not take (float64, parameters or gradients that
+        are not dense): the norms in one launch per dtype group, the rewrite per
+        parameter."""
         _, p_norm = multi_tensor_l2norm([p.detach() for p in ps], per_tensor=True)
         _, g_norm = multi_tensor_l2norm([p.grad.detach() for p in ps], per_tensor=True)
         factor, keep = self._factors(p_norm, g_norm, group, weight_decay)
@@ -200,7 +204,11 @@ class LARC:
     def step(self, closure=None):
         weight_decays = []
         try:
-            for index, group in enumerate(self.optim.param_groups):
+            groups = self.optim.param_groups
+            if any(index >= len(groups) for index, _ in self._kept):
+                # a group removed: its sweeps (and their scratch) go
+                self._kept = {k: v for k, v in self._kept.items() if k[0] < len(groups)}
+            for index, group in enumerate(groups):
                 # LARC applies the weight decay itself (inside the adaptive rate)
                 weight_decay = group.get("weight_decay", 0)
                 weight_decays.append(weight_decay)
