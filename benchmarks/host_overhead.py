@@ -592,6 +592,17 @@ def environment():
                 python=platform.python_version(), torch_threads=torch.get_num_threads())
 
 
+def _section(name, run, rounds):
+    """``run(rounds)``'s rows, or none (the error printed) when it fails: one section's
+    failure does not stop the others."""
+    try:
+        return run(rounds)
+    except Exception as e:
+        print(f"host_overhead: the {name} cases could not run ({type(e).__name__}: {e}).")
+        traceback.print_exc()
+        return []
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="O1/O2 fp16 Adam/SGD, few rounds")
@@ -624,19 +635,10 @@ def main(argv=None):
     except Exception as e:
         print(f"host_overhead: cannot run ({type(e).__name__}: {e}); nothing measured.")
         return 0
-    rows, norm_rows, larc_rows = [], [], []
-    if not args.larc_only:
-        try:
-            norm_rows = run_norms(3 if args.quick else 9)
-        except Exception as e:
-            print(f"host_overhead: the norm cases could not run ({type(e).__name__}: {e}).")
-            traceback.print_exc()
-    if not args.norms_only:
-        try:
-            larc_rows = run_larc(3 if args.quick else 9)
-        except Exception as e:
-            print(f"host_overhead: the LARC cases could not run ({type(e).__name__}: {e}).")
-            traceback.print_exc()
+    rows = []
+    section_rounds = 3 if args.quick else 9
+    norm_rows = [] if args.larc_only else _section("norm", run_norms, section_rounds)
+    larc_rows = [] if args.norms_only else _section("LARC", run_larc, section_rounds)
     if args.norms_only or args.larc_only:
         configs = []
     try:

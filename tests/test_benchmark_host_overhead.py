@@ -45,17 +45,23 @@ def test_quick_run_reports_launches_and_times(tmp_path):
         assert la["torch_host_reads"] == {}, la
 
 
+def _run_one_section(flag, tmp_path):
+    """(stdout, JSON report) of ``benchmarks.host_overhead --quick`` with ``flag``."""
+    out = tmp_path / "host_overhead.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.host_overhead", flag,
+                           "--quick", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
 def test_norm_host_cost_rows(tmp_path):
     """--norms-only: FusedLayerNorm / FusedRMSNorm forward and forward+backward on the GPU
     code path beside torch's modules; the launches a call records do not vary (the
     forward kernel; then the backward kernel and one reduction pass for one row)."""
-    out = tmp_path / "host_overhead.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.host_overhead", "--norms-only",
-                           "--quick", "--out", str(out)],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {r["case"]: r for r in json.loads(out.read_text())["norms"]}
+    stdout, report = _run_one_section("--norms-only", tmp_path)
+    rows = {r["case"]: r for r in report["norms"]}
     assert set(rows) == {f"{n} {k}" for n in ("LayerNorm", "RMSNorm")
                          for k in ("forward", "forward+backward")}
     for name, r in rows.items():
@@ -65,8 +71,8 @@ def test_norm_host_cost_rows(tmp_path):
                                      "_layer_norm_bwd_reduce_kernel"]
         else:
             assert r["launches"] == ["_layer_norm_fwd_kernel"]
-    assert "| LayerNorm forward |" in proc.stdout
-    assert "Python Function floor (us)" in proc.stdout
+    assert "| LayerNorm forward |" in stdout
+    assert "Python Function floor (us)" in stdout
 
 
 def test_larc_host_cost_rows(tmp_path):
@@ -75,13 +81,8 @@ def test_larc_host_cost_rows(tmp_path):
     norms (a partial pass and a segment pass each) and one rewrite, 14 small torch ops
     on the vectors of rates; the per-parameter rewrite runs ops per tensor. No host
     read on either."""
-    out = tmp_path / "host_overhead.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.host_overhead", "--larc-only",
-                           "--quick", "--out", str(out)],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {r["case"]: r for r in json.loads(out.read_text())["larc"]}
+    stdout, report = _run_one_section("--larc-only", tmp_path)
+    rows = {r["case"]: r for r in report["larc"]}
     kept, each = rows["kept sweeps"], rows["per-parameter rewrite"]
     assert kept["launches"]["triton"] == {"_l2norm_partial_kernel": 2,
                                           "_l2norm_segment_kernel": 2,
@@ -90,4 +91,4 @@ def test_larc_host_cost_rows(tmp_path):
     assert each["launches"]["torch"] >= 3 * 161, each
     for r in (kept, each):
         assert r["launches"]["host_reads"] == 0 and r["us"] > 0, r
-    assert "| kept sweeps |" in proc.stdout
+    assert "| kept sweeps |" in stdout
