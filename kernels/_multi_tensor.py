@@ -265,6 +265,7 @@ def _validate(sweep, lists):
 
 _device_of = operator.attrgetter("device")
 _get_device = torch.Tensor.get_device
+_numel = torch.Tensor.numel
 _dtype_of = operator.attrgetter("dtype")
 _shape_of = operator.attrgetter("shape")
 _is_none = functools.partial(operator.is_, None)
@@ -443,7 +444,7 @@ class Prepared:
     ``groups`` is empty on a device where the kernels do not run (the torch reference
     handles it)."""
     __slots__ = ("sweep", "_lists", "n", "groups", "writeback", "staged", "triton", "device",
-                 "empty_rows", "cpu_groups", "scratch")
+                 "empty_rows", "cpu_groups", "scratch", "_planned")
 
     def __init__(self, sweep, lists, n):
         self.sweep = sweep
@@ -457,8 +458,15 @@ class Prepared:
         self.device = None
         self.triton = False
         self.empty_rows = []  # rows with no element: no program of any group covers them
+        # per column, the dtypes and sizes the plan was made for: a rebind takes only
+        # tensors that have them (see rebind_columns)
+        self._planned = {}
         if n == 0:
             return
+        for name, col in lists.items():
+            if col is not None:
+                self._planned[name] = (tuple(None if t is None else t.dtype for t in col),
+                                       tuple(None if t is None else t.numel() for t in col))
         params = lists[sweep.columns[0].name]
         self.device = params[0].device
         self.triton = use_triton(params[0])
@@ -567,6 +575,11 @@ class Prepared:
         addresses are checked for every column before any is written, and each group's
         table is written in one host-to-device copy."""
         cols = [(tuple(names), list(tensors), addresses) for names, tensors, addresses in columns]
+        for names, col, _ in cols:
+            if not all(self._as_planned(name, col) for name in names):
+                # another dtype or size than the plan's (a gradient assigned with another
+                # dtype, or through .data): the caller prepares, and validates, again
+                return False
         if self.triton:
             for _, col, _ in cols:
                 if not self._on_device(col):
@@ -595,6 +608,19 @@ class Prepared:
                 for g in self.cpu_groups:
                     g.lists[n] = g.pick(col)
         return True
+
+    def _as_planned(self, name, col):
+        """``col`` has the dtypes and sizes column ``name`` was planned for (None
+        entries, addresses without their tensors from a sweep rebound before, aside)."""
+        planned = self._planned.get(name)
+        if planned is None or len(col) != len(planned[0]):
+            return False
+        try:
+            return (tuple(map(_dtype_of, col)) == planned[0]
+                    and tuple(map(_numel, col)) == planned[1])
+        except (AttributeError, TypeError):  # a None among them
+            return all(t is None or (t.dtype == d and t.numel() == k)
+                       for t, d, k in zip(col, *planned))
 
     def _on_device(self, col):
         """Every tensor of ``col`` (None entries, addresses without their tensors from a

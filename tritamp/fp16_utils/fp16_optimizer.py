@@ -332,6 +332,17 @@ class FP16_Optimizer:
             raise ValueError("the checkpoint's fp32_from_fp16 master lists do not match this "
                              "optimizer's param groups; build the model and optimizer as they "
                              "were when the checkpoint was saved")
+        for gi, (saved_group, group) in enumerate(zip(saved_masters, self.fp32_from_fp16_groups)):
+            for i, (saved, current) in enumerate(zip(saved_group, group)):
+                if not isinstance(saved, torch.Tensor) or saved.layout != torch.strided \
+                        or not saved.is_floating_point() or saved.shape != current.shape \
+                        or saved.device.type == "meta":
+                    raise ValueError(
+                        f"FP16_Optimizer.load_state_dict: state_dict['fp32_from_fp16'][{gi}][{i}] "
+                        f"is {_describe(saved)}, expected a dense floating-point tensor of "
+                        f"shape {tuple(current.shape)} (the fp32 master of that parameter); "
+                        "build the model and optimizer as they were when the checkpoint was "
+                        "saved. Nothing was loaded.")
         dynamic = bool(state_dict.get("dynamic_loss_scale", self.dynamic_loss_scale))
         scaler = self.loss_scaler
         if dynamic != scaler.dynamic:  # the checkpoint's mode wins, as in Apex
@@ -355,6 +366,14 @@ class FP16_Optimizer:
         self._backward_pending = False
         self.overflow = state_dict.get("overflow", False)
         self.first_closure_call_this_step = state_dict.get("first_closure_call_this_step", True)
+
+
+def _describe(value):
+    if isinstance(value, torch.Tensor):
+        return f"a {str(value.dtype).replace('torch.', '')} tensor of shape {tuple(value.shape)}" \
+            + (f" ({value.layout})" if value.layout != torch.strided else "") \
+            + (f" on {value.device}" if value.device.type == "meta" else "")
+    return f"a {type(value).__name__}"
 
 
 def _scaler_state(saved):

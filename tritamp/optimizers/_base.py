@@ -442,6 +442,25 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__} does not support maximize=True{where}: "
                              "negate the loss instead")
 
+    def _check_step_options(self, gi, group):
+        """What the launches read of a group's options, checked for every group before any
+        group is written (a refusal in a launch would come after earlier groups
+        stepped): the options this optimizer refuses (set on ``param_groups`` after it was
+        built), and hyperparameters given as tensors (one element, on the group's
+        device)."""
+        self._check_group_options(group, f" (param_groups[{gi}])")
+        params = group["params"]
+        device = params[0].device if params else None
+        for key, value in group.items():
+            if key == "params" or not isinstance(value, torch.Tensor):
+                continue
+            if value.numel() != 1 or (device is not None and value.device != device):
+                raise ValueError(
+                    f"{type(self).__name__}: param_groups[{gi}]['{key}'] is a tensor of shape "
+                    f"{tuple(value.shape)} on {value.device}; a hyperparameter given as a "
+                    f"tensor must have one element and be on the parameters' device "
+                    f"({device}): use a float, or torch.tensor(value, device='{device}')")
+
     def _check_param_dtypes(self, params, group_index):
         for i, p in enumerate(params):
             if isinstance(p, torch.Tensor) and p.requires_grad \
@@ -652,6 +671,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         return loaded
 
     def _check_saved_shape(self, value, key, index, p):
+        if value.layout != torch.strided:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: state {key!r} of parameter {index} "
+                f"is a {value.layout} tensor; optimizer state is dense (convert it with "
+                ".to_dense()). Nothing was loaded.")
         if value.shape != p.shape:
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict: state {key!r} of parameter {index} "
@@ -988,6 +1012,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self._check_rounding()
             if self._NORMS_OF_WHOLE_TENSORS:
                 self._shard_reduce()  # a set of parameters it cannot reduce over is refused
+            for gi, group in enumerate(self.param_groups):
+                self._check_step_options(gi, group)
             plans = [self._group_plan(gi, group, grad_scale, write_grads, fresh)
                      for gi, group in enumerate(self.param_groups)]
         except Exception:
