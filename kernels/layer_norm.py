@@ -572,7 +572,15 @@ def layer_norm_fwd_cpu(x, n, weight=None, bias=None, eps=1e-5, rms=False, out_dt
         mean = mean.reshape(-1)
     if not direct:
         y = y.to(out_dtype)
-    return y.reshape(x.shape), mean, rstd.reshape(-1)
+    return _reshaped(y, x.shape), mean, rstd.reshape(-1)
+
+
+def _reshaped(y, shape):
+    """``y`` (contiguous) with ``shape``, as a tensor of its own rather than a view: the
+    output of the norms' autograd Function, which a caller may modify in place (autograd
+    refuses in-place changes to a view a Function returns)."""
+    v = y.reshape(shape)
+    return y.new_empty(0).set_(y.untyped_storage(), v.storage_offset(), v.shape, v.stride())
 
 
 def layer_norm_bwd_cpu(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, rms=False,

@@ -276,3 +276,53 @@ def test_exported_from_package():
     assert tritamp.normalization is norm
     assert set(norm.__all__) >= {"FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm",
                                  "MixedFusedRMSNorm"}
+
+
+@pytest.mark.parametrize("cpu_path", [False, True], ids=["triton", "cpu-path"])
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm])
+def test_the_output_takes_in_place_ops_as_torchs_does(cls, cpu_path):
+    """``y.add_(1)`` or ``ReLU(inplace=True)`` after the norm, as after torch's modules (the
+    CPU path returned a view, which autograd refuses to modify in place)."""
+    import contextlib
+
+    from tritamp.testing import force_cpu_path
+    torch.manual_seed(0)
+    for shape in ((2, 4), (2, 3, 4)):
+        m = cls(4)
+        x = torch.randn(*shape, requires_grad=True)
+        ref_x = x.detach().clone().requires_grad_()
+        with force_cpu_path() if cpu_path else contextlib.nullcontext():
+            y = m(x)
+            y.add_(1.0).relu_()
+            y.sum().backward()
+        ref = (nn.LayerNorm(4) if cls is FusedLayerNorm else nn.RMSNorm(4, eps=1e-5))(ref_x)
+        ref.add_(1.0).relu_()
+        ref.sum().backward()
+        torch.testing.assert_close(y, ref)
+        torch.testing.assert_close(x.grad, ref_x.grad)
+
+
+@pytest.mark.parametrize("cpu_path", [False, True], ids=["triton", "cpu-path"])
+@pytest.mark.parametrize("rms", [False, True])
+def test_float64_is_normalised_in_float64(rms, cpu_path):
+    """The kernels compute in float32: float64 goes to torch's own norm in float64 (it was
+    computed in float32 on the Triton path, and refused with torch's mixed-dtype error on
+    the CPU path)."""
+    import contextlib
+
+    from tritamp.testing import force_cpu_path
+    torch.manual_seed(0)
+    x = (1 + 1e-9 * torch.randn(3, 8, dtype=torch.float64)).requires_grad_()
+    ref_x = x.detach().clone().requires_grad_()
+    m = (FusedRMSNorm(8, eps=1e-12) if rms else FusedLayerNorm(8, eps=1e-12)).double()
+    with force_cpu_path() if cpu_path else contextlib.nullcontext():
+        y = m(x)
+        y.sum().backward()
+    if rms:
+        ref = F.rms_norm(ref_x, [8], m.weight.detach(), 1e-12)
+    else:
+        ref = F.layer_norm(ref_x, [8], m.weight.detach(), m.bias.detach(), 1e-12)
+    ref.sum().backward()
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-9, atol=1e-9)

@@ -380,3 +380,44 @@ def test_benchmark_smoke_run(tmp_path, capsys):
         else:
             assert r["time_ms"] > 0 and r["bytes"] == 8 * r["params"] * 2
             assert r["ratio_to_torch"] is not None
+
+
+@pytest.mark.parametrize("cpu_path", [False, True], ids=["triton", "cpu-path"])
+def test_an_empty_batch_leaves_the_running_statistics(cpu_path):
+    """As torch's BatchNorm: an empty training batch counts in num_batches_tracked and
+    changes neither running statistic (it mixed in mean 0 and variance -0)."""
+    import contextlib
+
+    from tritamp.testing import force_cpu_path
+    for momentum in (0.1, None):
+        bn = SyncBatchNorm(3, momentum=momentum)
+        ref = nn.BatchNorm2d(3, momentum=momentum)
+        for m in (bn, ref):
+            m.running_mean.fill_(2.0)
+            m.running_var.fill_(3.0)
+        x = torch.randn(0, 3, 4, 4, requires_grad=True)
+        with force_cpu_path() if cpu_path else contextlib.nullcontext():
+            y = bn(x)
+        assert y.shape == x.shape
+        ref(x.detach())
+        assert torch.equal(bn.running_mean, ref.running_mean)
+        assert torch.equal(bn.running_var, ref.running_var)
+        assert int(bn.num_batches_tracked) == int(ref.num_batches_tracked) == 1
+
+
+def test_a_second_derivative_raises_instead_of_being_dropped():
+    bn = SyncBatchNorm(3)
+    x = torch.randn(4, 3, 2, 2, requires_grad=True)
+    (gx,) = torch.autograd.grad(bn(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        gx.square().sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64])
+def test_input_it_cannot_normalise_is_refused_before_anything_changes(dtype):
+    bn = SyncBatchNorm(3)
+    before = [bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone()]
+    with pytest.raises(TypeError, match=f"input is {dtype}"):
+        bn(torch.ones(4, 3, 2, 2, dtype=dtype))
+    after = [bn.running_mean, bn.running_var, bn.num_batches_tracked]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))

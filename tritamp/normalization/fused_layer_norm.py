@@ -152,11 +152,26 @@ def _norm(input, weight, bias, normalized_shape, eps, memory_efficient, rms, mix
         out_dtype = input.dtype
     if rms:
         bias = None
+    if input.dtype == torch.float64 or (weight is not None and weight.dtype == torch.float64):
+        return _float64_norm(input, weight, bias, n, eps, rms, out_dtype)
     if _is_compiling():
         return _norm_fwd(input, weight, bias, n, float(eps), rms, out_dtype,
                          bool(memory_efficient))[0]
     return _EagerNorm.apply(input, weight, bias, n, float(eps), rms, out_dtype,
                             bool(memory_efficient))
+
+
+def _float64_norm(input, weight, bias, n, eps, rms, out_dtype):
+    """float64 (which the kernels, computing in float32, do not take): torch's own norm
+    in float64, the result in the output dtype the fused norm would give."""
+    x = input.reshape(-1, n).double()
+    w = None if weight is None else weight.reshape(-1).double()
+    if rms:
+        y = torch.nn.functional.rms_norm(x, [n], w, eps)
+    else:
+        b = None if bias is None else bias.reshape(-1).double()
+        y = torch.nn.functional.layer_norm(x, [n], w, b, eps)
+    return y.reshape(input.shape).to(out_dtype)
 
 
 # Functional forms: Apex's signatures, with its functional eps default of 1e-6.

@@ -11,6 +11,7 @@ and the layer is a BatchNorm.
 """
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from tritamp.kernels.syncbn import (syncbn_backward_input, syncbn_backward_reduce,
@@ -113,6 +114,7 @@ class SyncBatchnormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # (a second derivative raises instead of silently being zero)
     def backward(ctx, grad_output):
         x, zv, weight, bias, mean, invstd, count = ctx.saved_tensors
         layout = ctx.layout
@@ -188,6 +190,11 @@ class SyncBatchNorm(_BatchNorm):
 
     def _check(self, input, z):
         self._check_input_dim(input)
+        if input.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"SyncBatchNorm({self.num_features}): input is {input.dtype}; it "
+                            "normalises float32, float16 and bfloat16 input (statistics in "
+                            "float32): convert the input, or use torch.nn.SyncBatchNorm for "
+                            "float64")
         last = self.channel_last or input.dim() == 2
         dim = input.dim() - 1 if last else 1
         if input.shape[dim] != self.num_features:
@@ -221,6 +228,10 @@ class SyncBatchNorm(_BatchNorm):
                 raise ValueError("Expected more than 1 value per channel when training, got "
                                  f"input size {input.size()}")
         track = self.training and self.track_running_stats
+        if bn_training and world_size < 2 and input.numel() == 0:
+            # an empty batch has no statistics: the running ones stay (torch counts the
+            # batch all the same, above)
+            track = False
         return SyncBatchnormFunction.apply(
             input, z, self.weight, self.bias,
             self.running_mean if (track or not bn_training) else None,
