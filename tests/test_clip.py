@@ -113,3 +113,18 @@ def test_kept_sweeps_follow_new_gradients_bitwise_and_hold_none(cpu_path):
     del alive, grads
     gc.collect()
     assert probe() is None
+
+
+def test_float64_gradients_are_clipped_as_torch_clips_them():
+    g = torch.Generator().manual_seed(3)
+    ours = [nn.Parameter(torch.randn(n, generator=g, dtype=torch.float64)) for n in (3, 40)]
+    ours.append(nn.Parameter(torch.randn(5, generator=g)))
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    for p, q in zip(ours, theirs):
+        p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype) * 3
+        q.grad = p.grad.clone()
+    total = clip_grad_norm_(ours, 0.5)
+    want = torch.nn.utils.clip_grad_norm_(theirs, 0.5)
+    torch.testing.assert_close(total, want, rtol=0, atol=0)
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)

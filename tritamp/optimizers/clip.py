@@ -1,10 +1,15 @@
 """Gradient clipping over many tensors without a host sync."""
+import operator
+
 import torch
 
 from tritamp.kernels.axpby import multi_tensor_scale_launch, multi_tensor_scale_prepare
 from tritamp.kernels.engine import KeptByLayout, borrowed, list_layout
 from tritamp.kernels.l2norm import multi_tensor_l2norm_launch, multi_tensor_l2norm_prepare
 from tritamp.sharding import ShardReduce, locals_of
+
+_SWEPT = {torch.float32, torch.float16, torch.bfloat16}
+_dtype_of = operator.attrgetter("dtype")
 
 # The norm and scale sweeps of the last gradient lists clipped, by layout (the path that
 # runs them included: a test may force the CPU path).
@@ -49,8 +54,9 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     One l2-norm launch and one scale launch per dtype group, the clip coefficient
     ``min(1, max_norm / (norm + 1e-6))`` computed and applied on the device: nothing is
     read back to the host. Returns the total norm as a 0-d device tensor. Use it on
-    ``amp.master_params(optimizer)`` after ``scale_loss`` exits. Other norm types, and
-    ``error_if_nonfinite=True`` (which must read the norm), go to torch's implementation.
+    ``amp.master_params(optimizer)`` after ``scale_loss`` exits. Other norm types,
+    ``error_if_nonfinite=True`` (which must read the norm) and float64 gradients go to
+    torch's implementation.
 
     Sharded gradients (DTensors, FSDP2's ``fully_shard``): each rank's shards are
     clipped by the norm of the whole gradients, their local norms summed over the shard
@@ -60,7 +66,9 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     grads = [p.grad for p in parameters if p.grad is not None]
-    if float(norm_type) != 2.0 or error_if_nonfinite:
+    if float(norm_type) != 2.0 or error_if_nonfinite \
+            or not set(map(_dtype_of, grads)) <= _SWEPT:
+        # (float64 gradients: the sweeps compute in float32)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type,
                                               error_if_nonfinite=error_if_nonfinite)
     if not grads:
