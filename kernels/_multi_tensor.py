@@ -576,7 +576,7 @@ class Prepared:
         table is written in one host-to-device copy."""
         cols = [(tuple(names), list(tensors), addresses) for names, tensors, addresses in columns]
         for names, col, _ in cols:
-            if not all(self._as_planned(name, col) for name in names):
+            if not self._as_planned(names, col):
                 # another dtype or size than the plan's (a gradient assigned with another
                 # dtype, or through .data): the caller prepares, and validates, again
                 return False
@@ -609,18 +609,19 @@ class Prepared:
                     g.lists[n] = g.pick(col)
         return True
 
-    def _as_planned(self, name, col):
-        """``col`` has the dtypes and sizes column ``name`` was planned for (None
-        entries, addresses without their tensors from a sweep rebound before, aside)."""
-        planned = self._planned.get(name)
-        if planned is None or len(col) != len(planned[0]):
+    def _as_planned(self, names, col):
+        """``col`` has the dtypes and sizes every column of ``names`` was planned for
+        (None entries, addresses without their tensors from a sweep rebound before,
+        aside). The tensors are read once, whatever the number of columns."""
+        plans = [self._planned.get(name) for name in names]
+        if any(p is None or len(col) != len(p[0]) for p in plans):
             return False
         try:
-            return (tuple(map(_dtype_of, col)) == planned[0]
-                    and tuple(map(_numel, col)) == planned[1])
+            have = (tuple(map(_dtype_of, col)), tuple(map(_numel, col)))
         except (AttributeError, TypeError):  # a None among them
             return all(t is None or (t.dtype == d and t.numel() == k)
-                       for t, d, k in zip(col, *planned))
+                       for plan in plans for t, d, k in zip(col, *plan))
+        return all(have == plan for plan in plans)
 
     def _on_device(self, col):
         """Every tensor of ``col`` (None entries, addresses without their tensors from a

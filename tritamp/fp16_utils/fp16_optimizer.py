@@ -25,6 +25,7 @@ import torch
 from tritamp import kernels as K
 from tritamp.amp.optimizer import AmpStash, amp_step
 from tritamp.amp.scaler import check_number
+from tritamp.optimizers._base import _describe
 
 from .fp16util import clip_grad_norm
 from .loss_scaler import OptimizerLossScaler
@@ -366,14 +367,6 @@ class FP16_Optimizer:
         self._backward_pending = False
         self.overflow = state_dict.get("overflow", False)
         self.first_closure_call_this_step = state_dict.get("first_closure_call_this_step", True)
-
-
-def _describe(value):
-    if isinstance(value, torch.Tensor):
-        return f"a {str(value.dtype).replace('torch.', '')} tensor of shape {tuple(value.shape)}" \
-            + (f" ({value.layout})" if value.layout != torch.strided else "") \
-            + (f" on {value.device}" if value.device.type == "meta" else "")
-    return f"a {type(value).__name__}"
 
 
 def _scaler_state(saved):

@@ -6,6 +6,9 @@ launch per dtype group, casting on the way, nothing read back to the host). Beyo
 Apex, the conversions take a ``dtype`` (``torch.float16`` by default, or
 ``torch.bfloat16``).
 """
+import functools
+import operator
+
 import torch
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors
@@ -165,7 +168,7 @@ def model_grads_to_master_grads(model_params, master_params, flat_master=False):
         master = master_params[0]
         for i, p in enumerate(model_params):
             if p.grad is not None:
-                _check_grad(i, p.grad, p.shape, master.device, "the flat master")
+                _check_grad(i, p.grad, None, master.device, "the flat master")
         _check_grad_slot(master, 0)
         _check_flat(master, model_params)
         if master.grad is None:
@@ -180,10 +183,11 @@ def model_grads_to_master_grads(model_params, master_params, flat_master=False):
                 dsts.append(v)
         _copy(srcs, dsts)
         return
-    for i, (model, master) in enumerate(zip(model_params, master_params)):
-        if model.grad is not None:
-            _check_grad(i, model.grad, master.shape, master.device, f"master_params[{i}]")
-            _check_grad_slot(master, i)
+    if not _plain_pairs(model_params, master_params):
+        for i, (model, master) in enumerate(zip(model_params, master_params)):
+            if model.grad is not None:
+                _check_grad(i, model.grad, master.shape, master.device, f"master_params[{i}]")
+                _check_grad_slot(master, i)
     srcs, dsts = [], []
     for model, master in zip(model_params, master_params):
         if model.grad is None:
@@ -196,9 +200,36 @@ def model_grads_to_master_grads(model_params, master_params, flat_master=False):
     _copy(srcs, dsts)
 
 
+_grad_of = operator.attrgetter("grad")
+_is_none = functools.partial(operator.is_, None)
+_layout_of = operator.attrgetter("layout")
+_device_of = operator.attrgetter("device")
+_shape_of = operator.attrgetter("shape")
+
+
+def _plain_pairs(model_params, master_params):
+    """The common case, in C-level maps (no per-parameter Python): every model parameter
+    has a dense gradient of its master's shape, all on one device, and the masters hold
+    either no gradients or dense ones of their shapes. False sends the pairs through the
+    per-pair checks, which name what is wrong (or pass them: some without gradients)."""
+    grads = list(map(_grad_of, model_params))
+    held = list(map(_grad_of, master_params))
+    if any(map(_is_none, grads)):
+        return False
+    shapes = list(map(_shape_of, master_params))
+    if all(map(_is_none, held)):
+        held = []
+    elif any(map(_is_none, held)) or list(map(_shape_of, held)) != shapes:
+        return False
+    return (set(map(_layout_of, grads + held)) == {torch.strided}
+            and len(set(map(_device_of, grads + master_params))) == 1
+            and list(map(_shape_of, grads)) == shapes)
+
+
 def _check_grad(i, grad, shape, device, master_name):
-    """model_params[i].grad can be copied into a master gradient of ``shape`` on
-    ``device``; else the error names it, its value and the fix."""
+    """model_params[i].grad can be copied into a master gradient of ``shape`` (None: a
+    slice of the flat master, whose size is checked whole) on ``device``; else the error
+    names it, its value and the fix."""
     op = "model_grads_to_master_grads"
     if grad.layout != torch.strided:
         raise ValueError(f"{op}: model_params[{i}].grad is a sparse tensor ({grad.layout}); the "
@@ -209,7 +240,7 @@ def _check_grad(i, grad, shape, device, master_name):
         raise ValueError(f"{op}: model_params[{i}].grad is on {grad.device} but "
                          f"{master_name} is on {device}; keep each master on its model "
                          "parameter's device (prep_param_lists does). Nothing was written")
-    if master_name != "the flat master" and grad.shape != shape:
+    if shape is not None and grad.shape != shape:
         raise ValueError(f"{op}: model_params[{i}].grad has shape {tuple(grad.shape)} but "
                          f"{master_name} has shape {tuple(shape)}; pass the lists "
                          "prep_param_lists returned. Nothing was written")

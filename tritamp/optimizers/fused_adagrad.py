@@ -58,13 +58,13 @@ class FusedAdagrad(FusedOptimizer):
     def _check_group_options(self, group, where=""):
         self._check_group(group, where)
 
+    # (the step checks every group's options, _check_group_options, before it plans or
+    # launches any: nothing to check again here)
     def _prepare(self, group, targets, grads, copies, states, comps=None, keys=None):
-        self._check_group(group)  # before the first step's state is kept
         return adagrad_prepare(targets, grads, [s["sum"] for s in states], copies,
                                [s["step"] for s in states], comps, keys)
 
     def _launch(self, group, prepared, grad_scale, found_inf):
-        self._check_group(group)
         adagrad_launch(prepared, lr=group["lr"], eps=group["eps"],
                        weight_decay=group["weight_decay"],
                        adagrad_w_mode=bool(self.adagrad_w_mode), grad_scale=grad_scale,
