@@ -435,3 +435,40 @@ def test_larc_rescale_refuses_bad_input_by_name_before_writing():
         with pytest.raises(error, match=message):
             larc_rescale(*args)
         assert all(torch.equal(a, b) for a, b in zip(grads, before)), message
+
+
+@pytest.mark.parametrize("cpu_path", [False, True], ids=["triton", "cpu-path"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_larc_rescale_against_torchs_foreach_ops(dtype, cpu_path):
+    """The same rewrite with torch's ops (g += decay * p, g *= factor, one 0-d factor and
+    decay per tensor): fp32 bit for bit; bf16 bit for bit the fp32 formula rounded once,
+    and within the roundings of torch's bf16 ops (torch rounds after each op, the sweep
+    once)."""
+    import contextlib
+
+    from tritamp.kernels.larc import larc_rescale
+    from tritamp.testing import force_cpu_path
+
+    g = torch.Generator().manual_seed(21)
+    shapes = [(1,), (1000,), (3, 257)]
+    ps = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+    grads = [(torch.randn(s, generator=g) * 0.01).to(dtype) for s in shapes]
+    theirs = [t.clone() for t in grads]
+    factor, decay = torch.rand(3, generator=g) * 2, torch.rand(3, generator=g) * 1e-2
+    with force_cpu_path() if cpu_path else contextlib.nullcontext():
+        larc_rescale(ps, grads, factor, decay)
+    if dtype == torch.float32:
+        torch._foreach_add_(theirs, torch._foreach_mul(ps, list(decay.unbind(0))))
+        torch._foreach_mul_(theirs, list(factor.unbind(0)))
+        for a, b in zip(grads, theirs):
+            assert torch.equal(a, b)
+    else:
+        want = [((t.float() + d * p.float()) * f).to(dtype)
+                for t, p, d, f in zip(theirs, ps, decay, factor)]
+        for a, b in zip(grads, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        # torch's bf16 ops round d * p and the sum too: about one bf16 ulp of the terms
+        # (~1e-2 here) apart where they cancel
+        torch_ops = [((t + d * p) * f) for t, p, d, f in zip(theirs, ps, decay, factor)]
+        for a, b in zip(grads, torch_ops):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=3e-4)
