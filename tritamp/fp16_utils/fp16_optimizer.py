@@ -25,7 +25,6 @@ import torch
 from tritamp import kernels as K
 from tritamp.amp.optimizer import AmpStash, amp_step
 from tritamp.amp.scaler import check_number
-from tritamp.optimizers._base import _describe
 
 from .fp16util import clip_grad_norm
 from .loss_scaler import OptimizerLossScaler
@@ -338,9 +337,15 @@ class FP16_Optimizer:
                 if not isinstance(saved, torch.Tensor) or saved.layout != torch.strided \
                         or not saved.is_floating_point() or saved.shape != current.shape \
                         or saved.device.type == "meta":
+                    what = f"a {type(saved).__name__}"
+                    if isinstance(saved, torch.Tensor):
+                        what = (f"a {str(saved.dtype).replace('torch.', '')} tensor of shape "
+                                f"{tuple(saved.shape)}"
+                                + ("" if saved.layout == torch.strided else f" ({saved.layout})")
+                                + (f" on {saved.device}" if saved.device.type == "meta" else ""))
                     raise ValueError(
                         f"FP16_Optimizer.load_state_dict: state_dict['fp32_from_fp16'][{gi}][{i}] "
-                        f"is {_describe(saved)}, expected a dense floating-point tensor of "
+                        f"is {what}, expected a dense floating-point tensor of "
                         f"shape {tuple(current.shape)} (the fp32 master of that parameter); "
                         "build the model and optimizer as they were when the checkpoint was "
                         "saved. Nothing was loaded.")

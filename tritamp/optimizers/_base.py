@@ -82,12 +82,8 @@ def _scalar_state(value, p):
 
 
 def _describe(value):
-    """A value as an error names it (a tensor: dtype and shape, and its layout or device
-    where those are what is wrong with it: sparse, meta)."""
     if isinstance(value, torch.Tensor):
-        return (f"a {_dtype_name(value.dtype)} tensor of shape {tuple(value.shape)}"
-                + (f" ({value.layout})" if value.layout != torch.strided else "")
-                + (f" on {value.device}" if value.device.type == "meta" else ""))
+        return f"a {_dtype_name(value.dtype)} tensor of shape {tuple(value.shape)}"
     return f"{type(value).__name__} {value!r}"
 
 
