@@ -9,7 +9,9 @@ trailing elements of ``x``::
 and returns ``y`` (in ``out_dtype``) with the fp32 statistics ``mean`` (LayerNorm only)
 and ``rstd``, one per row. ``layer_norm_bwd`` takes ``dy`` and either the input with
 those statistics or, when the forward kept only its output (``memory_efficient``), the
-output, from which ``xhat = (y - bias) / weight`` is recomputed. It returns ``dx`` and the
+output, from which ``xhat = (y - bias) / weight`` is recomputed (each weight's magnitude
+raised to at least ``eps``, as Apex does: a zero weight still gives finite gradients). It
+returns ``dx`` and the
 weight and bias gradients, reduced in two stages: each program sums ``dy * xhat`` and
 ``dy`` over its own run of rows into an fp32 partial row, and a second kernel sums the
 partial rows per column. No atomics, so the result does not depend on scheduling.
@@ -102,16 +104,20 @@ def _layer_norm_fwd_kernel(
 
 
 @triton.jit
-def _xhat(v_row, w_ptr, b_ptr, cols, mask, mean, rstd, IS_RMS: tl.constexpr,
+def _xhat(v_row, w_ptr, b_ptr, cols, mask, mean, rstd, min_w, IS_RMS: tl.constexpr,
           HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, FROM_OUTPUT: tl.constexpr,
           EMULATE_BF16_ROUNDING: tl.constexpr):
-    """The normalised row, from the input and its statistics or from the output."""
+    """The normalised row, from the input and its statistics or from the output. From the
+    output the weight divides with its magnitude raised to at least ``min_w`` (Apex's
+    clamp: a zero weight counts as +min_w; NaN stays NaN)."""
     v = load_f32(v_row + cols, mask, EMULATE_BF16_ROUNDING)
     if FROM_OUTPUT:
         if HAS_BIAS:
             v = v - load_f32(b_ptr + cols, mask, EMULATE_BF16_ROUNDING)
         if HAS_WEIGHT:
             w = load_f32(w_ptr + cols, mask, EMULATE_BF16_ROUNDING)
+            w = tl.where(w >= 0.0, tl.where(w < min_w, min_w, w),
+                         tl.where(w > -min_w, -min_w, w))
             v = tl.div_rn(v, tl.where(mask, w, 1.0))
         xhat = v
     else:
@@ -125,7 +131,7 @@ def _xhat(v_row, w_ptr, b_ptr, cols, mask, mean, rstd, IS_RMS: tl.constexpr,
 
 @triton.jit
 def _row_terms(row, v_ptr, v_stride, dy_ptr, w, w_ptr, b_ptr, mean_ptr, rstd_ptr, cols, mask,
-               N, IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+               N, min_w, IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                FROM_OUTPUT: tl.constexpr, EMULATE_BF16_ROUNDING: tl.constexpr):
     """One row's chunk ``cols`` in the backward: (xhat, dy, w * dy, rstd), ``w`` the
     chunk's weight already loaded (when HAS_WEIGHT)."""
@@ -133,7 +139,7 @@ def _row_terms(row, v_ptr, v_stride, dy_ptr, w, w_ptr, b_ptr, mean_ptr, rstd_ptr
     mean = 0.0
     if not IS_RMS and not FROM_OUTPUT:
         mean = tl.load(mean_ptr + row)
-    xhat = _xhat(v_ptr + row * v_stride, w_ptr, b_ptr, cols, mask, mean, rstd, IS_RMS,
+    xhat = _xhat(v_ptr + row * v_stride, w_ptr, b_ptr, cols, mask, mean, rstd, min_w, IS_RMS,
                  HAS_WEIGHT, HAS_BIAS, FROM_OUTPUT, EMULATE_BF16_ROUNDING)
     dy = load_f32(dy_ptr + row * N + cols, mask, EMULATE_BF16_ROUNDING)
     wdy = dy
@@ -165,6 +171,7 @@ def _layer_norm_bwd_kernel(
     db_part_ptr,    # [G, N] fp32: this program's sum of dy over its rows
     stats_ptr,      # [M, 2] fp32 scratch of the chunked path: each row's two sums for dx
     v_stride, M, N, rows_per_program,
+    min_w,          # fp32: FROM_OUTPUT's least weight magnitude (the norm's eps)
     IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     FROM_OUTPUT: tl.constexpr, ONE_PASS: tl.constexpr,
     EMULATE_BF16_ROUNDING: tl.constexpr, BLOCK: tl.constexpr,
@@ -185,7 +192,7 @@ def _layer_norm_bwd_kernel(
         db_acc = tl.zeros([BLOCK], dtype=tl.float32)
         for row in range(row_start, row_end):
             xhat, dy, wdy, rstd = _row_terms(row, v_ptr, v_stride, dy_ptr, w, w_ptr, b_ptr,
-                                             mean_ptr, rstd_ptr, cols, mask, N, IS_RMS,
+                                             mean_ptr, rstd_ptr, cols, mask, N, min_w, IS_RMS,
                                              HAS_WEIGHT, HAS_BIAS, FROM_OUTPUT,
                                              EMULATE_BF16_ROUNDING)
             c1 = tl.div_rn(tl.sum(xhat * wdy, axis=0), n)
@@ -214,8 +221,8 @@ def _layer_norm_bwd_kernel(
             for start in range(0, N, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
                 mask = cols < N
-                xhat = _xhat(v_row, w_ptr, b_ptr, cols, mask, mean, rstd, IS_RMS, HAS_WEIGHT,
-                             HAS_BIAS, FROM_OUTPUT, EMULATE_BF16_ROUNDING)
+                xhat = _xhat(v_row, w_ptr, b_ptr, cols, mask, mean, rstd, min_w, IS_RMS,
+                             HAS_WEIGHT, HAS_BIAS, FROM_OUTPUT, EMULATE_BF16_ROUNDING)
                 wdy = load_f32(dy_ptr + row * N + cols, mask, EMULATE_BF16_ROUNDING)
                 if HAS_WEIGHT:
                     wdy = wdy * load_f32(w_ptr + cols, mask, EMULATE_BF16_ROUNDING)
@@ -238,7 +245,7 @@ def _layer_norm_bwd_kernel(
             db_acc = tl.zeros([BLOCK], dtype=tl.float32)
             for row in range(row_start, row_end):
                 xhat, dy, wdy, rstd = _row_terms(row, v_ptr, v_stride, dy_ptr, w, w_ptr, b_ptr,
-                                                 mean_ptr, rstd_ptr, cols, mask, N, IS_RMS,
+                                                 mean_ptr, rstd_ptr, cols, mask, N, min_w, IS_RMS,
                                                  HAS_WEIGHT, HAS_BIAS, FROM_OUTPUT,
                                                  EMULATE_BF16_ROUNDING)
                 c1 = tl.load(stats_ptr + 2 * row)
@@ -460,16 +467,42 @@ def _bwd_plan(n, m, device, max_block, rms, has_w, has_b, from_output):
     return plan
 
 
+def min_weight(eps, dtype):
+    """The least weight magnitude the backward divides by when it rebuilds the normalised
+    input from the output: ``eps`` rounded to the weight's dtype (Apex's
+    ``clamp_by_magnitude``), as a Python float; kept per (eps, dtype)."""
+    key = (eps, dtype)
+    found = _MIN_WEIGHT.get(key)
+    if found is None:
+        if len(_MIN_WEIGHT) > 256:
+            _MIN_WEIGHT.clear()
+        found = _MIN_WEIGHT[key] = float(torch.tensor(eps, dtype=dtype))
+    return found
+
+
+_MIN_WEIGHT = {}
+
+
+def _clamped_weight(w32, min_w):
+    """``w32`` with each magnitude under ``min_w`` raised to it, keeping the sign (zero
+    counts as positive, NaN stays NaN): the divisor of ``(y - bias) / weight``."""
+    return torch.where(w32 >= 0, torch.where(w32 < min_w, min_w, w32),
+                       torch.where(w32 > -min_w, -min_w, w32))
+
+
 def layer_norm_bwd(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, rms=False,
-                   from_output=False, x_dtype=None, max_block=None):
+                   from_output=False, x_dtype=None, max_block=None, eps=1e-5):
     """Gradients of :func:`layer_norm_fwd`. ``saved`` is the input, or the output when
-    ``from_output`` (then ``mean`` is not needed). Returns ``(dx, dweight, dbias)``:
-    ``dx`` in ``x_dtype`` (default ``saved.dtype``), the others in the parameters' dtypes
-    (None where there is no parameter)."""
+    ``from_output`` (then ``mean`` is not needed, and the normalised input is rebuilt as
+    ``(y - bias) / weight`` with each weight's magnitude at least ``eps`` rounded to the
+    weight's dtype, as Apex's memory-efficient backward: a zero weight gives finite
+    gradients, 0 for its own weight gradient). Returns ``(dx, dweight, dbias)``: ``dx`` in
+    ``x_dtype`` (default ``saved.dtype``), the others in the parameters' dtypes (None where
+    there is no parameter)."""
     _check(saved, n, weight, bias)
     if not use_triton(dy):
         return layer_norm_bwd_cpu(dy, saved, n, weight, bias, mean, rstd, rms, from_output,
-                                  x_dtype)
+                                  x_dtype, eps)
     device = dy.device
     v2, stride = _rows(saved, n)
     if not dy.is_contiguous():
@@ -499,7 +532,9 @@ def layer_norm_bwd(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, r
         dy, v2, weight if has_w else v2, bias if has_b else v2,
         rstd if mean is None else mean, rstd, dx,
         dw_part if has_w else any_part, db_part if has_b else any_part, stats,
-        stride, m, n, plan.rows_per_program), plan.constexprs, plan.ckey)
+        stride, m, n, plan.rows_per_program,
+        min_weight(eps, weight.dtype) if from_output and has_w else 0.0),
+        plan.constexprs, plan.ckey)
     if has_w or has_b:
         src_w, src_b, rows = dw_part, db_part, programs
         if plan.splits > 1:  # main pass into fp32 partial sums, then a small final pass
@@ -584,13 +619,14 @@ def _reshaped(y, shape):
 
 
 def layer_norm_bwd_cpu(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, rms=False,
-                       from_output=False, x_dtype=None):
+                       from_output=False, x_dtype=None, eps=1e-5):
     """The production CPU path of :func:`layer_norm_bwd`.
 
     LayerNorm from the input: torch's fp32 ``native_layer_norm_backward``, as the reference
     already runs it (half operands are widened first: torch's mixed-dtype backward
     accumulates the weight and bias gradients with too little precision). From the output
-    (``memory_efficient``): ``xhat = (y - bias) / weight`` in one fp32 pass, then the same
+    (``memory_efficient``): ``xhat = (y - bias) / weight`` (the weight's magnitudes at
+    least :func:`min_weight`) in one fp32 pass, then the same
     kernel with unit statistics (mean 0, rstd 1: it then takes ``xhat`` as the normalised
     input) and one multiply by ``rstd``. RMSNorm (torch has no CPU backward kernel): the
     reference's arithmetic with its temporaries reused in place (bit for bit)."""
@@ -601,8 +637,11 @@ def layer_norm_bwd_cpu(dy, saved, n, weight=None, bias=None, mean=None, rstd=Non
     w32 = _f32(weight)
     has_b = bias is not None and not rms
     b32 = _f32(bias) if has_b else None
+    div = None
+    if from_output and w32 is not None:
+        div = _clamped_weight(w32, min_weight(eps, weight.dtype))
     if rms:
-        dx, dw = _rms_norm_bwd_cpu(dy2, v, w32, rstd, from_output, n)
+        dx, dw = _rms_norm_bwd_cpu(dy2, v, w32, rstd, from_output, n, div)
         db = None
     else:
         dy32 = dy2.float()
@@ -612,7 +651,7 @@ def layer_norm_bwd_cpu(dy, saved, n, weight=None, bias=None, mean=None, rstd=Non
             dx, dw, db = torch.ops.aten.native_layer_norm_backward(
                 dy32, v.float(), [n], mean[:, None], rstd[:, None], w32, b32, mask)
         else:
-            xhat = _xhat_from_output(v, w32, b32)
+            xhat = _xhat_from_output(v, div, b32)
             m = v.shape[0]
             dx, dw, db = torch.ops.aten.native_layer_norm_backward(
                 dy32, xhat, [n], xhat.new_zeros(m, 1), xhat.new_ones(m, 1), w32, b32, mask)
@@ -624,8 +663,8 @@ def layer_norm_bwd_cpu(dy, saved, n, weight=None, bias=None, mean=None, rstd=Non
 
 def _xhat_from_output(y, w32, b32):
     """``(y - bias) / weight`` in a new fp32 tensor (``y`` itself when fp32 and there is
-    nothing to undo). Half operands are widened first: torch's element-wise ops on mixed
-    dtypes run a slow casting loop."""
+    nothing to undo); ``w32`` is the divisor, already clamped. Half operands are widened
+    first: torch's element-wise ops on mixed dtypes run a slow casting loop."""
     owned = y.dtype != torch.float32
     xhat = y.float()
     if b32 is not None:
@@ -636,14 +675,15 @@ def _xhat_from_output(y, w32, b32):
     return xhat
 
 
-def _rms_norm_bwd_cpu(dy, v, w32, rstd, from_output, n):
+def _rms_norm_bwd_cpu(dy, v, w32, rstd, from_output, n, div=None):
     """RMSNorm's ``(dx, dw)`` in fp32, the reference's arithmetic step for step
     (``dx = (w dy - xhat * mean(xhat * w dy)) * rstd``, ``dw = sum(dy * xhat)``, ``xhat =
-    x * rstd`` or, from the output, ``y / weight``) with its temporaries reused in place."""
+    x * rstd`` or, from the output, ``y / div``, ``div`` the clamped weight) with its
+    temporaries reused in place."""
     dy32 = dy.float()
     r = rstd[:, None]
     if from_output:
-        xhat = _xhat_from_output(v, w32, None)
+        xhat = _xhat_from_output(v, div, None)
     elif v.dtype == torch.float32:
         xhat = torch.mul(v, r)
     else:
@@ -684,7 +724,7 @@ def layer_norm_fwd_ref(x, n, weight=None, bias=None, eps=1e-5, rms=False, out_dt
 
 
 def layer_norm_bwd_ref(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, rms=False,
-                       from_output=False, x_dtype=None):
+                       from_output=False, x_dtype=None, eps=1e-5):
     """Torch reference of :func:`layer_norm_bwd`."""
     _check(saved, n, weight, bias)
     x_dtype = x_dtype or saved.dtype
@@ -705,7 +745,7 @@ def layer_norm_bwd_ref(dy, saved, n, weight=None, bias=None, mean=None, rstd=Non
         if bias is not None and not rms:
             xhat = xhat - bias.reshape(-1).float()
         if w is not None:
-            xhat = xhat / w
+            xhat = xhat / _clamped_weight(w, min_weight(eps, weight.dtype))
     elif rms:
         xhat = v * rstd[:, None]
     else:

@@ -92,7 +92,8 @@ def norm_variants():
                            "b_ptr": w, "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "dx_ptr": x,
                            "dw_part_ptr": "*fp32", "db_part_ptr": "*fp32",
                            "stats_ptr": "*fp32", "v_stride": "i32",
-                           "M": "i32", "N": "i32", "rows_per_program": "i32"}
+                           "M": "i32", "N": "i32", "rows_per_program": "i32",
+                           "min_w": "fp32"}
                     out[f"layer_norm_bwd/{x},{w},{y}/rms={rms}/one_pass={one_pass}/"
                         f"from_output={from_output}"] = _ok(compile_one(
                             JIT["layer_norm_bwd_kernel"], sig,

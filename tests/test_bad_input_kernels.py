@@ -212,7 +212,8 @@ _COMPILE_SCRIPT = textwrap.dedent("""
             "dy_ptr": "*fp16", "v_ptr": "*fp16", "w_ptr": "*fp16", "b_ptr": "*fp16",
             "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "dx_ptr": "*fp16",
             "dw_part_ptr": "*fp32", "db_part_ptr": "*fp32", "stats_ptr": "*fp32",
-            "v_stride": "i32", "M": "i32", "N": "i32", "rows_per_program": "i32"},
+            "v_stride": "i32", "M": "i32", "N": "i32", "rows_per_program": "i32",
+            "min_w": "fp32"},
             dict(mode, FROM_OUTPUT=False))
     out["layer_norm_bwd_reduce"] = addptrs(K["layer_norm_bwd_reduce_kernel"], {
         "dw_part_ptr": "*fp32", "db_part_ptr": "*fp32", "dw_ptr": "*fp16", "db_ptr": "*fp16",

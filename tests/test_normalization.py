@@ -326,3 +326,57 @@ def test_float64_is_normalised_in_float64(rms, cpu_path):
     assert y.dtype == torch.float64
     torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_memory_efficient_with_zero_weights_gives_apexs_finite_gradients(path, rms, dtype):
+    """memory_efficient rebuilds xhat = (y - bias) / weight; as Apex, the weight divides with
+    its magnitude raised to at least eps, so a column whose weight is under eps gets
+    xhat * |w| / eps (0 for a zero weight). Every gradient is finite (dividing by the zero
+    gave NaN); the bias gradient and the other columns' input gradients are the ordinary
+    backward's; that column's weight gradient is scaled by |w| / eps; everything matches
+    the oracle, which clamps the same way."""
+    from tritamp.kernels.layer_norm import layer_norm_bwd_ref, layer_norm_fwd_ref
+    n, eps = 40, 1e-3
+    cls = FusedRMSNorm if rms else FusedLayerNorm
+    g = torch.Generator().manual_seed(7)
+    w = 1 + 0.3 * torch.randn(n, generator=g)
+    small = [3, 11, 20]
+    w[3], w[11], w[20] = 0.0, 2e-4, -2e-4         # zero, and under eps with both signs
+    x = torch.randn(6, n, generator=g).to(dtype)
+    dy = torch.randn(6, n, generator=g).to(dtype)
+    grads = {}
+    for me in (False, True):
+        m = cls(n, eps=eps, memory_efficient=me).to(dtype)
+        with torch.no_grad():
+            m.weight.copy_(w)
+            if not rms:
+                m.bias.copy_(0.1 * torch.randn(n, generator=torch.Generator().manual_seed(8)))
+        _, dx, params = _fwd_bwd(m, x, dy)
+        grads[me] = (dx.float(), [p.float() for p in params])
+    (dx0, p0), (dx1, p1) = grads[False], grads[True]
+    assert torch.isfinite(dx1).all() and all(torch.isfinite(p).all() for p in p1)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[small] = False
+    torch.testing.assert_close(dx1[:, keep], dx0[:, keep], **tol)
+    if not rms:
+        torch.testing.assert_close(p1[1], p0[1], **tol)  # the bias gradient
+    dw0, dw1 = p0[0], p1[0]
+    torch.testing.assert_close(dw1[keep], dw0[keep], **tol)
+    assert dw1[3] == 0 and dw0[3] != 0
+    weight = m.weight.detach()  # as the norm holds it (rounded to dtype)
+    bias = None if rms else m.bias.detach()
+    min_w = float(torch.tensor(eps, dtype=dtype))
+    # (a bf16 output with a bias holds w * xhat = 2e-4 * xhat under the bias's rounding:
+    # y - bias is noise there, whatever the divisor)
+    for j in ((11, 20) if dtype == torch.float32 or rms else ()):
+        torch.testing.assert_close(dw1[j], dw0[j] * weight[j].float().abs() / min_w,
+                                   rtol=1e-3 if dtype == torch.float32 else 0.05, atol=1e-4)
+    # the oracle, from the same output, clamping the same way
+    y, _, rstd = layer_norm_fwd_ref(x, n, weight, bias, eps, rms)
+    rdx, rdw, rdb = layer_norm_bwd_ref(dy, y, n, weight, bias, None, rstd, rms,
+                                       from_output=True, eps=eps)
+    torch.testing.assert_close(dx1, rdx.float(), **tol)
+    torch.testing.assert_close(dw1, rdw.float(), **tol)

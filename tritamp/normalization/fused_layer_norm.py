@@ -41,16 +41,16 @@ def _norm_fwd_fake(x, weight, bias, n, eps, rms, out_dtype, memory_efficient):
 @torch.library.custom_op("tritamp::fused_norm_bwd", mutates_args=())
 def _norm_bwd(dy: torch.Tensor, saved: torch.Tensor, weight: Optional[torch.Tensor],
               bias: Optional[torch.Tensor], mean: torch.Tensor, rstd: torch.Tensor, n: int,
-              rms: bool, from_output: bool,
-              x_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              rms: bool, from_output: bool, x_dtype: torch.dtype,
+              eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dx, dw, db = layer_norm_bwd(dy, saved, n, weight, bias, None if rms or from_output else mean,
-                                rstd, rms, from_output, x_dtype)
+                                rstd, rms, from_output, x_dtype, eps=eps)
     return (dx, dy.new_empty(_EMPTY) if dw is None else dw,
             dy.new_empty(_EMPTY) if db is None else db)
 
 
 @_norm_bwd.register_fake
-def _norm_bwd_fake(dy, saved, weight, bias, mean, rstd, n, rms, from_output, x_dtype):
+def _norm_bwd_fake(dy, saved, weight, bias, mean, rstd, n, rms, from_output, x_dtype, eps):
     dx = saved.new_empty(saved.shape, dtype=x_dtype)
     dw = dy.new_empty(_EMPTY) if weight is None else torch.empty_like(weight)
     db = dy.new_empty(_EMPTY) if bias is None or rms else torch.empty_like(bias)
@@ -64,12 +64,13 @@ def _norm_setup_context(ctx, inputs, output):
     # from it as (y - bias) / weight, which needs a weight without zeros.
     ctx.save_for_backward(y if memory_efficient else x, weight, bias, mean, rstd)
     ctx.n, ctx.rms, ctx.from_output, ctx.x_dtype = n, rms, memory_efficient, x.dtype
+    ctx.eps = eps
 
 
 def _norm_backward(ctx, dy, _dmean, _drstd):
     saved, weight, bias, mean, rstd = ctx.saved_tensors
     dx, dw, db = _norm_bwd(dy.contiguous(), saved, weight, bias, mean, rstd, ctx.n, ctx.rms,
-                           ctx.from_output, ctx.x_dtype)
+                           ctx.from_output, ctx.x_dtype, ctx.eps)
     return _input_grads(dx, dw, db, weight, bias, ctx.rms)
 
 
@@ -85,10 +86,10 @@ _norm_fwd.register_autograd(_norm_backward, setup_context=_norm_setup_context)
 
 def _eager_grads(ctx, dy):
     saved, weight, bias, mean, rstd = ctx.saved_tensors
-    n, rms, from_output, x_dtype = ctx.config
+    n, rms, from_output, x_dtype, eps = ctx.config
     dx, dw, db = layer_norm_bwd(dy.contiguous(), saved, n, weight, bias,
                                 None if rms or from_output else mean, rstd, rms, from_output,
-                                x_dtype)
+                                x_dtype, eps=eps)
     return _input_grads(dx, dw, db, weight, bias, rms)
 
 
@@ -106,7 +107,7 @@ class _EagerNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, n, eps, rms, out_dtype, memory_efficient):
         y, mean, rstd = layer_norm_fwd(x, n, weight, bias, eps, rms, out_dtype)
         ctx.save_for_backward(y if memory_efficient else x, weight, bias, mean, rstd)
-        ctx.config = (n, rms, memory_efficient, x.dtype)
+        ctx.config = (n, rms, memory_efficient, x.dtype, eps)
         return y
 
     @staticmethod
