@@ -190,6 +190,11 @@ def _validate(sweep, lists):
                        "a tensor")
         if p.layout != torch.strided:
             raise sparse_error(sweep.name, f"{anchor.name}[{i}]", p)
+        if p.is_meta:
+            raise _err(sweep, ValueError,
+                       f"{anchor.name}[{i}] (shape {tuple(p.shape)}) is on the meta device, "
+                       "which holds no data to update; materialise it first (e.g. "
+                       "module.to_empty(device=...), then initialise the parameters)")
         if p.device != device:
             raise _err(sweep, ValueError, f"{anchor.name}[{i}] is on {p.device} but "
                        f"{anchor.name}[0] is on {device}; call it once per device")
@@ -278,7 +283,7 @@ def _all_plain(sweep, lists, params):
     row-by-row checks, which raise the precise error or handle the layout."""
     try:
         device = params[0].device
-        if set(map(_device_of, params)) != {device} \
+        if device.type == "meta" or set(map(_device_of, params)) != {device} \
                 or not set(map(_dtype_of, params)) <= set(sweep.columns[0].dtypes) \
                 or not all(map(torch.Tensor.is_contiguous, params)):
             return False
@@ -893,8 +898,10 @@ def borrowed(tensors):
 
 def _borrow(t):
     construct = getattr(torch._C, "_construct_storage_from_data_pointer", None)
-    if construct is None or t.is_sparse:
-        return t  # no non-owning storage in this torch: hold it (correct, uses memory)
+    if construct is None or t.layout != torch.strided or t.is_meta:
+        # no non-owning storage in this torch, or no plain memory to alias (a sparse or
+        # meta tensor, which the sweep's checks then refuse by name): hold it
+        return t
     storage = t.untyped_storage()
     return t.new_empty(0).set_(construct(storage.data_ptr(), t.device, storage.nbytes()),
                                t.storage_offset(), t.shape, t.stride())

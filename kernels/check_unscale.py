@@ -141,6 +141,10 @@ def check_lists(op, lists, dtypes=HALF_OR_FLOAT):
                 raise TypeError(f"{op}: {name}[{i}] is {str(t.dtype).replace('torch.', '')}, "
                                 "expected float32, float16 or bfloat16: the check computes in "
                                 "float32; convert it (.float()) or keep the model in float32")
+            if t.is_meta:
+                raise ValueError(f"{op}: {name}[{i}] (shape {tuple(t.shape)}) is on the meta "
+                                 "device, which holds no data; materialise the model first "
+                                 "(e.g. module.to_empty(device=...), then initialise it)")
             if device is None:
                 device = t.device
             elif t.device != device:

@@ -148,6 +148,62 @@ def test_a_bad_tensor_hyperparameter_in_a_later_group_is_refused_before_any_grou
         assert _same(before, _snapshot(opt, a + b))
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("layout", ["own group", "mixed"])
+def test_a_parameter_on_the_meta_device_is_refused_by_name_before_any_group_steps(
+        name, path, layout):
+    """A meta parameter (a model built on meta and not materialised) holds no data: the
+    step is refused naming it, before the CPU group is written. (A meta group of its own
+    stepped the CPU group and then failed in torch's fused kernel, or passed as a no-op; a
+    meta parameter among CPU ones failed in an internal storage call.)"""
+    with _path(path):
+        a = _params(2)
+        meta = nn.Parameter(torch.empty(5, device="meta"))
+        if layout == "own group":
+            opt = OPTIMIZERS[name](a)
+            opt.add_param_group(dict(params=[meta]))
+        else:
+            opt = OPTIMIZERS[name]([a[0], meta, a[1]])
+        for p in a:
+            p.grad = torch.full((8,), 0.5)
+        opt.step()  # the meta parameter without a gradient: the others step
+        meta.grad = torch.empty(5, device="meta")
+        before = _snapshot(opt, a)
+        where = r"params\[0\]" if layout == "own group" else r"params\[1\]"
+        with pytest.raises(ValueError, match=where + r" \(shape \(5,\)\) is on the meta "
+                                                     r"device, which holds no data"):
+            opt.step()
+        assert _same(before, _snapshot(opt, a))
+        assert meta not in opt.state or not opt.state[meta]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_amp_refuses_a_meta_gradient_by_name_and_changes_nothing(path, level):
+    with _path(path):
+        reset_amp()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        model.extra = nn.Parameter(torch.empty(5, device="meta"))
+        opt = FusedAdam(model.parameters(), lr=1e-2)
+        model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
+                                    loss_scale="dynamic", verbosity=0)
+        x = torch.randn(5, 3).to(model[0].weight.dtype)
+        live = [p for p in model.parameters() if not p.is_meta]
+        with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        before = [p.detach().clone() for p in live]
+        with pytest.raises(ValueError, match=r"is on the meta device, which holds no data"):
+            with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+                scaled.backward()
+                model.extra.grad = torch.empty(5, device="meta", dtype=model.extra.dtype)
+            opt.step()
+        assert _same(before, [p.detach() for p in live])
+
+
 def test_adagrad_lr_decay_set_on_a_later_group_is_refused_before_any_group_steps():
     a, b = _params(2), _params(2)
     opt = FusedAdagrad(a, lr=0.1)

@@ -326,7 +326,7 @@ def test_a_kept_sweep_takes_no_tensor_on_another_device():
     found = torch.zeros(1)
     check_unscale_launch(prepared, scale=None, found_inf=found)   # still the CPU tensors
     assert found.item() == 1.0
-    with pytest.raises(ValueError, match=r"is on meta"):
+    with pytest.raises(ValueError, match=r"srcs\[1\] \(shape \(40,\)\) is on the meta device"):
         check_unscale_prepare(mixed, write=False)
 
 
