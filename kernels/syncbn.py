@@ -217,12 +217,14 @@ def _syncbn_merge_kernel(
             else:
                 f = momentum
             # Unbiased variance; a single value (n = 1) gives inf, as torch's kernels do.
+            # No value at all (every rank's batch empty): the running statistics stay.
             var_u = tl.div_rn(acc_m2, n_vec - 1.0)
             rm = load_f32(rmean_ptr + cols, col_mask, EMULATE_BF16_ROUNDING)
             rv = load_f32(rvar_ptr + cols, col_mask, EMULATE_BF16_ROUNDING)
-            store_cast(rmean_ptr + cols, f * acc_mean + (1.0 - f) * rm, col_mask,
+            seen = col_mask & (n_vec > 0.0)
+            store_cast(rmean_ptr + cols, f * acc_mean + (1.0 - f) * rm, seen,
                        EMULATE_BF16_ROUNDING)
-            store_cast(rvar_ptr + cols, f * var_u + (1.0 - f) * rv, col_mask,
+            store_cast(rvar_ptr + cols, f * var_u + (1.0 - f) * rv, seen,
                        EMULATE_BF16_ROUNDING)
     else:
         tl.store(out_ptr + cols, acc_mean, mask=col_mask)
@@ -900,8 +902,11 @@ def syncbn_finalize_ref(rows, eps, running_mean=None, running_var=None, momentum
         f = momentum if momentum is not None else \
             num_batches_tracked.to(torch.float32).reciprocal()
         var_u = m2 / (n - 1)
-        running_mean.copy_(f * mean + (1 - f) * running_mean.float())
-        running_var.copy_(f * var_u + (1 - f) * running_var.float())
+        seen = n > 0  # no value at all (every rank's batch empty): the running ones stay
+        running_mean.copy_(torch.where(seen, f * mean + (1 - f) * running_mean.float(),
+                                       running_mean.float()))
+        running_var.copy_(torch.where(seen, f * var_u + (1 - f) * running_var.float(),
+                                      running_var.float()))
     return mean, invstd, n.view(1)
 
 

@@ -33,6 +33,11 @@ CASES_2 = [
          layout="nchw", steps=2, group_size=2),
     dict(name="w2_groups_of_one", batches=[2, 3], channels=3, spatial=[2, 2], dtype="float32",
          layout="channels_last", steps=2, group_size=1),
+    # every rank empty: no statistics anywhere, the running ones stay (both paths)
+    dict(name="w2_all_empty", batches=[0, 0], channels=3, spatial=[2, 2], dtype="float32",
+         layout="nchw", steps=2, interpret=True),
+    dict(name="w2_all_empty_cpu_path", batches=[0, 0], channels=3, spatial=[2, 2],
+         dtype="float32", layout="channels_last", steps=2, momentum=None),
 ]
 CASES_3 = [
     dict(name="w3_nchw_fp32", batches=[1, 4, 2], channels=6, spatial=[2, 3], dtype="float32",

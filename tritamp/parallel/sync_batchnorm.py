@@ -54,8 +54,9 @@ class _Layout:
         return t.contiguous().view(self.shape[0], self.C, self.shape[2:].numel())
 
     def empty(self, t):
-        """A fresh tensor shaped like the input, laid out so that ``view`` of it is free."""
-        if self.kind == "dense":
+        """A fresh tensor shaped like the input, laid out so that ``view`` of it is free
+        (an empty input: laid out as it is, its memory format kept)."""
+        if self.kind == "dense" or t.numel() == 0:
             return torch.empty_like(t)  # keeps the dense channels-last strides
         return torch.empty(self.shape, dtype=t.dtype, device=t.device)
 
