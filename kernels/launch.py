@@ -115,6 +115,24 @@ class KeptKernel:
         if len(args) != self._n_runtime:
             raise TypeError(f"{self.fn.__name__}: {len(args)} runtime arguments given, the "
                             f"kernel takes {self._n_runtime}")
+        return self._run(grid, args, constexprs, (constexpr_key, *map(arg_key, args)))
+
+    def launch_keyed(self, grid, args, constexprs, key):
+        """:meth:`launch` under the caller's ``key`` instead of one computed from ``args``,
+        for a call site that knows its arguments more cheaply than :func:`arg_key` reads
+        them. The key must say at least what Triton specialises on: the constexprs, every
+        tensor's dtype and whether its address is 16-byte aligned, every int's value class
+        (1, a multiple of 16, its width) and every other argument's type; a site keys
+        only the calls it can (all pointers aligned, say) and launches the others with
+        :meth:`launch`. Keyed and computed keys never meet (a marker separates them)."""
+        if not self.direct:
+            return self.fn[grid](*args, **constexprs)
+        if len(args) != self._n_runtime:
+            raise TypeError(f"{self.fn.__name__}: {len(args)} runtime arguments given, the "
+                            f"kernel takes {self._n_runtime}")
+        return self._run(grid, args, constexprs, (_KEYED, key))
+
+    def _run(self, grid, args, constexprs, key):
         drv = self._driver.active
         device = drv.get_current_device()
         caches = self.fn.device_caches
@@ -122,7 +140,7 @@ class KeptKernel:
         if caches is not self._caches:  # new caches (launch recorder in or out): start over
             kept.clear()
             self._caches = caches
-        key = (device, constexpr_key, *map(arg_key, args))
+        key = (device, key)
         entry = kept.get(key)
         if entry is None:
             kernel = self.fn[grid](*args, **constexprs)
@@ -146,6 +164,7 @@ class KeptKernel:
 
 
 _KEPT = {}
+_KEYED = object()  # marks a caller's key (launch_keyed)
 
 
 def kept_kernel(fn):

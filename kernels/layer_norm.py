@@ -392,9 +392,17 @@ def layer_norm_fwd(x, n, weight=None, bias=None, eps=1e-5, rms=False, out_dtype=
         bias = bias.contiguous()
     constexprs, ckey = _fwd_plan(n, device, max_block, rms, weight is not None,
                                  bias is not None)
-    _FWD.launch((m,), (x2, y, x2 if weight is None else weight, x2 if bias is None else bias,
-                       rstd if mean is None else mean, rstd, stride, n, eps),
-                constexprs, ckey)
+    w = x2 if weight is None else weight
+    b = x2 if bias is None else bias
+    mean_or_rstd = rstd if mean is None else mean
+    args = (x2, y, w, b, mean_or_rstd, rstd, stride, n, eps)
+    if (x2.data_ptr() | y.data_ptr() | w.data_ptr() | b.data_ptr() | mean_or_rstd.data_ptr()
+            | rstd.data_ptr()) & 15 or eps.__class__ is not float:
+        _FWD.launch((m,), args, constexprs, ckey)
+    else:  # every pointer aligned: the dtypes and the two ints say the rest
+        _FWD.launch_keyed((m,), args, constexprs,
+                          (ckey, x2.dtype, y.dtype, w.dtype, b.dtype, mean_or_rstd.dtype,
+                           rstd.dtype, stride, n))
     return y, mean, rstd
 
 
@@ -500,6 +508,16 @@ def layer_norm_bwd(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, r
     ``x_dtype`` (default ``saved.dtype``), the others in the parameters' dtypes (None where
     there is no parameter)."""
     _check(saved, n, weight, bias)
+    return layer_norm_bwd_checked(dy, saved, n, weight, bias, mean, rstd, rms, from_output,
+                                  x_dtype, max_block, eps)
+
+
+def layer_norm_bwd_checked(dy, saved, n, weight=None, bias=None, mean=None, rstd=None,
+                           rms=False, from_output=False, x_dtype=None, max_block=None,
+                           eps=1e-5):
+    """:func:`layer_norm_bwd` without its check of ``saved``, ``weight`` and ``bias``: for
+    the norms' autograd, whose forward checked the same tensors (and autograd gives ``dy``
+    the output's shape, dtype and device)."""
     if not use_triton(dy):
         return layer_norm_bwd_cpu(dy, saved, n, weight, bias, mean, rstd, rms, from_output,
                                   x_dtype, eps)
@@ -528,13 +546,23 @@ def layer_norm_bwd(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, r
     db_part = torch.empty(programs * n, dtype=torch.float32, device=device) if has_b else None
     stats = rstd if plan.one_pass else torch.empty((m, 2), dtype=torch.float32, device=device)
     any_part = dw_part if has_w else (db_part if has_b else rstd)
-    _BWD.launch((programs,), (
-        dy, v2, weight if has_w else v2, bias if has_b else v2,
-        rstd if mean is None else mean, rstd, dx,
-        dw_part if has_w else any_part, db_part if has_b else any_part, stats,
-        stride, m, n, plan.rows_per_program,
-        min_weight(eps, weight.dtype) if from_output and has_w else 0.0),
-        plan.constexprs, plan.ckey)
+    w = weight if has_w else v2
+    b = bias if has_b else v2
+    mean_or_rstd = rstd if mean is None else mean
+    wp = dw_part if has_w else any_part
+    bp = db_part if has_b else any_part
+    args = (dy, v2, w, b, mean_or_rstd, rstd, dx, wp, bp, stats, stride, m, n,
+            plan.rows_per_program,
+            min_weight(eps, weight.dtype) if from_output and has_w else 0.0)
+    if (dy.data_ptr() | v2.data_ptr() | w.data_ptr() | b.data_ptr() | mean_or_rstd.data_ptr()
+            | rstd.data_ptr() | dx.data_ptr() | wp.data_ptr() | bp.data_ptr()
+            | stats.data_ptr()) & 15:
+        _BWD.launch((programs,), args, plan.constexprs, plan.ckey)
+    else:  # every pointer aligned: the dtypes and the ints say the rest
+        _BWD.launch_keyed((programs,), args, plan.constexprs,
+                          (plan.ckey, dy.dtype, v2.dtype, w.dtype, b.dtype, mean_or_rstd.dtype,
+                           rstd.dtype, dx.dtype, wp.dtype, bp.dtype, stats.dtype, stride, m,
+                           n, plan.rows_per_program))
     if has_w or has_b:
         src_w, src_b, rows = dw_part, db_part, programs
         if plan.splits > 1:  # main pass into fp32 partial sums, then a small final pass
@@ -544,17 +572,28 @@ def layer_norm_bwd(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, r
             mid_b = torch.empty((splits, n), dtype=torch.float32, device=device) if has_b \
                 else None
             mid_any = mid_w if has_w else mid_b
-            _REDUCE.launch((plan.col_blocks, splits), (
+            _reduce((plan.col_blocks, splits), (
                 src_w if has_w else src_b, src_b if has_b else src_w,
                 mid_w if has_w else mid_any, mid_b if has_b else mid_any,
-                rows, n, plan.rows_per_split), plan.reduce, plan.reduce_key)
+                rows, n, plan.rows_per_split), plan)
             src_w, src_b, rows = mid_w, mid_b, splits
         out_any = dw if has_w else db
-        _REDUCE.launch((plan.col_blocks, 1), (
+        _reduce((plan.col_blocks, 1), (
             src_w if has_w else src_b, src_b if has_b else src_w,
             dw if has_w else out_any, db if has_b else out_any,
-            rows, n, rows), plan.reduce, plan.reduce_key)
+            rows, n, rows), plan)
     return dx, dw, db
+
+
+def _reduce(grid, args, plan):
+    """One launch of the weight-gradient reduction, keyed by its tensors' dtypes and its
+    three ints when every pointer is aligned."""
+    a, b, c, d, rows, n, per_split = args
+    if (a.data_ptr() | b.data_ptr() | c.data_ptr() | d.data_ptr()) & 15:
+        _REDUCE.launch(grid, args, plan.reduce, plan.reduce_key)
+    else:
+        _REDUCE.launch_keyed(grid, args, plan.reduce, (plan.reduce_key, a.dtype, b.dtype,
+                                                       c.dtype, d.dtype, rows, n, per_split))
 
 
 # --- the production CPU path ---------------------------------------------------------------

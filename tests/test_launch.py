@@ -128,3 +128,95 @@ def test_interpreted_kernels_take_the_usual_call():
     kept = KeptKernel(L._layer_norm_fwd_kernel)
     from triton.runtime.jit import JITFunction
     assert kept.direct is isinstance(L._layer_norm_fwd_kernel, JITFunction)
+
+
+NORM_CHILD = textwrap.dedent(r"""
+    import json, os
+    os.environ["TRITON_INTERPRET"] = "0"
+    import torch
+    from tritamp.kernels import layer_norm as L
+    from tritamp.kernels.recorder import record_launches
+
+    checks = []   # per keyed launch: did it use the variant kernel[grid](...) binds?
+    plain_calls = [0]
+
+    class Watch:
+        def __init__(self, kept):
+            self.kept = kept
+
+        def launch_keyed(self, grid, args, constexprs, key):
+            out = self.kept.launch_keyed(grid, args, constexprs, key)
+            mine = rec.launches[-1].specialisation
+            self.kept.fn[grid](*args, **constexprs)
+            checks.append([self.kept.fn.__name__, rec.launches[-1].specialisation is mine])
+            return out
+
+        def launch(self, grid, args, constexprs, ckey):
+            plain_calls[0] += 1
+            return self.kept.launch(grid, args, constexprs, ckey)
+
+    L._FWD, L._BWD, L._REDUCE = Watch(L._FWD), Watch(L._BWD), Watch(L._REDUCE)
+
+    def rows(m, n, dtype, offset=0, row_stride=None):
+        row_stride = row_stride or n
+        buf = torch.randn(m * row_stride + offset).to(dtype)
+        return buf[offset:offset + m * row_stride].view(m, row_stride)[:, :n]
+
+    cases = {
+        "bf16": dict(x=rows(4, 1024, torch.bfloat16), wd=torch.bfloat16),
+        "fp32 n=1000": dict(x=rows(4, 1000, torch.float32), wd=torch.float32),
+        "fp16 x fp32 w": dict(x=rows(4, 768, torch.float16), wd=torch.float32),
+        "rows of stride 1040": dict(x=rows(4, 1024, torch.bfloat16, row_stride=1040),
+                                    wd=torch.bfloat16),
+        # each differs from "bf16" in one int only, which Triton specialises on
+        "rows of stride 1025": dict(x=rows(4, 1024, torch.bfloat16, row_stride=1025),
+                                    wd=torch.bfloat16),
+        "bf16 n=1000": dict(x=rows(4, 1000, torch.bfloat16), wd=torch.bfloat16),
+        "rms no bias": dict(x=rows(4, 512, torch.bfloat16), wd=torch.bfloat16, rms=True),
+        "no weight": dict(x=rows(4, 512, torch.float32), wd=None),
+        "two-pass reduce": dict(x=rows(2048, 256, torch.bfloat16), wd=torch.bfloat16),
+        "from output": dict(x=rows(4, 1024, torch.bfloat16), wd=torch.bfloat16, me=True),
+        "misaligned": dict(x=rows(4, 1024, torch.bfloat16, offset=1), wd=torch.bfloat16),
+    }
+    out = {}
+    with record_launches() as rec:
+        for name, c in cases.items():
+            x, n, rms, me = c["x"], c["x"].shape[-1], c.get("rms", False), c.get("me", False)
+            w = None if c["wd"] is None else torch.randn(n).to(c["wd"])
+            b = None if c["wd"] is None or rms else torch.randn(n).to(c["wd"])
+            before_checks, before_plain = len(checks), plain_calls[0]
+            for _ in range(2):  # the second call launches kept variants
+                y, mean, rstd = L.layer_norm_fwd(x, n, w, b, 1e-5, rms)
+                dy = torch.randn(y.shape).to(y.dtype)
+                L.layer_norm_bwd(dy, y if me else x, n, w, b, mean, rstd, rms,
+                                 from_output=me)
+            out[name] = dict(keyed=len(checks) - before_checks,
+                             plain=plain_calls[0] - before_plain)
+    out["all_same"] = all(same for _, same in checks)
+    out["kernels"] = sorted({name for name, _ in checks})
+    print(json.dumps(out))
+""")
+
+
+def test_the_norms_keyed_launches_use_the_variant_triton_would_bind():
+    """The norm launchers key their launches themselves when every pointer is aligned
+    (launch_keyed): every such launch, over dtypes, widths that are and are not multiples
+    of 16, strided rows, RMSNorm, no weight, the two-pass reduction and the backward from
+    the output, ran the variant kernel[grid](...) binds for the same arguments; a
+    misaligned input takes the computed key."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-c", NORM_CHILD], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["all_same"]
+    assert out["kernels"] == ["_layer_norm_bwd_kernel", "_layer_norm_bwd_reduce_kernel",
+                              "_layer_norm_fwd_kernel"]
+    for name in ("bf16", "fp32 n=1000", "fp16 x fp32 w", "rows of stride 1040",
+                 "rows of stride 1025", "bf16 n=1000", "rms no bias", "two-pass reduce",
+                 "from output"):
+        assert out[name]["keyed"] >= 6 and out[name]["plain"] == 0, (name, out[name])
+    assert out["two-pass reduce"]["keyed"] == 8, out["two-pass reduce"]  # 2 x (fwd, bwd, 2 reduce)
+    assert out["no weight"] == dict(keyed=4, plain=0)  # no weight gradient: no reduction
+    # the misaligned input's forward and backward row kernels take the computed key
+    assert out["misaligned"]["plain"] == 4 and out["misaligned"]["keyed"] == 2

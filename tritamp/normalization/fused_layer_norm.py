@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..kernels.layer_norm import layer_norm_bwd, layer_norm_fwd
+from ..kernels.layer_norm import layer_norm_bwd, layer_norm_bwd_checked, layer_norm_fwd
 
 _EMPTY = (0,)
 
@@ -87,9 +87,10 @@ _norm_fwd.register_autograd(_norm_backward, setup_context=_norm_setup_context)
 def _eager_grads(ctx, dy):
     saved, weight, bias, mean, rstd = ctx.saved_tensors
     n, rms, from_output, x_dtype, eps = ctx.config
-    dx, dw, db = layer_norm_bwd(dy.contiguous(), saved, n, weight, bias,
-                                None if rms or from_output else mean, rstd, rms, from_output,
-                                x_dtype, eps=eps)
+    # (the forward checked saved, weight and bias)
+    dx, dw, db = layer_norm_bwd_checked(dy.contiguous(), saved, n, weight, bias,
+                                        None if rms or from_output else mean, rstd, rms,
+                                        from_output, x_dtype, eps=eps)
     return _input_grads(dx, dw, db, weight, bias, rms)
 
 
