@@ -498,6 +498,89 @@ def norm_table(rows):
     return "\n".join(lines)
 
 
+SYNCBN_SHAPE = (8, 64, 4, 4)  # bf16: the torch module's CPU arithmetic stays small
+
+
+def _syncbn_cases():
+    """(name, ours, torch's): SyncBatchNorm (one process) on the GPU code path and torch's
+    nn.BatchNorm2d on the same CPU tensor, NCHW and channels-last, forward and
+    forward+backward."""
+    from tritamp.parallel import SyncBatchNorm
+    torch.manual_seed(0)
+    cases = []
+    for layout in ("NCHW", "channels-last"):
+        x = torch.randn(SYNCBN_SHAPE, dtype=torch.bfloat16)
+        if layout == "channels-last":
+            x = x.contiguous(memory_format=torch.channels_last)
+        x.requires_grad_()
+        x1 = x.detach().clone().requires_grad_()
+        dy = torch.randn_like(x)
+        ours = SyncBatchNorm(SYNCBN_SHAPE[1]).to(torch.bfloat16)
+        theirs = torch.nn.BatchNorm2d(SYNCBN_SHAPE[1]).to(torch.bfloat16)
+        cases.append((f"{layout} forward", lambda m=ours, x=x: m(x),
+                      lambda m=theirs, x=x1: m(x)))
+        cases.append((f"{layout} forward+backward",
+                      lambda m=ours, x=x, dy=dy: m(x).backward(dy),
+                      lambda m=theirs, x=x1, dy=dy: m(x).backward(dy)))
+    return cases
+
+
+def run_syncbn(rounds, calls_per_round=100, warmup=10):
+    """Median us per call of each SyncBatchNorm case and of torch's, rounds interleaved;
+    the launches one steady call records, and how many of them went through Triton's
+    binding (``JITFunction.run``; a kept launch does not)."""
+    from triton.runtime.jit import JITFunction
+
+    from tritamp.kernels.recorder import record_launches
+    cases = _syncbn_cases()
+    times = {name: ([], []) for name, *_ in cases}
+    facts = {}
+    binds = [0]
+    plain_run = JITFunction.run
+
+    def counting_run(self, *args, **kwargs):
+        binds[0] += 1
+        return plain_run(self, *args, **kwargs)
+
+    with record_launches() as rec:
+        for name, ours, theirs in cases:
+            for _ in range(warmup):
+                ours()
+                theirs()
+            rec.launches.clear()
+            binds[0] = 0
+            JITFunction.run = counting_run
+            try:
+                ours()
+            finally:
+                JITFunction.run = plain_run
+            facts[name] = ([launch.name for launch in rec.launches], binds[0])
+        for _ in range(rounds):
+            for name, *fns in cases:
+                for fn, out in zip(fns, times[name]):
+                    t0 = time.perf_counter()
+                    for _ in range(calls_per_round):
+                        fn()
+                    out.append((time.perf_counter() - t0) / calls_per_round * 1e6)
+    rows = []
+    for name, *_ in cases:
+        ours_us, torch_us = (statistics.median(t) for t in times[name])
+        rows.append(dict(case=name, ours_us=ours_us, torch_us=torch_us,
+                         ratio=ours_us / torch_us, launches=facts[name][0],
+                         triton_binds=facts[name][1]))
+    return rows
+
+
+def syncbn_table(rows):
+    lines = ["| call | tritamp (us) | torch (us) | ratio | launches | through Triton's binding |",
+             "|---|---:|---:|---:|---|---:|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['ours_us']:.1f} | {r['torch_us']:.1f} | "
+                     f"{r['ratio']:.2f} | {len(r['launches'])}: {', '.join(r['launches'])} | "
+                     f"{r['triton_binds']} |")
+    return "\n".join(lines)
+
+
 LARC_TENSORS = 161   # ResNet-50's parameter tensors
 LARC_NUMEL = 16      # elements each: the torch ops on the path do next to no arithmetic
 
@@ -616,6 +699,8 @@ def main(argv=None):
                     help="only the FusedLayerNorm / FusedRMSNorm host cost")
     ap.add_argument("--larc-only", action="store_true",
                     help="only LARC's step (kept sweeps against the per-parameter rewrite)")
+    ap.add_argument("--syncbn-only", action="store_true",
+                    help="only SyncBatchNorm's host cost per call (one process)")
     args = ap.parse_args(argv)
     global VERBOSITY
     VERBOSITY = args.verbosity
@@ -637,9 +722,13 @@ def main(argv=None):
         return 0
     rows = []
     section_rounds = 3 if args.quick else 9
-    norm_rows = [] if args.larc_only else _section("norm", run_norms, section_rounds)
-    larc_rows = [] if args.norms_only else _section("LARC", run_larc, section_rounds)
-    if args.norms_only or args.larc_only:
+    only = args.norms_only or args.larc_only or args.syncbn_only
+    norm_rows = _section("norm", run_norms, section_rounds) \
+        if args.norms_only or not only else []
+    larc_rows = _section("LARC", run_larc, section_rounds) if args.larc_only or not only else []
+    syncbn_rows = _section("SyncBatchNorm", run_syncbn, section_rounds) \
+        if args.syncbn_only or not only else []
+    if only:
         configs = []
     try:
         with record_launches() as recording:
@@ -666,12 +755,16 @@ def main(argv=None):
         print(f"\nLARC around SGD (its rewrite alone), {LARC_TENSORS} parameters of "
               f"{LARC_NUMEL} elements, new gradient tensors every step:\n")
         print(larc_table(larc_rows))
+    if syncbn_rows:
+        print(f"\nSyncBatchNorm per call (one process), bf16 {list(SYNCBN_SHAPE)}, on the GPU "
+              "code path, against torch's nn.BatchNorm2d on the same CPU tensor:\n")
+        print(syncbn_table(syncbn_rows))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(environment=env, quick=args.quick, rounds=rounds,
                        steps_per_round=per_round, target_us=TARGET_US,
                        target_launches_per_group=TARGET_LAUNCHES, rows=rows,
-                       norms=norm_rows, larc=larc_rows), f, indent=1)
+                       norms=norm_rows, larc=larc_rows, syncbn=syncbn_rows), f, indent=1)
     print(f"\nwrote {os.path.relpath(args.out)}")
     return 0
 

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from ._multi_tensor import Column, StagedPrepared, Sweep, _dense, _upload, device_constants
+from .launch import kept_kernel
 from ._ref_utils import sqrt_rn
 from ._tl_utils import column, inv_scale, load_f32, sweep_block
 
@@ -139,11 +140,13 @@ def reduce_segments(partials, segments, n_segments, sqrt=True, out=None, max_nor
     if n_segments == 0:
         return out
     # A single column's stride is never used: 0 keeps one specialisation for every size.
-    _l2norm_segment_kernel[(n_segments, n_cols)](
+    consts = dict(SQRT=bool(sqrt), MAX_NORM=bool(max_norm), FLAG_FIRST=found_inf is not None,
+                  BLOCK_R=SEGMENT_BLOCK, num_warps=4)
+    # (the kernel looked up at the call: a test may swap the module's kernel)
+    kept_kernel(_l2norm_segment_kernel).launch((n_segments, n_cols), (
         partials, partials.stride(0) if n_cols > 1 else 0, segments, out,
-        out.stride(0) if n_cols > 1 else 0,
-        found_inf if found_inf is not None else out, SQRT=bool(sqrt), MAX_NORM=bool(max_norm),
-        FLAG_FIRST=found_inf is not None, BLOCK_R=SEGMENT_BLOCK, num_warps=4)
+        out.stride(0) if n_cols > 1 else 0, found_inf if found_inf is not None else out),
+        consts, tuple(consts.values()))
     return out
 
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import gpu_code_path, sm_count, use_triton
+from ._dispatch import cdiv, next_power_of_2, gpu_code_path, sm_count, use_triton
 from .launch import KeptKernel
 from ._tl_utils import load_f32, store_cast
 
@@ -325,8 +325,8 @@ def _norm_settings(n, device, max_block=None, backward=False):
     else:
         per_thread, cap, chunk = 8, _MAX_BLOCK_CPU, _MAX_BLOCK_CPU
     if max_block:
-        cap = chunk = min(cap, triton.next_power_of_2(max_block))
-    full = triton.next_power_of_2(max(n, 1))
+        cap = chunk = min(cap, next_power_of_2(max_block))
+    full = next_power_of_2(max(n, 1))
     block = full if full <= cap else chunk
     warps = max(1, min(32, block // (32 * per_thread)))
     return block, warps, full <= cap
@@ -415,12 +415,12 @@ def reduce_splits(programs, n, device):
         block_g, block_n, target = 8, 128, 2 * sm_count(device)
     else:
         block_g, block_n, target = 32, 1024, 1
-    col_blocks = triton.cdiv(n, block_n)
+    col_blocks = cdiv(n, block_n)
     # col_blocks * splits >= target: rows_per_split rounds down, splits up
     rows_per_split = max(1, programs * col_blocks // target)
     if rows_per_split < 4:  # few partial rows: one pass sums them (no second launch)
         return block_g, block_n, 1, programs
-    return block_g, block_n, triton.cdiv(programs, rows_per_split), rows_per_split
+    return block_g, block_n, cdiv(programs, rows_per_split), rows_per_split
 
 
 def backward_programs(m, warps, device):
@@ -448,9 +448,9 @@ class _BwdPlan:
         gpu = gpu_code_path(device)
         block, warps, one_pass = norm_settings(n, device, max_block, backward=True)
         programs = backward_programs(m, warps, device)
-        self.rows_per_program = triton.cdiv(m, programs)
+        self.rows_per_program = cdiv(m, programs)
         # Every program has rows and stores its whole partial row.
-        self.programs = triton.cdiv(m, self.rows_per_program)
+        self.programs = cdiv(m, self.rows_per_program)
         self.one_pass = one_pass
         self.constexprs = dict(IS_RMS=rms, HAS_WEIGHT=has_w, HAS_BIAS=has_b,
                                FROM_OUTPUT=from_output, ONE_PASS=one_pass,
@@ -458,7 +458,7 @@ class _BwdPlan:
         self.ckey = tuple(self.constexprs.values())
         block_g, block_n, self.splits, self.rows_per_split = reduce_splits(self.programs, n,
                                                                            device)
-        self.col_blocks = triton.cdiv(n, block_n)
+        self.col_blocks = cdiv(n, block_n)
         self.reduce = dict(HAS_WEIGHT=has_w, HAS_BIAS=has_b, EMULATE_BF16_ROUNDING=not gpu,
                            BLOCK_G=block_g, BLOCK_N=block_n, num_warps=4)
         self.reduce_key = tuple(self.reduce.values())

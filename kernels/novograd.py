@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from ._multi_tensor import Column, StagedPrepared, Sweep, _upload, device_constants, scalar_arg
+from .launch import kept_kernel
 from ._ref_utils import advance_steps, f32 as _f32
 from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step,
                         load_grad, load_lr, scalar_ptr, store_cast, sweep_block,
@@ -163,6 +164,7 @@ def _novograd_blend_kernel(
         tl.store(v_ptr, v, mask=tl.load(found_inf_ptr) == 0.0)
     else:
         tl.store(v_ptr, v)
+
 
 
 @triton.jit
@@ -329,18 +331,20 @@ def novograd_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, reg_inside
                              dict(HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=has_inf,
                                   MAX_NORM=max_norm, HAS_COPIES=False),
                              group_args=prepared.norm_args)
-    blend = dict(HAS_FOUND_INF=has_inf, MAX_NORM=max_norm, INIT_ZERO=bool(init_zero),
-                 BLOCK_R=SEGMENT_BLOCK, num_warps=4)
+    def blend(args, stage):
+        consts = dict(STAGE=stage, HAS_FOUND_INF=has_inf, MAX_NORM=max_norm,
+                      INIT_ZERO=bool(init_zero), BLOCK_R=SEGMENT_BLOCK, num_warps=4)
+        kept_kernel(_novograd_blend_kernel).launch((prepared.n_tensors,), args, consts,
+                                                   tuple(consts.values()))
+
     if norm_reduce is None:
-        _novograd_blend_kernel[(prepared.n_tensors,)](
-            prepared.tensors, prepared.partials, anchor, float(beta2), 1.0 - beta2, skip,
-            STAGE=0, **blend)
+        blend((prepared.tensors, prepared.partials, anchor, float(beta2), 1.0 - beta2, skip), 0)
     else:
         sums = anchor.new_empty(prepared.n_tensors)
         args = (prepared.tensors, prepared.partials, sums, float(beta2), 1.0 - beta2, skip)
-        _novograd_blend_kernel[(prepared.n_tensors,)](*args, STAGE=1, **blend)
+        blend(args, 1)
         sums.copy_(reduce_by_rows(sums, prepared.blend_rows(), prepared.n, norm_reduce, op))
-        _novograd_blend_kernel[(prepared.n_tensors,)](*args, STAGE=2, **blend)
+        blend(args, 2)
     prepared.prepared.launch(_novograd_step_kernel, (
         lr, device_constants(device, (beta1, beta2)), float(beta1),
         1.0 - beta1 if grad_averaging else 1.0, float(eps), float(weight_decay), scale, skip),

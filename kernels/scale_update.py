@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import use_triton
+from .launch import kept_kernel
 
 SCALE, UNSKIPPED, HYSTERESIS, FOUND_INF, USED_SCALE, SKIPPED, FLOOR_STREAK, FOUND_INF_NEXT, \
     PREV_FOUND = range(9)
@@ -134,10 +135,12 @@ def scale_update(state, growth_factor=2.0, backoff_factor=0.5, growth_interval=2
                          hysteresis, min_scale, max_scale, dynamic, found_slot)
         return
     config = _config(state.device, growth_factor, backoff_factor, min_scale, max_scale)
-    _scale_update_kernel[(1,)](state, config, int(growth_interval), int(hysteresis),
-                               int(found_slot), DYNAMIC=bool(dynamic), num_warps=1)
+    consts, ckey = _CONSTS[bool(dynamic)]
+    kept_kernel(_scale_update_kernel).launch((1,), (state, config, int(growth_interval), int(hysteresis), int(found_slot)),
+                 consts, ckey)
 
 
+_CONSTS = {d: (dict(DYNAMIC=d, num_warps=1), (d, 1)) for d in (False, True)}
 _cpu_index = {}
 
 

@@ -48,7 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import gpu_code_path, sm_count, use_triton
+from ._dispatch import cdiv, gpu_code_path, next_power_of_2, sm_count, use_triton
+from .launch import kept_kernel
 from ._tl_utils import load_f32, store_cast
 
 
@@ -454,52 +455,79 @@ class _Geometry:
         if self.channels_last:
             self.M, self.C = shape
             self.B = 1
-            self.BLOCK_C = min(triton.next_power_of_2(max(self.C, 1)), 64 if gpu else 256)
-            self.BLOCK_C = max(self.BLOCK_C, triton.next_power_of_2(
-                triton.cdiv(self.C, _GRID_Y_MAX)))
-            self.BLOCK_R = max(1, min(tile // self.BLOCK_C, triton.next_power_of_2(max(self.M, 1))))
+            self.BLOCK_C = min(next_power_of_2(max(self.C, 1)), 64 if gpu else 256)
+            self.BLOCK_C = max(self.BLOCK_C, next_power_of_2(
+                cdiv(self.C, _GRID_Y_MAX)))
+            self.BLOCK_R = max(1, min(tile // self.BLOCK_C, next_power_of_2(max(self.M, 1))))
             # A tile's element offsets reach (BLOCK_R - 1) * C + BLOCK_C - 1: int32.
             while self.BLOCK_R > 1 and (self.BLOCK_R - 1) * self.C + self.BLOCK_C > _INT32_MAX:
                 self.BLOCK_R //= 2
             self.NBB = 1
-            self.n_segs = triton.cdiv(self.M, self.BLOCK_R)
+            self.n_segs = cdiv(self.M, self.BLOCK_R)
         else:
             self.M, self.C, self.B = shape
-            self.BLOCK_R = min(triton.next_power_of_2(max(self.B, 1)), tile)
-            self.BLOCK_C = max(1, min(triton.next_power_of_2(max(self.C, 1)), tile // self.BLOCK_R))
+            self.BLOCK_R = min(next_power_of_2(max(self.B, 1)), tile)
+            self.BLOCK_C = max(1, min(next_power_of_2(max(self.C, 1)), tile // self.BLOCK_R))
             if gpu and self.BLOCK_R <= 64:
                 # short planes (7x7): each channel's run holds its own int64 base and the
                 # per-channel vectors; half the tile keeps the backward within 80 registers
                 self.BLOCK_C = min(self.BLOCK_C, tile // 2 // self.BLOCK_R)
-            need_c = triton.next_power_of_2(triton.cdiv(self.C, _GRID_Y_MAX))
+            need_c = next_power_of_2(cdiv(self.C, _GRID_Y_MAX))
             if self.BLOCK_C < need_c:  # many channels of large planes: wider, shorter tiles
                 self.BLOCK_C = need_c
                 self.BLOCK_R = max(1, min(self.BLOCK_R, tile // need_c))
-            self.NBB = triton.cdiv(self.B, self.BLOCK_R)
+            self.NBB = cdiv(self.B, self.BLOCK_R)
             self.n_segs = self.M * self.NBB
         # The plane size's largest power-of-two factor (up to 16), a constexpr: the kernels
         # take B / B_VEC and multiply back, so the compiler knows every plane starts at a
         # multiple of B_VEC elements and issues loads that wide (14x14 = 4 x 49: 8-byte
         # fp16 / 16-byte fp32 loads; 7x7: one element, all its alignment allows).
         self.B_VEC = min(16, self.B & -self.B) if self.B > 0 else 1
-        self.n_cblocks = triton.cdiv(self.C, self.BLOCK_C)
+        self.n_cblocks = cdiv(self.C, self.BLOCK_C)
         self.warps = 8 if gpu and self.BLOCK_R * self.BLOCK_C >= 1024 else 4
         self.emulate = not gpu
+        self._consts = {}
+        self._chunks = {}
 
     @classmethod
     def of(cls, x):
+        """The geometry of view ``x``, kept per (shape, path): a model's layers see the same
+        few shapes every step."""
         if x.dim() not in (2, 3) or not x.is_contiguous():
             raise ValueError("syncbn kernels take a contiguous [M, C] (channels last) or "
                              f"[N, C, B] (channels first) view; got shape {tuple(x.shape)} with "
                              f"strides {x.stride()}")
-        return cls(tuple(x.shape), gpu_code_path(x.device))
+        key = (x.shape, gpu_code_path(x.device))
+        geo = _GEOMETRIES.get(key)
+        if geo is None:
+            if len(_GEOMETRIES) > 4096:  # (varying batch sizes: keep it bounded)
+                _GEOMETRIES.clear()
+            geo = _GEOMETRIES[key] = cls(tuple(x.shape), key[1])
+        return geo
+
+    def launch(self, kernel, grid, args, **flags):
+        """``kernel``'s kept launch over this geometry's tiles with its ``flags``; the
+        constexprs and their key are kept per (kernel, flags)."""
+        key = (kernel, *flags.values())
+        found = self._consts.get(key)
+        if found is None:
+            consts = dict(flags, **self.consts(), num_warps=self.warps)
+            found = self._consts[key] = (consts, tuple(consts.values()))
+        kept_kernel(kernel).launch(grid, args, *found)
 
     def chunks(self, device):
-        """(number of chunks, tiles per chunk) splitting the reduced dimension."""
-        want = max(1, triton.cdiv(_target_programs(device), self.n_cblocks))
+        """(number of chunks, tiles per chunk) splitting the reduced dimension, kept per
+        device."""
+        found = self._chunks.get(device)
+        if found is None:
+            found = self._chunks[device] = self._split(device)
+        return found
+
+    def _split(self, device):
+        want = max(1, cdiv(_target_programs(device), self.n_cblocks))
         chunks = max(1, min(want, self.n_segs))
-        per = triton.cdiv(self.n_segs, chunks)
-        return triton.cdiv(self.n_segs, per) if self.n_segs else 1, per
+        per = cdiv(self.n_segs, chunks)
+        return cdiv(self.n_segs, per) if self.n_segs else 1, per
 
     def args(self):
         return self.M, self.C, self.B // self.B_VEC, self.NBB
@@ -529,14 +557,18 @@ def _check_vector(name, t, c, device):
 
 def _merge_settings(p, c, device):
     gpu = gpu_code_path(device)
-    block_c = min(triton.next_power_of_2(max(c, 1)), 128 if gpu else 1024)
+    block_c = min(next_power_of_2(max(c, 1)), 128 if gpu else 1024)
     # the GPU always merges 8 rows at a time (masked past P): one variant per channel
     # block, and fewer rows per step compiled no better (4 x 128 spilled)
-    block_p = 8 if gpu else min(triton.next_power_of_2(max(p, 1)), 256)
+    block_p = 8 if gpu else min(next_power_of_2(max(p, 1)), 256)
     return block_p, block_c
 
 
 # -- launchers ------------------------------------------------------------------------------------
+# Kept launches (launch.py): after a variant's first call, no Triton binding per call. The
+# kernels are looked up at each call (kept_kernel), so a test may swap a module's kernel.
+_GEOMETRIES = {}
+
 def syncbn_stats(x):
     """Per-chunk partial statistics of ``x``: ``(rows, shift)`` with fp32 rows
     ``[P, 2C + 1]`` of ``(mean[C] - shift, m2[C], count)`` and ``shift`` fp32 ``[C]`` (or
@@ -552,9 +584,8 @@ def syncbn_stats(x):
     stride = -(-width // 16) * 16  # padded: every row starts 64-byte aligned
     part = torch.empty(chunks, stride, dtype=torch.float32, device=x.device)
     shift = torch.empty(geo.C, dtype=torch.float32, device=x.device)
-    _syncbn_stats_kernel[(geo.n_cblocks, chunks)](
-        x, part, shift, *geo.args(), geo.n_segs, per, stride, **geo.consts(),
-        num_warps=geo.warps)
+    geo.launch(_syncbn_stats_kernel, (geo.n_cblocks, chunks),
+               (x, part, shift, *geo.args(), geo.n_segs, per, stride))
     return part[:, :width], shift
 
 
@@ -582,12 +613,13 @@ def syncbn_combine(rows, shift=None):
         return syncbn_combine_ref(rows, shift)
     out = torch.empty(2 * c + 1, dtype=torch.float32, device=rows.device)
     block_p, block_c = _merge_settings(p, c, rows.device)
-    _syncbn_merge_kernel[(triton.cdiv(c, block_c),)](
+    consts = dict(HAS_SHIFT=shift is not None, FINAL=False, UPDATE_RUNNING=False,
+                  MOMENTUM_FROM_COUNT=False,
+                  EMULATE_BF16_ROUNDING=not gpu_code_path(rows.device), BLOCK_P=block_p,
+                  BLOCK_C=block_c)
+    kept_kernel(_syncbn_merge_kernel).launch((cdiv(c, block_c),), (
         rows, shift if shift is not None else out, p, c, stride, out, out, out, out, out, out,
-        out,
-        0.0, 0.0, HAS_SHIFT=shift is not None, FINAL=False, UPDATE_RUNNING=False,
-        MOMENTUM_FROM_COUNT=False,
-        EMULATE_BF16_ROUNDING=not gpu_code_path(rows.device), BLOCK_P=block_p, BLOCK_C=block_c)
+        out, 0.0, 0.0), consts, tuple(consts.values()))
     return out
 
 
@@ -616,14 +648,16 @@ def syncbn_finalize(rows, eps, running_mean=None, running_var=None, momentum=0.1
     count = torch.empty(1, dtype=torch.float32, device=rows.device)
     block_p, block_c = _merge_settings(p, c, rows.device)
     from_count = update and momentum is None
-    _syncbn_merge_kernel[(triton.cdiv(c, block_c),)](
+    consts = dict(HAS_SHIFT=shift is not None, FINAL=True, UPDATE_RUNNING=update,
+                  MOMENTUM_FROM_COUNT=from_count,
+                  EMULATE_BF16_ROUNDING=not gpu_code_path(rows.device), BLOCK_P=block_p,
+                  BLOCK_C=block_c)
+    kept_kernel(_syncbn_merge_kernel).launch((cdiv(c, block_c),), (
         rows, shift if shift is not None else mean, p, c, stride, mean, mean, invstd, count,
         running_mean if update else mean, running_var if update else mean,
         num_batches_tracked if from_count else count,
-        float(eps), 0.0 if momentum is None else float(momentum),
-        HAS_SHIFT=shift is not None, FINAL=True, UPDATE_RUNNING=update,
-        MOMENTUM_FROM_COUNT=from_count,
-        EMULATE_BF16_ROUNDING=not gpu_code_path(rows.device), BLOCK_P=block_p, BLOCK_C=block_c)
+        float(eps), 0.0 if momentum is None else float(momentum)),
+        consts, tuple(consts.values()))
     return mean, invstd, count
 
 
@@ -650,11 +684,11 @@ def syncbn_forward(x, mean, invstd, weight=None, bias=None, z=None, relu=False, 
     y = torch.empty_like(x) if out is None else out
     if x.numel() == 0:
         return y
-    _syncbn_forward_kernel[(geo.n_segs, geo.n_cblocks)](
+    geo.launch(_syncbn_forward_kernel, (geo.n_segs, geo.n_cblocks), (
         x, z if z is not None else x, y, mean, invstd,
         weight if weight is not None else mean, bias if bias is not None else mean,
-        *geo.args(), HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        HAS_Z=z is not None, RELU=relu, **geo.consts(), num_warps=geo.warps)
+        *geo.args()), HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        HAS_Z=z is not None, RELU=relu)
     return y
 
 
@@ -682,17 +716,17 @@ def syncbn_backward_reduce(dy, x, mean, invstd, weight=None, bias=None, z=None, 
     else:
         chunks, per = geo.chunks(x.device)
         part = torch.empty(chunks, 2 * c, dtype=torch.float32, device=x.device)
-        _syncbn_backward_reduce_kernel[(geo.n_cblocks, chunks)](
+        geo.launch(_syncbn_backward_reduce_kernel, (geo.n_cblocks, chunks), (
             dy, x, z if z is not None else x, part, mean, invstd,
             weight if weight is not None else mean, bias if bias is not None else mean,
-            *geo.args(), geo.n_segs, per, HAS_WEIGHT=weight is not None,
-            HAS_BIAS=bias is not None, HAS_Z=z is not None, RELU=relu, **geo.consts(),
-            num_warps=geo.warps)
+            *geo.args(), geo.n_segs, per), HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None, HAS_Z=z is not None, RELU=relu)
     block_p, block_c = _merge_settings(part.shape[0], c, x.device)
-    _syncbn_reduce_merge_kernel[(triton.cdiv(c, block_c),)](
-        part, part.shape[0], c, sums, invstd, gw if has_gw else sums, gb if has_gb else sums,
-        HAS_GW=has_gw, HAS_GB=has_gb, EMULATE_BF16_ROUNDING=geo.emulate,
-        BLOCK_P=block_p, BLOCK_C=block_c)
+    consts = dict(HAS_GW=has_gw, HAS_GB=has_gb, EMULATE_BF16_ROUNDING=geo.emulate,
+                  BLOCK_P=block_p, BLOCK_C=block_c)
+    kept_kernel(_syncbn_reduce_merge_kernel).launch((cdiv(c, block_c),), (
+        part, part.shape[0], c, sums, invstd, gw if has_gw else sums, gb if has_gb else sums),
+        consts, tuple(consts.values()))
     return sums, gw, gb
 
 
@@ -716,13 +750,12 @@ def syncbn_backward_input(dy, x, mean, invstd, weight=None, sums=None, count=Non
     dz = torch.empty_like(z if z is not None else x) if need_dz else None
     if x.numel() == 0:
         return dx, dz
-    _syncbn_backward_input_kernel[(geo.n_segs, geo.n_cblocks)](
+    geo.launch(_syncbn_backward_input_kernel, (geo.n_segs, geo.n_cblocks), (
         dy, x, z if z is not None else x, dx, dz if need_dz else dx, mean, invstd,
         weight if weight is not None else mean, bias if bias is not None else mean,
         sums if sums is not None else mean, count if sums is not None else mean,
-        *geo.args(), HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        HAS_Z=z is not None, RELU=relu, HAS_DZ=need_dz, HAS_SUMS=sums is not None,
-        **geo.consts(), num_warps=geo.warps)
+        *geo.args()), HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        HAS_Z=z is not None, RELU=relu, HAS_DZ=need_dz, HAS_SUMS=sums is not None)
     return dx, dz
 
 

@@ -92,3 +92,21 @@ def test_larc_host_cost_rows(tmp_path):
     for r in (kept, each):
         assert r["launches"]["host_reads"] == 0 and r["us"] > 0, r
     assert "| kept sweeps |" in stdout
+
+
+def test_syncbn_host_cost_rows(tmp_path):
+    """--syncbn-only: SyncBatchNorm (one process) forward and forward+backward, NCHW and
+    channels-last, beside torch's BatchNorm2d; a steady call launches its three (six)
+    kernels, none of them through Triton's binding."""
+    stdout, report = _run_one_section("--syncbn-only", tmp_path)
+    rows = {r["case"]: r for r in report["syncbn"]}
+    assert set(rows) == {f"{layout} {k}" for layout in ("NCHW", "channels-last")
+                         for k in ("forward", "forward+backward")}
+    fwd = ["_syncbn_stats_kernel", "_syncbn_merge_kernel", "_syncbn_forward_kernel"]
+    for name, r in rows.items():
+        assert r["ours_us"] > 0 and r["torch_us"] > 0 and r["triton_binds"] == 0, r
+        assert r["launches"] == (fwd + ["_syncbn_backward_reduce_kernel",
+                                        "_syncbn_reduce_merge_kernel",
+                                        "_syncbn_backward_input_kernel"]
+                                 if name.endswith("forward+backward") else fwd), r
+    assert "| NCHW forward |" in stdout and "through Triton's binding" in stdout
