@@ -452,6 +452,18 @@ def _norm_cases():
     return cases
 
 
+def _time_interleaved(cases, times, rounds, calls_per_round):
+    """Append to ``times[name]`` (one list per timed callable of a case) each round's us
+    per call, every case's callables interleaved round by round."""
+    for _ in range(rounds):
+        for name, *fns in cases:
+            for fn, out in zip(fns, times[name]):
+                t0 = time.perf_counter()
+                for _ in range(calls_per_round):
+                    fn()
+                out.append((time.perf_counter() - t0) / calls_per_round * 1e6)
+
+
 def run_norms(rounds, calls_per_round=200, warmup=20):
     """Median us per call of every norm case, of torch's and of the floor, rounds
     interleaved; the launches one call records."""
@@ -469,13 +481,8 @@ def run_norms(rounds, calls_per_round=200, warmup=20):
             for _ in range(warmup):
                 theirs()
                 floor()
-        for _ in range(rounds):  # ours, torch's and the floor interleaved, case by case
-            for name, *fns in cases:
-                for fn, out in zip(fns, times[name]):
-                    t0 = time.perf_counter()
-                    for _ in range(calls_per_round):
-                        fn()
-                    out.append((time.perf_counter() - t0) / calls_per_round * 1e6)
+        # ours, torch's and the floor interleaved, case by case
+        _time_interleaved(cases, times, rounds, calls_per_round)
     rows = []
     for name, *_ in cases:
         ours_us, torch_us, floor_us = (statistics.median(t) for t in times[name])
@@ -555,13 +562,7 @@ def run_syncbn(rounds, calls_per_round=100, warmup=10):
             finally:
                 JITFunction.run = plain_run
             facts[name] = ([launch.name for launch in rec.launches], binds[0])
-        for _ in range(rounds):
-            for name, *fns in cases:
-                for fn, out in zip(fns, times[name]):
-                    t0 = time.perf_counter()
-                    for _ in range(calls_per_round):
-                        fn()
-                    out.append((time.perf_counter() - t0) / calls_per_round * 1e6)
+        _time_interleaved(cases, times, rounds, calls_per_round)
     rows = []
     for name, *_ in cases:
         ours_us, torch_us = (statistics.median(t) for t in times[name])

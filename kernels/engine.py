@@ -10,7 +10,8 @@ fp16_utils) and the tests build on, without reaching into the kernels' private m
   torch's GradScaler protocol (:class:`GradWrites`, :func:`check_grads_writable`,
   :func:`take_grad_writes`).
 - Dispatch: :func:`use_triton`, :func:`interpreter_on`, :func:`gpu_code_path` (CUDA
-  block sizes and grids), :func:`sm_count`, and the switches tests and
+  block sizes and grids), :func:`sm_count`, the launchers' host arithmetic
+  (:func:`cdiv`, :func:`next_power_of_2`), and the switches tests and
   benchmarks use to take one path on any device (:func:`force_cpu_path`,
   :func:`force_gpu_path`, :func:`cpu_path_forced`, :func:`gpu_path_forced`).
 - The sweep itself, for tests of its validation: :class:`Sweep`, :class:`Column`; and
@@ -23,8 +24,8 @@ import contextlib
 
 from . import _cpu_optim, _multi_tensor
 from ._cpu_optim import GradWrites, check_grads_writable, take_grad_writes
-from ._dispatch import (cpu_path_forced, force_cpu_path, force_gpu_path, gpu_code_path,
-                        gpu_path_forced, interpreter_on, sm_count, use_triton)
+from ._dispatch import (cdiv, cpu_path_forced, force_cpu_path, force_gpu_path, gpu_code_path,
+                        gpu_path_forced, interpreter_on, next_power_of_2, sm_count, use_triton)
 from ._multi_tensor import (Column, KeptByLayout, Sweep, SweepCache, borrowed, layout_key,
                             list_layout, restride_like, same_layout, zero_grads_)
 from ._multi_tensor import _dense as is_dense
@@ -35,7 +36,7 @@ __all__ = [
     "zero_grads_", "GradWrites", "check_grads_writable", "take_grad_writes",
     "use_triton", "interpreter_on", "force_cpu_path", "force_gpu_path", "cpu_path_forced",
     "gpu_path_forced", "gpu_code_path", "sm_count", "Sweep", "Column", "recording_uploads",
-    "cpu_step_ranges",
+    "cpu_step_ranges", "cdiv", "next_power_of_2",
 ]
 
 

@@ -19,18 +19,24 @@ def _grads(m, x, dy):
     return [y, x.grad] + [p.grad for p in m.parameters()]
 
 
-@pytest.mark.parametrize("width", [1024, 4000, 16384, 20000])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm])
-def test_cuda_matches_torch(cls, dtype, width):
-    torch.manual_seed(0)
-    ours = cls(width).cuda().to(dtype)
+def _pair(cls, width, dtype, **kwargs):
+    """(ours, torch's) on CUDA in ``dtype``, weights 1 + 0.3 randn, the same in both."""
+    ours = cls(width, **kwargs).cuda().to(dtype)
     with torch.no_grad():
         for p in ours.parameters():
             p.copy_(1 + 0.3 * torch.randn_like(p))
     ref = (torch.nn.LayerNorm if cls is FusedLayerNorm else torch.nn.RMSNorm)(width, eps=1e-5)
     ref = ref.cuda().to(dtype)
     ref.load_state_dict(ours.state_dict())
+    return ours, ref
+
+
+@pytest.mark.parametrize("width", [1024, 4000, 16384, 20000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm])
+def test_cuda_matches_torch(cls, dtype, width):
+    torch.manual_seed(0)
+    ours, ref = _pair(cls, width, dtype)
     x = torch.randn(64, width, device="cuda").to(dtype)
     dy = torch.randn(64, width, device="cuda").to(dtype)
     tol = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.float16: dict(rtol=1e-2, atol=1e-2),
@@ -73,13 +79,7 @@ def test_steady_calls_match_torch(cls, width, memory_efficient):
     torch.manual_seed(1)
     dtype = torch.float32 if memory_efficient else torch.bfloat16
     tol = dict(rtol=1e-4, atol=1e-4) if memory_efficient else dict(rtol=5e-2, atol=5e-2)
-    ours = cls(width, memory_efficient=memory_efficient).cuda().to(dtype)
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.copy_(1 + 0.3 * torch.randn_like(p))
-    ref = (torch.nn.LayerNorm if cls is FusedLayerNorm else torch.nn.RMSNorm)(width, eps=1e-5)
-    ref = ref.cuda().to(dtype)
-    ref.load_state_dict(ours.state_dict())
+    ours, ref = _pair(cls, width, dtype, memory_efficient=memory_efficient)
     for step in range(3):
         x = torch.randn(48, width, device="cuda").to(dtype)
         dy = torch.randn(48, width, device="cuda").to(dtype)

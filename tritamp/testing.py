@@ -23,7 +23,9 @@ Kernel internals
     compiling them for a GPU target without a GPU), the multi-tensor engine's
     :class:`Sweep`, :class:`Column`, :func:`layout_key` and :func:`recording_uploads`
     (the launch tables uploaded inside a block), SyncBatchNorm's launch
-    geometry (:func:`syncbn_geometry`) and tile offsets (:func:`syncbn_tile`).
+    geometry (:func:`syncbn_geometry`) and tile offsets (:func:`syncbn_tile`), the
+    launchers' host arithmetic (:func:`host_cdiv`, :func:`host_next_power_of_2`:
+    ``triton.cdiv`` / ``triton.next_power_of_2``'s results without their host cost).
 
 See docs/architecture.md (Testing helpers).
 """
@@ -39,6 +41,8 @@ from tritamp.amp.state import reset as reset_amp
 from tritamp.kernels.engine import (Column, Sweep, cpu_path_forced, cpu_step_ranges,
                                     force_cpu_path, force_gpu_path, gpu_path_forced,
                                     interpreter_on, layout_key, recording_uploads)
+from tritamp.kernels.engine import cdiv as host_cdiv
+from tritamp.kernels.engine import next_power_of_2 as host_next_power_of_2
 from tritamp.kernels.syncbn import _Geometry as syncbn_geometry
 from tritamp.kernels.syncbn import _syncbn_tile as syncbn_tile
 
@@ -46,7 +50,8 @@ __all__ = ["reset_amp", "amp_state", "stash_of", "master_of", "plans_of", "gener
            "force_cpu_path",
            "force_gpu_path", "cpu_path_forced", "gpu_path_forced", "interpreter_on",
            "jit_kernels", "Sweep", "Column", "layout_key", "recording_uploads", "syncbn_geometry",
-           "syncbn_tile", "cpu_step_ranges", "scratch_bytes"]
+           "syncbn_tile", "cpu_step_ranges", "scratch_bytes", "host_cdiv",
+           "host_next_power_of_2"]
 
 
 def amp_state():
