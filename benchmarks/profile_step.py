@@ -1,6 +1,6 @@
 """Where one opt-level configuration's training step spends its time.
 
-    python -m benchmarks.profile_step                                  # transformer, GPU sizes on a GPU
+    python -m benchmarks.profile_step           # the transformer; the GPU sizes on a GPU
     python -m benchmarks.profile_step --configs O1,O1+nn-norm,torch.amp --workload cnn-sgd
 
 For each configuration of ``benchmarks.opt_levels`` (same model, optimizer, batch and step

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import cdiv, next_power_of_2, gpu_code_path, sm_count, use_triton
+from ._dispatch import cdiv, gpu_code_path, next_power_of_2, sm_count, use_triton
 from .launch import KeptKernel
 from ._tl_utils import load_f32, store_cast
 
@@ -508,11 +508,11 @@ def layer_norm_bwd(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, r
     ``x_dtype`` (default ``saved.dtype``), the others in the parameters' dtypes (None where
     there is no parameter)."""
     _check(saved, n, weight, bias)
-    return layer_norm_bwd_checked(dy, saved, n, weight, bias, mean, rstd, rms, from_output,
-                                  x_dtype, max_block, eps)
+    return layer_norm_bwd_prechecked(dy, saved, n, weight, bias, mean, rstd, rms, from_output,
+                                     x_dtype, max_block, eps)
 
 
-def layer_norm_bwd_checked(dy, saved, n, weight=None, bias=None, mean=None, rstd=None,
+def layer_norm_bwd_prechecked(dy, saved, n, weight=None, bias=None, mean=None, rstd=None,
                            rms=False, from_output=False, x_dtype=None, max_block=None,
                            eps=1e-5):
     """:func:`layer_norm_bwd` without its check of ``saved``, ``weight`` and ``bias``: for

@@ -136,10 +136,12 @@ def scale_update(state, growth_factor=2.0, backoff_factor=0.5, growth_interval=2
         return
     config = _config(state.device, growth_factor, backoff_factor, min_scale, max_scale)
     consts, ckey = _CONSTS[bool(dynamic)]
-    kept_kernel(_scale_update_kernel).launch((1,), (state, config, int(growth_interval), int(hysteresis), int(found_slot)),
-                 consts, ckey)
+    kept_kernel(_scale_update_kernel).launch(
+        (1,), (state, config, int(growth_interval), int(hysteresis), int(found_slot)), consts,
+        ckey)
 
 
+# constexprs and their key per `dynamic`: one kept launch a step, no Triton binding
 _CONSTS = {d: (dict(DYNAMIC=d, num_warps=1), (d, 1)) for d in (False, True)}
 _cpu_index = {}
 

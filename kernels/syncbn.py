@@ -569,6 +569,7 @@ def _merge_settings(p, c, device):
 # kernels are looked up at each call (kept_kernel), so a test may swap a module's kernel.
 _GEOMETRIES = {}
 
+
 def syncbn_stats(x):
     """Per-chunk partial statistics of ``x``: ``(rows, shift)`` with fp32 rows
     ``[P, 2C + 1]`` of ``(mean[C] - shift, m2[C], count)`` and ``shift`` fp32 ``[C]`` (or

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..kernels.layer_norm import layer_norm_bwd, layer_norm_bwd_checked, layer_norm_fwd
+from ..kernels.layer_norm import layer_norm_bwd, layer_norm_bwd_prechecked, layer_norm_fwd
 
 _EMPTY = (0,)
 
@@ -88,9 +88,9 @@ def _eager_grads(ctx, dy):
     saved, weight, bias, mean, rstd = ctx.saved_tensors
     n, rms, from_output, x_dtype, eps = ctx.config
     # (the forward checked saved, weight and bias)
-    dx, dw, db = layer_norm_bwd_checked(dy.contiguous(), saved, n, weight, bias,
-                                        None if rms or from_output else mean, rstd, rms,
-                                        from_output, x_dtype, eps=eps)
+    dx, dw, db = layer_norm_bwd_prechecked(dy.contiguous(), saved, n, weight, bias,
+                                           None if rms or from_output else mean, rstd, rms,
+                                           from_output, x_dtype, eps=eps)
     return _input_grads(dx, dw, db, weight, bias, rms)
 
 
