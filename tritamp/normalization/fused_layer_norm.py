@@ -61,7 +61,7 @@ def _norm_setup_context(ctx, inputs, output):
     x, weight, bias, n, eps, rms, out_dtype, memory_efficient = inputs
     y, mean, rstd = output
     # memory_efficient keeps the output instead of the input (Apex): xhat is recomputed
-    # from it as (y - bias) / weight, which needs a weight without zeros.
+    # from it as (y - bias) / weight, each weight's magnitude at least eps (Apex's clamp).
     ctx.save_for_backward(y if memory_efficient else x, weight, bias, mean, rstd)
     ctx.n, ctx.rms, ctx.from_output, ctx.x_dtype = n, rms, memory_efficient, x.dtype
     ctx.eps = eps

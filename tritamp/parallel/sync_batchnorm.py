@@ -228,11 +228,9 @@ class SyncBatchNorm(_BatchNorm):
             if size == 1:
                 raise ValueError("Expected more than 1 value per channel when training, got "
                                  f"input size {input.size()}")
+        # (an empty batch, on every rank: no statistics, and syncbn_finalize leaves the
+        # running ones as they are; num_batches_tracked counts it, as torch does)
         track = self.training and self.track_running_stats
-        if bn_training and world_size < 2 and input.numel() == 0:
-            # an empty batch has no statistics: the running ones stay (torch counts the
-            # batch all the same, above)
-            track = False
         return SyncBatchnormFunction.apply(
             input, z, self.weight, self.bias,
             self.running_mean if (track or not bn_training) else None,
