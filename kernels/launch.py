@@ -132,6 +132,20 @@ class KeptKernel:
                             f"kernel takes {self._n_runtime}")
         return self._run(grid, args, constexprs, (_KEYED, key))
 
+    def launch_aligned(self, grid, args, tensors, constexprs, constexpr_key, rest_key):
+        """:meth:`launch` of ``args``, keyed (:meth:`launch_keyed`) by ``constexpr_key``,
+        ``rest_key`` and the dtypes of ``tensors`` when every one of them is 16-byte
+        aligned, else under the computed key. ``tensors`` are the tensors among ``args``;
+        ``rest_key`` says what Triton specialises every other argument on (the ints
+        themselves and the types of the rest, say)."""
+        ptrs = 0
+        for t in tensors:
+            ptrs |= t.data_ptr()
+        if ptrs & 15:
+            return self.launch(grid, args, constexprs, constexpr_key)
+        return self.launch_keyed(grid, args, constexprs,
+                                 (constexpr_key, rest_key, *[t.dtype for t in tensors]))
+
     def _run(self, grid, args, constexprs, key):
         drv = self._driver.active
         device = drv.get_current_device()
@@ -168,10 +182,12 @@ _KEYED = object()  # marks a caller's key (launch_keyed)
 
 
 def kept_kernel(fn):
-    """The :class:`KeptKernel` of ``fn``, one per kernel for the process."""
-    kept = _KEPT.get(fn)
+    """The :class:`KeptKernel` of ``fn``, one per kernel for the process (kept by the
+    kernel's identity: hashing a ``JITFunction`` hashes its source key, ~0.3 us; the
+    entry holds ``fn``, so its id is not reused while it is kept)."""
+    kept = _KEPT.get(id(fn))
     if kept is None:
-        kept = _KEPT[fn] = KeptKernel(fn)
+        kept = _KEPT[id(fn)] = KeptKernel(fn)
     return kept
 
 

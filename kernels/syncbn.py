@@ -486,6 +486,7 @@ class _Geometry:
         self.n_cblocks = cdiv(self.C, self.BLOCK_C)
         self.warps = 8 if gpu and self.BLOCK_R * self.BLOCK_C >= 1024 else 4
         self.emulate = not gpu
+        self._args = (self.M, self.C, self.B // self.B_VEC, self.NBB)
         self._consts = {}
         self._chunks = {}
 
@@ -505,15 +506,18 @@ class _Geometry:
             geo = _GEOMETRIES[key] = cls(tuple(x.shape), key[1])
         return geo
 
-    def launch(self, kernel, grid, args, **flags):
-        """``kernel``'s kept launch over this geometry's tiles with its ``flags``; the
-        constexprs and their key are kept per (kernel, flags)."""
-        key = (kernel, *flags.values())
+    def launch(self, kernel, grid, tensors, ints, **flags):
+        """``kernel``'s kept launch over this geometry's tiles: runtime arguments
+        ``(*tensors, *ints)``, constexprs ``flags`` and the geometry's (kept per kernel
+        and flags), keyed by the tensors' dtypes and the ints themselves when every
+        tensor is 16-byte aligned."""
+        key = (id(kernel), *flags.values())  # (a kernel's id: kept_kernel holds it)
         found = self._consts.get(key)
         if found is None:
             consts = dict(flags, **self.consts(), num_warps=self.warps)
-            found = self._consts[key] = (consts, tuple(consts.values()))
-        kept_kernel(kernel).launch(grid, args, *found)
+            found = self._consts[key] = (kept_kernel(kernel), consts, tuple(consts.values()))
+        kept, consts, ckey = found
+        kept.launch_aligned(grid, (*tensors, *ints), tensors, consts, ckey, ints)
 
     def chunks(self, device):
         """(number of chunks, tiles per chunk) splitting the reduced dimension, kept per
@@ -530,7 +534,8 @@ class _Geometry:
         return cdiv(self.n_segs, per) if self.n_segs else 1, per
 
     def args(self):
-        return self.M, self.C, self.B // self.B_VEC, self.NBB
+        """The kernels' shape arguments ``(M, C, B / B_VEC, NBB)`` (one tuple, kept)."""
+        return self._args
 
     def consts(self):
         return dict(CHANNELS_LAST=self.channels_last, B_VEC=self.B_VEC,
@@ -564,6 +569,26 @@ def _merge_settings(p, c, device):
     return block_p, block_c
 
 
+_MERGES = {}
+
+
+def _merge_launch(kernel, p, c, device, **flags):
+    """(kept kernel, constexprs, their key, grid) of a merge launch over ``p`` rows of
+    ``c`` channels with ``flags``, kept per configuration."""
+    gpu = gpu_code_path(device)
+    key = (id(kernel), p, c, gpu, *flags.values())  # (a kernel's id: kept_kernel holds it)
+    found = _MERGES.get(key)
+    if found is None:
+        if len(_MERGES) > 4096:  # (varying batch sizes: keep it bounded)
+            _MERGES.clear()
+        block_p, block_c = _merge_settings(p, c, device)
+        consts = dict(flags, EMULATE_BF16_ROUNDING=not gpu, BLOCK_P=block_p,
+                      BLOCK_C=block_c)
+        found = _MERGES[key] = (kept_kernel(kernel), consts, tuple(consts.values()),
+                                (cdiv(c, block_c),))
+    return found
+
+
 # -- launchers ------------------------------------------------------------------------------------
 # Kept launches (launch.py): after a variant's first call, no Triton binding per call. The
 # kernels are looked up at each call (kept_kernel), so a test may swap a module's kernel.
@@ -585,8 +610,8 @@ def syncbn_stats(x):
     stride = -(-width // 16) * 16  # padded: every row starts 64-byte aligned
     part = torch.empty(chunks, stride, dtype=torch.float32, device=x.device)
     shift = torch.empty(geo.C, dtype=torch.float32, device=x.device)
-    geo.launch(_syncbn_stats_kernel, (geo.n_cblocks, chunks),
-               (x, part, shift, *geo.args(), geo.n_segs, per, stride))
+    geo.launch(_syncbn_stats_kernel, (geo.n_cblocks, chunks), (x, part, shift),
+               (*geo.args(), geo.n_segs, per, stride))
     return part[:, :width], shift
 
 
@@ -613,14 +638,12 @@ def syncbn_combine(rows, shift=None):
         # [P, 2C + 1] rows (P = 1 or the world size), no Python loop.
         return syncbn_combine_ref(rows, shift)
     out = torch.empty(2 * c + 1, dtype=torch.float32, device=rows.device)
-    block_p, block_c = _merge_settings(p, c, rows.device)
-    consts = dict(HAS_SHIFT=shift is not None, FINAL=False, UPDATE_RUNNING=False,
-                  MOMENTUM_FROM_COUNT=False,
-                  EMULATE_BF16_ROUNDING=not gpu_code_path(rows.device), BLOCK_P=block_p,
-                  BLOCK_C=block_c)
-    kept_kernel(_syncbn_merge_kernel).launch((cdiv(c, block_c),), (
-        rows, shift if shift is not None else out, p, c, stride, out, out, out, out, out, out,
-        out, 0.0, 0.0), consts, tuple(consts.values()))
+    kept, consts, ckey, grid = _merge_launch(
+        _syncbn_merge_kernel, p, c, rows.device, HAS_SHIFT=shift is not None, FINAL=False,
+        UPDATE_RUNNING=False, MOMENTUM_FROM_COUNT=False)
+    shift = shift if shift is not None else out
+    kept.launch_aligned(grid, (rows, shift, p, c, stride, out, out, out, out, out, out, out,
+                               0.0, 0.0), (rows, shift, out), consts, ckey, (p, c, stride))
     return out
 
 
@@ -647,18 +670,18 @@ def syncbn_finalize(rows, eps, running_mean=None, running_var=None, momentum=0.1
     mean = torch.empty(c, dtype=torch.float32, device=rows.device)
     invstd = torch.empty_like(mean)
     count = torch.empty(1, dtype=torch.float32, device=rows.device)
-    block_p, block_c = _merge_settings(p, c, rows.device)
     from_count = update and momentum is None
-    consts = dict(HAS_SHIFT=shift is not None, FINAL=True, UPDATE_RUNNING=update,
-                  MOMENTUM_FROM_COUNT=from_count,
-                  EMULATE_BF16_ROUNDING=not gpu_code_path(rows.device), BLOCK_P=block_p,
-                  BLOCK_C=block_c)
-    kept_kernel(_syncbn_merge_kernel).launch((cdiv(c, block_c),), (
-        rows, shift if shift is not None else mean, p, c, stride, mean, mean, invstd, count,
-        running_mean if update else mean, running_var if update else mean,
-        num_batches_tracked if from_count else count,
-        float(eps), 0.0 if momentum is None else float(momentum)),
-        consts, tuple(consts.values()))
+    kept, consts, ckey, grid = _merge_launch(
+        _syncbn_merge_kernel, p, c, rows.device, HAS_SHIFT=shift is not None, FINAL=True,
+        UPDATE_RUNNING=update, MOMENTUM_FROM_COUNT=from_count)
+    shift = shift if shift is not None else mean
+    rm, rv = (running_mean, running_var) if update else (mean, mean)
+    nbt = num_batches_tracked if from_count else count
+    # (eps and momentum are passed as floats whatever their values: their type is fixed)
+    kept.launch_aligned(grid, (rows, shift, p, c, stride, mean, mean, invstd, count, rm, rv,
+                               nbt, float(eps), 0.0 if momentum is None else float(momentum)),
+                        (rows, shift, mean, invstd, count, rm, rv, nbt), consts, ckey,
+                        (p, c, stride))
     return mean, invstd, count
 
 
@@ -685,11 +708,12 @@ def syncbn_forward(x, mean, invstd, weight=None, bias=None, z=None, relu=False, 
     y = torch.empty_like(x) if out is None else out
     if x.numel() == 0:
         return y
-    geo.launch(_syncbn_forward_kernel, (geo.n_segs, geo.n_cblocks), (
-        x, z if z is not None else x, y, mean, invstd,
-        weight if weight is not None else mean, bias if bias is not None else mean,
-        *geo.args()), HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        HAS_Z=z is not None, RELU=relu)
+    w = weight if weight is not None else mean
+    b = bias if bias is not None else mean
+    geo.launch(_syncbn_forward_kernel, (geo.n_segs, geo.n_cblocks),
+               (x, z if z is not None else x, y, mean, invstd, w, b), geo.args(),
+               HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_Z=z is not None,
+               RELU=relu)
     return y
 
 
@@ -702,10 +726,20 @@ def syncbn_backward_reduce(dy, x, mean, invstd, weight=None, bias=None, z=None, 
     _params(x, c, mean, invstd, weight, bias)
     _check_partner("dy", dy, x)
     _check_partner("z", z, x)
+    return syncbn_backward_reduce_prechecked(dy, x, mean, invstd, weight, bias, z, relu,
+                                             need_weight_grad, need_bias_grad)
+
+
+def syncbn_backward_reduce_prechecked(dy, x, mean, invstd, weight=None, bias=None, z=None,
+                                      relu=False, need_weight_grad=True, need_bias_grad=True):
+    """:func:`syncbn_backward_reduce` without its checks, for a caller that made them
+    (SyncBatchNorm's backward: its forward checked ``x``, ``z``, the parameters and made
+    ``mean`` / ``invstd``; autograd gives ``dy`` the output's shape, dtype and device)."""
     if not use_triton(x):
         return syncbn_backward_reduce_cpu(dy, x, mean, invstd, weight, bias, z, relu,
                                           need_weight_grad, need_bias_grad)
     geo = _Geometry.of(x)
+    c = geo.C
     has_gw = weight is not None and need_weight_grad
     has_gb = weight is not None and need_bias_grad
     gw = torch.empty_like(weight) if has_gw else None
@@ -719,15 +753,16 @@ def syncbn_backward_reduce(dy, x, mean, invstd, weight=None, bias=None, z=None, 
         part = torch.empty(chunks, 2 * c, dtype=torch.float32, device=x.device)
         geo.launch(_syncbn_backward_reduce_kernel, (geo.n_cblocks, chunks), (
             dy, x, z if z is not None else x, part, mean, invstd,
-            weight if weight is not None else mean, bias if bias is not None else mean,
-            *geo.args(), geo.n_segs, per), HAS_WEIGHT=weight is not None,
+            weight if weight is not None else mean, bias if bias is not None else mean),
+            (*geo.args(), geo.n_segs, per), HAS_WEIGHT=weight is not None,
             HAS_BIAS=bias is not None, HAS_Z=z is not None, RELU=relu)
-    block_p, block_c = _merge_settings(part.shape[0], c, x.device)
-    consts = dict(HAS_GW=has_gw, HAS_GB=has_gb, EMULATE_BF16_ROUNDING=geo.emulate,
-                  BLOCK_P=block_p, BLOCK_C=block_c)
-    kept_kernel(_syncbn_reduce_merge_kernel).launch((cdiv(c, block_c),), (
-        part, part.shape[0], c, sums, invstd, gw if has_gw else sums, gb if has_gb else sums),
-        consts, tuple(consts.values()))
+    p = part.shape[0]
+    kept, consts, ckey, grid = _merge_launch(_syncbn_reduce_merge_kernel, p, c, x.device,
+                                             HAS_GW=has_gw, HAS_GB=has_gb)
+    gw_arg = gw if has_gw else sums
+    gb_arg = gb if has_gb else sums
+    kept.launch_aligned(grid, (part, p, c, sums, invstd, gw_arg, gb_arg),
+                        (part, sums, invstd, gw_arg, gb_arg), consts, ckey, (p, c))
     return sums, gw, gb
 
 
@@ -743,6 +778,15 @@ def syncbn_backward_input(dy, x, mean, invstd, weight=None, sums=None, count=Non
     if sums is not None and (sums.shape != (2 * c,) or sums.dtype != torch.float32
                              or count is None):
         raise ValueError(f"syncbn_backward_input: sums must be fp32 [{2 * c}] with a count")
+    return syncbn_backward_input_prechecked(dy, x, mean, invstd, weight, sums, count, bias,
+                                            z, relu, need_dz)
+
+
+def syncbn_backward_input_prechecked(dy, x, mean, invstd, weight=None, sums=None, count=None,
+                                     bias=None, z=None, relu=False, need_dz=False):
+    """:func:`syncbn_backward_input` without its checks, for a caller that made them
+    (SyncBatchNorm's backward; ``sums`` from :func:`syncbn_backward_reduce_prechecked`,
+    ``count`` from :func:`syncbn_finalize`)."""
     if not use_triton(x):
         return syncbn_backward_input_cpu(dy, x, mean, invstd, weight, sums, count, bias, z,
                                          relu, need_dz)
@@ -754,8 +798,8 @@ def syncbn_backward_input(dy, x, mean, invstd, weight=None, sums=None, count=Non
     geo.launch(_syncbn_backward_input_kernel, (geo.n_segs, geo.n_cblocks), (
         dy, x, z if z is not None else x, dx, dz if need_dz else dx, mean, invstd,
         weight if weight is not None else mean, bias if bias is not None else mean,
-        sums if sums is not None else mean, count if sums is not None else mean,
-        *geo.args()), HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        sums if sums is not None else mean, count if sums is not None else mean),
+        geo.args(), HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         HAS_Z=z is not None, RELU=relu, HAS_DZ=need_dz, HAS_SUMS=sums is not None)
     return dx, dz
 

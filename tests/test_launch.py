@@ -302,3 +302,108 @@ def test_steady_calls_launch_every_kernel_without_tritons_binding():
             "_syncbn_backward_reduce_kernel", "_syncbn_reduce_merge_kernel",
             "_syncbn_backward_input_kernel"} <= set(out["syncbn"]["launched"])
     assert all(r["bound"] == [] for r in out.values()), out
+
+
+SYNCBN_CHILD = textwrap.dedent(r"""
+    import json, os
+    os.environ["TRITON_INTERPRET"] = "0"
+    import torch
+    from tritamp.kernels import launch as LA
+    from tritamp.kernels import syncbn as S
+    from tritamp.kernels.recorder import record_launches
+    from tritamp.parallel import SyncBatchNorm
+
+    checks = []   # per keyed launch: did it use the variant kernel[grid](...) binds?
+    plain = []    # kernels launched under the computed key
+    keyed_launch, plain_launch = LA.KeptKernel.launch_keyed, LA.KeptKernel.launch
+
+    def watched_keyed(self, grid, args, constexprs, key):
+        out = keyed_launch(self, grid, args, constexprs, key)
+        mine = rec.launches[-1].specialisation
+        self.fn[grid](*args, **constexprs)
+        checks.append([self.fn.__name__, rec.launches[-1].specialisation is mine])
+        return out
+
+    def watched_plain(self, grid, args, constexprs, ckey):
+        plain.append(self.fn.__name__)
+        return plain_launch(self, grid, args, constexprs, ckey)
+
+    LA.KeptKernel.launch_keyed, LA.KeptKernel.launch = watched_keyed, watched_plain
+
+    def module_case(c, shape, dtype, cl=False, z=False, relu=False, affine=True,
+                    momentum=0.1, wdtype=None):
+        bn = SyncBatchNorm(c, affine=affine, momentum=momentum, fuse_relu=relu)
+        if wdtype is not None:
+            bn = bn.to(wdtype)
+        x = torch.randn(shape).to(dtype)
+        if cl:
+            x = x.contiguous(memory_format=torch.channels_last)
+        x.requires_grad_()
+        zz = torch.randn(x.shape).to(dtype) if z else None
+        def run():
+            y = bn(x, zz)
+            y.backward(torch.randn(y.shape).to(dtype))
+        return run
+
+    def misaligned_case():
+        buf = torch.randn(2 * 24 * 16 + 1).to(torch.bfloat16)
+        x = buf[1:].view(2, 24, 16)   # contiguous, 2 bytes past an aligned address
+        def run():
+            rows, shift = S.syncbn_stats(x)
+            mean, invstd, count = S.syncbn_finalize(rows, 1e-5, shift=shift)
+            S.syncbn_forward(x, mean, invstd)
+        return run
+
+    cases = {
+        "bf16 64ch 4x4": module_case(64, (2, 64, 4, 4), torch.bfloat16),
+        "fp32 30ch 7x7": module_case(30, (2, 30, 7, 7), torch.float32),
+        "fp16 16ch 3x3 z relu": module_case(16, (2, 16, 3, 3), torch.float16, z=True,
+                                            relu=True),
+        "bf16 channels-last": module_case(24, (2, 24, 5, 5), torch.bfloat16, cl=True),
+        "bf16 x, bf16 params": module_case(32, (4, 32, 2, 2), torch.bfloat16,
+                                           wdtype=torch.bfloat16),
+        "no affine, cumulative": module_case(8, (3, 8, 6), torch.float32, affine=False,
+                                             momentum=None),
+        "2-D input": module_case(40, (6, 40), torch.float32),
+        # differs from "bf16 64ch 4x4" only in the ints Triton specialises on
+        "bf16 65ch 4x4": module_case(65, (2, 65, 4, 4), torch.bfloat16),
+        "misaligned": misaligned_case(),
+    }
+    out = {}
+    with record_launches() as rec:
+        for name, run in cases.items():
+            before_checks, before_plain = len(checks), len(plain)
+            for _ in range(2):  # the second call launches kept variants
+                run()
+            out[name] = dict(keyed=len(checks) - before_checks,
+                             plain=sorted(set(plain[before_plain:])))
+    out["all_same"] = all(same for _, same in checks)
+    out["kernels"] = sorted({name for name, _ in checks})
+    print(json.dumps(out))
+""")
+
+
+def test_syncbn_keyed_launches_use_the_variant_triton_would_bind():
+    """SyncBatchNorm's launchers key their launches by the tensors' dtypes and the ints
+    themselves when every pointer is aligned (launch_aligned): every such launch, over
+    dtypes, channel counts and planes that are and are not multiples of 16, channels-last,
+    2-D input, a residual with ReLU, no affine parameters and the cumulative average,
+    ran the variant kernel[grid](...) binds for the same arguments; a misaligned input
+    takes the computed key for the kernels that read it."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-c", SYNCBN_CHILD], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["all_same"]
+    assert out["kernels"] == sorted([
+        "_syncbn_stats_kernel", "_syncbn_merge_kernel", "_syncbn_forward_kernel",
+        "_syncbn_backward_reduce_kernel", "_syncbn_reduce_merge_kernel",
+        "_syncbn_backward_input_kernel"])
+    for name, r in out.items():
+        if name in ("all_same", "kernels", "misaligned"):
+            continue
+        # 2 x (stats, merge, forward, backward_reduce, reduce_merge, backward_input)
+        assert r == dict(keyed=12, plain=[]), (name, r)
+    assert out["misaligned"] == dict(keyed=2, plain=["_syncbn_forward_kernel",
+                                                     "_syncbn_stats_kernel"])

@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from tritamp.kernels.syncbn import (syncbn_backward_input, syncbn_backward_reduce,
-                                    syncbn_combine, syncbn_finalize, syncbn_forward,
-                                    syncbn_stats)
+from tritamp.kernels.syncbn import (syncbn_backward_input_prechecked,
+                                    syncbn_backward_reduce_prechecked, syncbn_combine,
+                                    syncbn_finalize, syncbn_forward, syncbn_stats)
 
 
 class _Layout:
@@ -58,7 +58,8 @@ class _Layout:
         (an empty input: laid out as it is, its memory format kept)."""
         if self.kind == "dense" or t.numel() == 0:
             return torch.empty_like(t)  # keeps the dense channels-last strides
-        return torch.empty(self.shape, dtype=t.dtype, device=t.device)
+        # (empty_like with an explicit format: row-major, at a third of torch.empty's cost)
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
 
     def restore(self, v):
         if self.kind == "dense":
@@ -122,7 +123,9 @@ class SyncBatchnormFunction(torch.autograd.Function):
         dy = layout.view(grad_output)
         need_x, need_z, need_w, need_b = ctx.needs_input_grad[:4]
         need_z = need_z and ctx.has_z
-        sums, grad_weight, grad_bias = syncbn_backward_reduce(
+        # (the forward checked x, z, weight and bias and made mean / invstd; autograd gives
+        # grad_output the output's shape, dtype and device, and dy is its canonical view)
+        sums, grad_weight, grad_bias = syncbn_backward_reduce_prechecked(
             dy, x, mean, invstd, weight, bias, zv, ctx.fuse_relu,
             need_weight_grad=need_w, need_bias_grad=need_b)
         if need_x and ctx.batch_stats and ctx.world_size > 1:
@@ -133,7 +136,7 @@ class SyncBatchnormFunction(torch.autograd.Function):
         if need_z and not ctx.fuse_relu:
             grad_z = grad_output  # z was added after the normalisation: its gradient is dy
         if need_x or (need_z and ctx.fuse_relu):
-            dx, dz = syncbn_backward_input(
+            dx, dz = syncbn_backward_input_prechecked(
                 dy, x, mean, invstd, weight, sums if ctx.batch_stats else None, count, bias,
                 zv, ctx.fuse_relu, need_dz=need_z and ctx.fuse_relu)
             grad_input = layout.restore(dx) if need_x else None
