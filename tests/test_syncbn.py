@@ -237,6 +237,15 @@ def test_one_value_per_channel_raises_torchs_error(device):
         assert str(ours.value) == str(theirs.value)
         sync.eval()
         assert sync(x).shape == x.shape  # running statistics: fine in eval mode
+    # Apex's channel_last reads the channels from the last dimension: one value per
+    # channel there too; two values per channel, or none (an empty batch), are fine
+    last = SyncBatchNorm(3, channel_last=True).to(device)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        last(torch.ones(1, 1, 3, device=device))
+    assert last(torch.randn(1, 2, 3, device=device)).shape == (1, 2, 3)
+    first = SyncBatchNorm(3).to(device)
+    assert first(torch.randn(1, 3, 1, 2, device=device)).shape == (1, 3, 1, 2)
+    assert first(torch.randn(0, 3, 2, device=device)).shape == (0, 3, 2)
 
 
 def test_output_may_be_modified_in_place(device):

@@ -223,10 +223,12 @@ class SyncBatchNorm(_BatchNorm):
         if bn_training and self.training and dist.is_available() and dist.is_initialized():
             group = self.process_group if self.process_group is not None else dist.group.WORLD
             world_size = dist.get_world_size(group)
-        if bn_training and world_size < 2:
+        if bn_training and world_size < 2 and input.numel() <= self.num_features:
+            # (one value per channel needs numel == C; C = 0 counts the other dimensions)
+            dim = input.dim() - 1 if self.channel_last or input.dim() == 2 else 1
             size = 1
             for i, n in enumerate(input.shape):
-                if i != (input.dim() - 1 if self.channel_last or input.dim() == 2 else 1):
+                if i != dim:
                     size *= n
             if size == 1:
                 raise ValueError("Expected more than 1 value per channel when training, got "
