@@ -282,6 +282,7 @@ def _norm_scenarios():
 SYNCBN_SHAPES = ((64, 56, 56), (256, 56, 56), (128, 28, 28), (512, 28, 28), (256, 14, 14),
                  (1024, 14, 14), (512, 7, 7), (2048, 7, 7))
 SYNCBN_BATCH = 4
+SYNCBN_LOOP_BATCH = 256
 SYNCBN_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SYNCBN_REGISTER_LIMIT = 80
 
@@ -309,6 +310,12 @@ def _syncbn_scenarios():
                 name = f"syncbn {'CL' if channels_last else 'CF'} {c}x{h}x{w} {dname}"
                 out[name] = (lambda s=(SYNCBN_BATCH, c, h, w), dt=dt, cl=channels_last:
                              run(s, dt, cl))
+    # At batch 4 most reductions give each program one tile (the loop is compiled away);
+    # a batch of 256 at 7x7 gives the small-plane tiles a loop too.
+    for channels_last in (True, False):
+        name = f"syncbn {'CL' if channels_last else 'CF'} 512x7x7 fp16 b{SYNCBN_LOOP_BATCH}"
+        out[name] = (lambda s=(SYNCBN_LOOP_BATCH, 512, 7, 7), cl=channels_last:
+                     run(s, torch.float16, cl))
     return out
 
 
@@ -374,6 +381,36 @@ def access_widths(sass):
     return out
 
 
+_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.*)")
+_BRANCH = re.compile(r"\bBRA\b.*`\((\.L_x_\d+)\)")
+
+
+def loop_barriers(sass):
+    """(loops, barriers in them): the backward branches of ``sass`` (nvdisasm's listing)
+    that close a body of more than one instruction, and the ``BAR.SYNC`` instructions
+    between each such branch and its target. A reduction across a tile's threads inside
+    a loop shows up as barriers there; running accumulators reduced after the loop do
+    not."""
+    labels, body = {}, []
+    for line in sass.splitlines():
+        m = _LABEL.match(line)
+        if m:
+            labels[m.group(1)] = len(body)
+            continue
+        m = _INSTRUCTION.search(line)
+        if m:
+            body.append(m.group(1))
+    loops = barriers = 0
+    for i, ins in enumerate(body):
+        m = _BRANCH.search(ins)
+        start = labels.get(m.group(1)) if m else None
+        if start is not None and start < i:
+            loops += 1
+            barriers += sum("BAR.SYNC" in b for b in body[start:i + 1])
+    return loops, barriers
+
+
 def resource_usage(res):
     """REG / STACK / LOCAL / SHARED from ``cuobjdump -res-usage`` output."""
     out = {}
@@ -418,6 +455,7 @@ def _compile_index(i):
     out["stores"] = widths["store"]
     out["masked_loads"] = widths["masked_load"]
     out["masked_stores"] = widths["masked_store"]
+    out["loops"], out["loop_barriers"] = loop_barriers(sass)
     out["widest_load"] = max(widths["load"], default=None)
     out["widest_store"] = max(widths["store"], default=None)
     return out
@@ -597,7 +635,8 @@ def syncbn_table(report):
     spills, widest accesses."""
     part = report.get("syncbn") or {}
     lines = ["| kernel | tile (BLOCK_R x BLOCK_C or P x C) | layout | warps | REG | spills | "
-             "widest LDG / STG (B) | used by |", "|---|---|---|---:|---:|---:|---|---|"]
+             "widest LDG / STG (B) | loops (BAR.SYNC in them) | used by |",
+             "|---|---|---|---:|---:|---:|---|---|---|"]
     for r in sorted(part.get("specialisations", []), key=lambda r: r["kernel"]):
         cx = r["constexprs"]
         tile = (f"{cx.get('BLOCK_R')} x {cx.get('BLOCK_C')}" if "BLOCK_R" in cx
@@ -606,10 +645,11 @@ def syncbn_table(report):
         used = f"{r['sources'][0]} (+{len(r['sources']) - 1})"
         if r.get("error") and "reg" not in r:
             lines.append(f"| {r['kernel']} | {tile} | {layout} | {r['num_warps']} | error | | "
-                         f"{r['error'][:80]} | {used} |")
+                         f"{r['error'][:80]} | | {used} |")
             continue
         lines.append(f"| {r['kernel']} | {tile} | {layout} | {r['num_warps']} | {r['reg']} | "
-                     f"{r['spills']} | {r['widest_load']} / {r['widest_store']} | {used} |")
+                     f"{r['spills']} | {r['widest_load']} / {r['widest_store']} | "
+                     f"{r.get('loops')} ({r.get('loop_barriers')}) | {used} |")
     return "\n".join(lines)
 
 

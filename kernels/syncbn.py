@@ -11,9 +11,10 @@ and reduces, per channel, over everything but C. The stages:
 ``syncbn_stats(x) -> (rows, shift)``
     fp32 rows ``[P, 2C + 1]`` of per-program partial statistics ``(mean[C], m2[C], count)``,
     ``m2 = sum((x - mean)^2)``. The reduced dimension is split over many programs per
-    channel block (grid: channel blocks x chunks). Each program takes its tiles' means and
-    m2 in two passes over registers and merges them with Chan's parallel formula, relative
-    to ``shift`` (the input's first value per channel, the same in every program), so
+    channel block (grid: channel blocks x chunks). Each program runs Welford's update in
+    every lane of its tile over its tiles (the loop only loads and updates registers) and
+    merges the lanes once, after the loop, with Chan's parallel formula, all relative to
+    ``shift`` (the input's first value per channel, the same in every program), so
     nothing computes E[x^2] - E[x]^2 (which loses every digit when the mean is large
     against the spread) and merged means keep their digits.
 ``syncbn_combine(rows, shift) -> row``
@@ -32,7 +33,8 @@ shift) -> (mean, invstd, count)``
     local ``sum_dy`` and ``sum_dy_xmu = sum(dy * (x - mean))`` (one packed fp32 ``[2C]``
     tensor, the one all_reduce of the backward) with the local ``grad_weight`` and
     ``grad_bias``; with a fused ReLU, ``dy`` is masked where the recomputed output is <= 0.
-    Per-chunk sums are Kahan-compensated and the chunks are added in fp64.
+    Each lane of a program's tile keeps a Kahan-compensated running sum over the
+    program's tiles, reduced once after the loop; the chunks are added in fp64.
 ``syncbn_backward_input(dy, x, ..., sums, count) -> (dx, dz)``
     ``dx = (dy - sum_dy / n - (x - mean) * invstd^2 * sum_dy_xmu / n) * invstd * weight``
     (``sums=None``: running statistics were used, ``dx = dy * invstd * weight``), and the
@@ -120,9 +122,6 @@ def _syncbn_stats_kernel(
     c0 = pid_c.to(tl.int64) * BLOCK_C
     cols = c0 + tl.arange(0, BLOCK_C)
     col_mask = cols < C
-    acc_n = 0.0
-    acc_mean = tl.zeros([BLOCK_C], dtype=tl.float32)
-    acc_m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
     first = chunk * segs_per_chunk
     last = tl.minimum(first + segs_per_chunk, n_segs)
     # Work relative to a pivot, the input's first value per channel (the same in every
@@ -134,17 +133,44 @@ def _syncbn_stats_kernel(
         pivot = load_f32(x_ptr + cols * B, col_mask, EMULATE_BF16_ROUNDING)  # (int64)
     if chunk == 0:
         tl.store(shift_ptr + cols, pivot, mask=col_mask)
+    # Welford's update in every lane of the tile (a running mean and m2 per lane): the
+    # loop only loads and updates registers; the lanes are merged once, after it. Every
+    # tile but a ragged one is full, and every ragged tile holds the same first k_rag
+    # positions (the plane's last run, or the input's last rows), so a lane has seen
+    # n_full tiles, plus n_rag when its position is below k_rag: two counts, inverted
+    # once per tile, stand for the 2-D count.
+    if CHANNELS_LAST:
+        k_rag = M - (n_segs - 1) * BLOCK_R
+    else:
+        k_rag = B - (NBB - 1) * BLOCK_R
+    in_rag = tl.arange(0, BLOCK_R) < k_rag
+    one = tl.full([], 1.0, tl.float32)
+    n_full = one * 0.0
+    n_rag = one * 0.0
+    lane_mean = tl.zeros([BLOCK_C, BLOCK_R], dtype=tl.float32)
+    lane_m2 = tl.zeros([BLOCK_C, BLOCK_R], dtype=tl.float32)
     for seg in range(first, last):
         base, offs, mask, k = _syncbn_tile(seg, c0, col_mask, M, C, B, NBB, CHANNELS_LAST,
                                            BLOCK_R, BLOCK_C)
         x = load_f32(x_ptr + base + offs, mask, EMULATE_BF16_ROUNDING)
         x = tl.where(mask, x - pivot[:, None], 0.0)
-        kf = k.to(tl.float32)
-        # The tile's mean and m2 in two passes over registers (no E[x^2] - E[x]^2).
-        t_mean = tl.div_rn(tl.sum(x, axis=1), tl.zeros([BLOCK_C], dtype=tl.float32) + kf)
-        d = tl.where(mask, x - t_mean[:, None], 0.0)
-        t_m2 = tl.sum(d * d, axis=1)
-        acc_n, acc_mean, acc_m2 = _chan_merge(acc_n, acc_mean, acc_m2, kf, t_mean, t_m2)
+        if k == BLOCK_R:
+            n_full += 1.0
+        else:
+            n_rag += 1.0
+        inv_n = tl.where(in_rag, tl.div_rn(one, tl.maximum(n_full + n_rag, 1.0)),
+                         tl.div_rn(one, tl.maximum(n_full, 1.0)))
+        delta = x - lane_mean
+        lane_mean += tl.where(mask, delta * inv_n[None, :], 0.0)
+        lane_m2 += tl.where(mask, delta * (x - lane_mean), 0.0)
+    # The lanes' merge (Chan's formula over all of them at once): the mean weighted by the
+    # lanes' counts, then m2 from the lanes' m2 and their means' deviations from it.
+    lane_n = tl.where(in_rag, n_full + n_rag, n_full)
+    acc_n = n_full * BLOCK_R + n_rag * k_rag.to(tl.float32)
+    acc_mean = tl.div_rn(tl.sum(lane_n[None, :] * lane_mean, axis=1),
+                         tl.zeros([BLOCK_C], dtype=tl.float32) + tl.maximum(acc_n, 1.0))
+    dev = lane_mean - acc_mean[:, None]
+    acc_m2 = tl.sum(lane_m2, axis=1) + tl.sum(lane_n[None, :] * dev * dev, axis=1)
     row = part_ptr + chunk * row_stride  # (chunk is int64: the offset may pass 2**31)
     tl.store(row + cols, acc_mean, mask=col_mask)
     tl.store(row + C + cols, acc_m2, mask=col_mask)
@@ -322,12 +348,13 @@ def _syncbn_backward_reduce_kernel(
     cols = c0 + tl.arange(0, BLOCK_C)
     col_mask = cols < C
     mean = tl.load(mean_ptr + cols, mask=col_mask, other=0.0)
-    sum_dy = tl.zeros([BLOCK_C], dtype=tl.float32)
-    sum_dy_xmu = tl.zeros([BLOCK_C], dtype=tl.float32)
-    # Kahan compensation of the running sums: a chunk adds up many tile sums of similar
-    # size, and each plain addition would round at the scale of the whole chunk.
-    c_dy = tl.zeros([BLOCK_C], dtype=tl.float32)
-    c_xmu = tl.zeros([BLOCK_C], dtype=tl.float32)
+    # 2-D running sums, one per lane of the tile, merged once after the loop (the loop only
+    # loads and adds), each with Kahan's compensation: a lane adds up a value from every
+    # tile of the chunk.
+    lane_dy = tl.zeros([BLOCK_C, BLOCK_R], dtype=tl.float32)
+    lane_xmu = tl.zeros([BLOCK_C, BLOCK_R], dtype=tl.float32)
+    c_dy = tl.zeros([BLOCK_C, BLOCK_R], dtype=tl.float32)
+    c_xmu = tl.zeros([BLOCK_C, BLOCK_R], dtype=tl.float32)
     first = chunk * segs_per_chunk
     last = tl.minimum(first + segs_per_chunk, n_segs)
     for seg in range(first, last):
@@ -336,17 +363,19 @@ def _syncbn_backward_reduce_kernel(
         dy, x = _syncbn_load_dy_x(dy_ptr, x_ptr, z_ptr, base, offs, mask, cols, col_mask,
                                   mean_ptr, invstd_ptr, w_ptr, b_ptr, HAS_WEIGHT, HAS_BIAS,
                                   HAS_Z, RELU, EMULATE_BF16_ROUNDING)
-        t_dy = tl.sum(dy, axis=1) - c_dy
-        new = sum_dy + t_dy
-        c_dy = (new - sum_dy) - t_dy
-        sum_dy = new
-        t_xmu = tl.sum(tl.where(mask, dy * (x - mean[:, None]), 0.0), axis=1) - c_xmu
-        new = sum_dy_xmu + t_xmu
-        c_xmu = (new - sum_dy_xmu) - t_xmu
-        sum_dy_xmu = new
+        t = dy - c_dy
+        new = lane_dy + t
+        c_dy = (new - lane_dy) - t
+        lane_dy = new
+        t = tl.where(mask, dy * (x - mean[:, None]), 0.0) - c_xmu
+        new = lane_xmu + t
+        c_xmu = (new - lane_xmu) - t
+        lane_xmu = new
+    sum_dy = tl.sum(lane_dy - c_dy, axis=1)
+    sum_dy_xmu = tl.sum(lane_xmu - c_xmu, axis=1)
     row = part_ptr + chunk * 2 * C
-    tl.store(row + cols, sum_dy - c_dy, mask=col_mask)
-    tl.store(row + C + cols, sum_dy_xmu - c_xmu, mask=col_mask)
+    tl.store(row + cols, sum_dy, mask=col_mask)
+    tl.store(row + C + cols, sum_dy_xmu, mask=col_mask)
 
 
 @triton.jit

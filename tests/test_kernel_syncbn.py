@@ -96,6 +96,33 @@ def test_large_mean_keeps_its_digits(shape):
     torch.testing.assert_close(invstd.double(), v64.rsqrt(), rtol=2e-6, atol=0)
 
 
+@pytest.mark.parametrize("shape", [(150000, 3), (500, 2, 3000)], ids=str)
+@pytest.mark.parametrize("data", ["blank first sample", "mean 1e4"])
+def test_long_lanes_keep_fp32_accuracy(monkeypatch, shape, data):
+    """The GPU geometry (32- or 2048-element runs per lane of a tile), one program per
+    channel block: every lane runs Welford's update over hundreds of tiles (293 channels
+    last, 1000 channels first) before the lanes are merged. A first sample far from the
+    rest (blank, the rest at 1e3) and mean / std = 1e4 keep fp32 accuracy."""
+    from tritamp.testing import force_gpu_path
+    monkeypatch.setattr(K, "_target_programs", lambda device: 1)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(shape, generator=g)
+    if data == "blank first sample":
+        x = x + 1e3
+        x[:7 if x.dim() == 2 else 1] = 0.0
+    else:
+        x = x + 1e4
+    x = x.to(DEVICE)
+    m64, v64, n = _exact_stats(x)
+    with force_gpu_path():
+        rows, shift = K.syncbn_stats(x)
+        assert rows.shape[0] == 1  # one program: every tile through the same lanes
+        mean, invstd, count = K.syncbn_finalize(rows, 0.0, shift=shift)
+    assert count.item() == n
+    torch.testing.assert_close(mean.double(), m64, rtol=2e-7, atol=0)
+    torch.testing.assert_close(invstd.double(), v64.rsqrt(), rtol=5e-7, atol=0)
+
+
 def _rank_rows(parts):
     """Each part as one rank's packed row (syncbn_combine), stacked [world, 2C + 1]."""
     return torch.stack([K.syncbn_combine(*K.syncbn_stats(p)) for p in parts])

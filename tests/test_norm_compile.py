@@ -155,6 +155,45 @@ def test_channels_first_planes_get_the_widest_loads_their_size_allows(syncbn):
     assert seen == {(k, side) for k in TILED for side in (14, 7)}
 
 
+def test_syncbn_reductions_keep_barriers_out_of_their_loops(syncbn):
+    """The statistics and backward reductions update 2-D running accumulators in the loop
+    over a program's tiles and reduce them across the tile's threads once, after it: no
+    BAR.SYNC inside any loop (a reduction per tile put 16 there, channels last). Every
+    such kernel is compiled with a loop at some shape, in both layouts (a program with
+    one tile has its loop compiled away)."""
+    looped = set()
+    for r in syncbn["specialisations"]:
+        if r["kernel"] not in ("_syncbn_stats_kernel", "_syncbn_backward_reduce_kernel"):
+            continue
+        assert r["loop_barriers"] == 0, (r["kernel"], r["sources"], r["loops"])
+        if r["loops"]:
+            looped.add((r["kernel"], r["constexprs"]["CHANNELS_LAST"],
+                        r["constexprs"]["BLOCK_R"] <= 64))
+    assert looped >= {(k, cl, small) for k in ("_syncbn_stats_kernel",
+                                               "_syncbn_backward_reduce_kernel")
+                      for cl, small in ((True, True), (False, False), (False, True))}
+
+
+def test_loop_barriers_reads_backward_branches():
+    from benchmarks.compile_report import loop_barriers
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0020*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0030*/               @P0 BRA `(.L_x_0) ;
+        /*0040*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0050*/               @P1 BRA `(.L_x_1) ;
+.L_x_1:
+        /*0060*/                   EXIT ;
+.L_x_2:
+        /*0070*/                   BRA `(.L_x_2);
+"""
+    # one loop (0010-0030) with one barrier; a forward branch and the closing self-branch
+    # are no loops, and the barrier after the loop is not in it
+    assert loop_barriers(sass) == (1, 1)
+
+
 def test_merge_rows_are_padded_to_aligned_rows(syncbn):
     """The partial rows syncbn_stats writes start 64 bytes apart at least (2C + 1 padded
     to a multiple of 16): the merge reads them with 16-byte loads."""
