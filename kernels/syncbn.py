@@ -325,8 +325,11 @@ def _syncbn_load_dy_x(dy_ptr, x_ptr, z_ptr, base, offs, mask, cols, col_mask, me
             z = load_f32(z_ptr + base + offs, mask, EMULATE_BF16_ROUNDING)
         y = _syncbn_affine(x, z, cols, col_mask, mean_ptr, invstd_ptr, w_ptr, b_ptr,
                            HAS_WEIGHT, HAS_BIAS, HAS_Z, EMULATE_BF16_ROUNDING)
-        dy = tl.where(y > 0.0, dy, 0.0)
+        dy = tl.where(y <= 0.0, 0.0, dy)  # (torch.relu's backward: NaN passes dy)
     return dy, x
+
+
+_FLT_MAX: tl.constexpr = 3.4028234663852886e38
 
 
 @triton.jit
@@ -363,13 +366,15 @@ def _syncbn_backward_reduce_kernel(
         dy, x = _syncbn_load_dy_x(dy_ptr, x_ptr, z_ptr, base, offs, mask, cols, col_mask,
                                   mean_ptr, invstd_ptr, w_ptr, b_ptr, HAS_WEIGHT, HAS_BIAS,
                                   HAS_Z, RELU, EMULATE_BF16_ROUNDING)
+        # (a lane that reached +-inf or NaN keeps no compensation: inf - inf would make
+        # an overflowed sum NaN, where torch's sum is +-inf)
         t = dy - c_dy
         new = lane_dy + t
-        c_dy = (new - lane_dy) - t
+        c_dy = tl.where(tl.abs(new) <= _FLT_MAX, (new - lane_dy) - t, 0.0)
         lane_dy = new
         t = tl.where(mask, dy * (x - mean[:, None]), 0.0) - c_xmu
         new = lane_xmu + t
-        c_xmu = (new - lane_xmu) - t
+        c_xmu = tl.where(tl.abs(new) <= _FLT_MAX, (new - lane_xmu) - t, 0.0)
         lane_xmu = new
     sum_dy = tl.sum(lane_dy - c_dy, axis=1)
     sum_dy_xmu = tl.sum(lane_xmu - c_xmu, axis=1)
@@ -843,8 +848,6 @@ def syncbn_backward_input_prechecked(dy, x, mean, invstd, weight=None, sums=None
 # step for step (the same results, bit for bit); the statistics are the same sums taken
 # another way (two passes instead of torch.var_mean's Welford loop, ~25x slower here).
 
-_INF = float("inf")
-
 
 def _widened(t):
     """``(t as fp32, owned)``: ``owned`` when the fp32 tensor is a new one (may be written)."""
@@ -877,13 +880,12 @@ def _affine_cpu(x, mean, invstd, weight, bias, z, out=None):
 
 def _masked_dy_cpu(dy, x, mean, invstd, weight, bias, z, relu):
     """``(dy, owned)``: the output gradient in fp32, zeroed where the recomputed output is
-    not > 0 (NaN included, as the reference's ``torch.where(y > 0, dy, 0)``) when
-    ``relu``; ``owned`` when it is a new tensor."""
+    <= 0 when ``relu`` (torch.relu's backward: a NaN output passes the gradient);
+    ``owned`` when it is a new tensor."""
     dyf, owned = _widened(dy)
     if not relu:
         return dyf, owned
     y = _affine_cpu(x, mean, invstd, weight, bias, z)
-    y.nan_to_num_(nan=0.0, posinf=_INF, neginf=-_INF)
     return torch.ops.aten.threshold_backward.grad_input(dyf, y, 0.0, grad_input=y), True
 
 
@@ -1038,7 +1040,7 @@ def syncbn_forward_ref(x, mean, invstd, weight=None, bias=None, z=None, relu=Fal
 def _masked_dy(dy, x, mean, invstd, weight, bias, z, relu):
     dy = dy.float()
     if relu:
-        dy = torch.where(_affine_ref(x, mean, invstd, weight, bias, z) > 0, dy, 0.0)
+        dy = torch.where(_affine_ref(x, mean, invstd, weight, bias, z) <= 0, 0.0, dy)
     return dy
 
 

@@ -430,3 +430,117 @@ def test_input_it_cannot_normalise_is_refused_before_anything_changes(dtype):
         bn(torch.ones(4, 3, 2, 2, dtype=dtype))
     after = [bn.running_mean, bn.running_var, bn.num_batches_tracked]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_a_weight_without_bias_as_torchs_batchnorm(device):
+    """bias=False (torch's BatchNorm keyword): a weight and no bias, forward, gradients
+    and running statistics as torch's; convert_syncbn_model keeps it so."""
+    ref = nn.BatchNorm2d(4, bias=False).to(device)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+    sync = SyncBatchNorm(4, bias=False).to(device)
+    sync.load_state_dict(ref.state_dict())
+    assert sync.bias is None and "bias" not in sync.state_dict()
+    x = _data((3, 4, 5, 5), torch.float32, device)
+    xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    dy = _data((3, 4, 5, 5), torch.float32, device, mean=0.0, seed=7)
+    sync(xs).backward(dy)
+    ref(xr).backward(dy)
+    torch.testing.assert_close(xs.grad, xr.grad, **TOL[torch.float32])
+    torch.testing.assert_close(sync.weight.grad, ref.weight.grad, **TOL[torch.float32])
+    torch.testing.assert_close(sync.running_var, ref.running_var, **TOL[torch.float32])
+    model = nn.Sequential(nn.BatchNorm2d(4), nn.BatchNorm2d(4, bias=False)).to(device)
+    conv = convert_syncbn_model(model)
+    assert [type(m) for m in conv] == [SyncBatchNorm, SyncBatchNorm]
+    assert conv[1].bias is None and conv[0].bias is not None
+
+
+def test_a_failed_conversion_leaves_the_model_as_it_was():
+    bad = nn.BatchNorm1d(3)
+    bad.num_features = -1  # (SyncBatchNorm(-1) cannot be built)
+    model = nn.Sequential(nn.BatchNorm2d(3), nn.Sequential(nn.BatchNorm1d(3), bad))
+    with pytest.raises(RuntimeError):
+        convert_syncbn_model(model)
+    assert [type(m) for m in (model[0], *model[1])] == [nn.BatchNorm2d, nn.BatchNorm1d,
+                                                         nn.BatchNorm1d]
+
+
+def test_converting_keeps_tritamps_own_layers():
+    """A model that already holds SyncBatchNorm layers (converted twice, or built with the
+    fused ReLU): they stay, with fuse_relu and channel_last; a given process group is
+    theirs afterwards."""
+    fused = SyncBatchNorm(3, fuse_relu=True, channel_last=True)
+    model = nn.Sequential(fused, nn.BatchNorm1d(3))
+    conv = convert_syncbn_model(model)
+    assert conv[0] is fused and fused.fuse_relu and fused.channel_last
+    assert type(conv[1]) is SyncBatchNorm
+    group = object()  # (conversion only records the group)
+    assert convert_syncbn_model(conv, process_group=group)[0].process_group is group
+    assert convert_syncbn_model(fused) is fused
+
+
+def test_the_residual_may_change_in_place_after_the_forward_without_fused_relu(device):
+    """Without the fused ReLU the backward never reads z, so it is not saved: changing z
+    in place before the backward is fine (as for torch's bn(x) + z)."""
+    sync, ref = _pair(4, 4, device)
+    x = _data((2, 4, 3, 3), torch.float32, device)
+    z = _data((2, 4, 3, 3), torch.float32, device, seed=3)
+    xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = sync(xs, z)
+    z.add_(1.0)
+    y.sum().backward()
+    (ref(xr) + z).sum().backward()
+    torch.testing.assert_close(xs.grad, xr.grad, **TOL[torch.float32])
+
+
+def test_fused_relu_passes_the_gradient_where_the_output_is_nan(device):
+    """torch.relu's backward zeroes the gradient where its output is <= 0 only: a NaN
+    output passes it, so a NaN input gives the bias and residual the gradient torch's
+    relu(bn(x) + z) gives them."""
+    sync = SyncBatchNorm(3, fuse_relu=True).to(device)
+    ref = nn.BatchNorm2d(3).to(device)
+    ref.load_state_dict(sync.state_dict())
+    x = _data((2, 3, 3, 3), torch.float32, device)
+    x[1, 2, 1, 1] = float("nan")
+    z = _data((2, 3, 3, 3), torch.float32, device, seed=5)
+    dy = _data((2, 3, 3, 3), torch.float32, device, mean=0.0, seed=6)
+    zs, zr = z.clone().requires_grad_(), z.clone().requires_grad_()
+    sync(x, zs).backward(dy)
+    torch.relu(ref(x) + zr).backward(dy)
+    torch.testing.assert_close(sync.bias.grad, ref.bias.grad, **TOL[torch.float32])
+    torch.testing.assert_close(zs.grad, zr.grad, **TOL[torch.float32])
+    assert torch.equal(zs.grad[:, 2], dy[:, 2])  # the NaN channel: every gradient passes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_an_infinite_output_gradient_gives_infinite_parameter_gradients(device, dtype):
+    """An inf in the output gradient (a loss scale's overflow) gives +-inf parameter
+    gradients, as torch's: the backward's compensated sums do not turn it into NaN."""
+    sync, ref = _pair(3, 4, device)
+    sync, ref = sync.to(dtype), ref.to(dtype)
+    x = _data((2, 3, 2, 2), dtype, device)
+    dy = _data((2, 3, 2, 2), dtype, device, mean=0.0, seed=8)
+    dy[0, 1, 0, 0] = float("inf")
+    sync(x.clone().requires_grad_()).backward(dy)
+    ref(x.clone().requires_grad_()).backward(dy)
+    assert sync.bias.grad[1].item() == ref.bias.grad[1].item() == float("inf")
+    assert torch.equal(sync.weight.grad.isnan(), ref.weight.grad.isnan())
+    assert torch.equal(sync.weight.grad.isinf(), ref.weight.grad.isinf())
+
+
+def test_eps_is_checked_as_torchs_batch_norm(device):
+    x = _data((2, 3, 2, 2), torch.float32, device)
+    for eps in (0.0, -1e-5):
+        sync, ref = _pair(3, 4, device, eps=eps)
+        with pytest.raises(ValueError) as theirs:
+            ref(x)
+        with pytest.raises(ValueError) as ours:
+            sync(x)
+        assert str(ours.value) == str(theirs.value)
+    sync, ref = _pair(3, 4, device, eps=0.0)
+    sync.eval()
+    ref.eval()
+    torch.testing.assert_close(sync(x), ref(x), **TOL[torch.float32])  # eval: eps = 0 is fine
+    sync.eps = ref.eps = -1.0
+    with pytest.raises(ValueError, match="must be non-negative, but got -1.0"):
+        sync(x)

@@ -11,27 +11,47 @@ def convert_syncbn_model(module, process_group=None, channel_last=False):
     """Replace every ``torch.nn.modules.batchnorm._BatchNorm`` in ``module`` (the module
     itself included) with :class:`SyncBatchNorm`, and return the result.
 
-    Weights and biases are copied (same values, device, dtype and ``requires_grad``); the
-    running statistics and ``num_batches_tracked`` are the same tensors; the training flag
-    is kept. ``torch.nn.SyncBatchNorm`` layers are converted too; instance norms are left.
+    Weights and biases are copied (same values, device, dtype and ``requires_grad``; a
+    BatchNorm built with ``bias=False`` keeps no bias); the running statistics and
+    ``num_batches_tracked`` are the same tensors; the training flag is kept.
+    ``torch.nn.SyncBatchNorm`` layers are converted too; instance norms are left. A layer
+    that already is tritamp's :class:`SyncBatchNorm` stays as it is, with its
+    ``fuse_relu`` and ``channel_last`` (its process group becomes ``process_group`` when
+    one is given). Every replacement is built before the first is put in place: a call
+    that fails leaves ``module`` as it was.
 
     Example::
 
         model = tritamp.parallel.convert_syncbn_model(model)
     """
-    mod = module
+    swaps, kept = [], []
+    out = _converted(module, process_group, channel_last, swaps, kept)
+    for parent, name, child in swaps:
+        parent.add_module(name, child)
+    if process_group is not None:
+        for layer in kept:
+            layer.process_group = process_group
+    return out
+
+
+def _converted(module, process_group, channel_last, swaps, kept):
+    """``module``'s replacement (or ``module``). The replacements of its descendants are
+    appended to ``swaps`` as ``(parent, name, new child)`` and the SyncBatchNorm layers
+    left as they are to ``kept``, for the caller to apply once everything is built."""
     if isinstance(module, _InstanceNorm):
         return module
-    if isinstance(module, _BatchNorm):
+    mod = module
+    if isinstance(module, SyncBatchNorm):
+        kept.append(module)
+    elif isinstance(module, _BatchNorm):
         mod = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
                             module.track_running_stats, process_group,
-                            channel_last=channel_last)
+                            channel_last=channel_last,
+                            bias=not module.affine or module.bias is not None)
         if module.affine:
-            with torch.no_grad():
-                mod.weight = torch.nn.Parameter(module.weight.detach().clone(),
-                                                requires_grad=module.weight.requires_grad)
-                mod.bias = torch.nn.Parameter(module.bias.detach().clone(),
-                                              requires_grad=module.bias.requires_grad)
+            mod.weight = _copied(module.weight)
+            if module.bias is not None:
+                mod.bias = _copied(module.bias)
         mod.running_mean = module.running_mean
         mod.running_var = module.running_var
         mod.num_batches_tracked = module.num_batches_tracked
@@ -39,9 +59,15 @@ def convert_syncbn_model(module, process_group=None, channel_last=False):
         if hasattr(module, "qconfig"):
             mod.qconfig = module.qconfig
     for name, child in module.named_children():
-        mod.add_module(name, convert_syncbn_model(child, process_group=process_group,
-                                                  channel_last=channel_last))
+        new = _converted(child, process_group, channel_last, swaps, kept)
+        if new is not child or mod is not module:
+            swaps.append((mod, name, new))
     return mod
+
+
+def _copied(param):
+    with torch.no_grad():
+        return torch.nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad)
 
 
 def create_syncbn_process_group(group_size):

@@ -106,7 +106,8 @@ class SyncBatchnormFunction(torch.autograd.Function):
         # in-place ops after the layer (ReLU(inplace=True)) are allowed.
         y = layout.empty(input)
         syncbn_forward(x, mean, invstd, weight, bias, zv, fuse_relu, out=layout.view(y))
-        ctx.save_for_backward(x, zv, weight, bias, mean, invstd, count)
+        # z only for the fused ReLU's mask: without it the backward never reads z
+        ctx.save_for_backward(x, zv if fuse_relu else None, weight, bias, mean, invstd, count)
         ctx.layout = layout
         ctx.batch_stats = batch_stats
         ctx.group = process_group
@@ -162,7 +163,11 @@ class SyncBatchNorm(_BatchNorm):
         process_group: the group whose statistics are combined; ``None``: the default group.
         channel_last: the channel is the input's last dimension (Apex's meaning). Inputs in
             torch's ``channels_last`` memory format need no flag: they are detected.
-        fuse_relu: apply ReLU to the output (after adding ``z``).
+        fuse_relu: apply ReLU to the output (after adding ``z``). The backward recomputes
+            the ReLU's mask from the input and ``z``, so ``z`` is saved for it (and must not
+            be changed in place before the backward; autograd says so if it is).
+        bias: ``False`` for a weight without a bias (``affine=True``), as torch's
+            BatchNorm's keyword-only ``bias``.
 
     Training mode normalises with the statistics of the whole group's batch and updates
     the running statistics with its unbiased variance; evaluation mode uses the running
@@ -171,9 +176,11 @@ class SyncBatchNorm(_BatchNorm):
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
                  track_running_stats=True, process_group=None, channel_last=False,
-                 fuse_relu=False, device=None, dtype=None):
+                 fuse_relu=False, device=None, dtype=None, *, bias=True):
+        # (bias passed only when False: a torch without BatchNorm's bias says so itself)
         super().__init__(num_features, eps=eps, momentum=momentum, affine=affine,
-                         track_running_stats=track_running_stats, device=device, dtype=dtype)
+                         track_running_stats=track_running_stats, device=device, dtype=dtype,
+                         **({} if bias else {"bias": False}))
         self.process_group = process_group
         self.channel_last = channel_last
         self.fuse_relu = fuse_relu
@@ -233,6 +240,11 @@ class SyncBatchNorm(_BatchNorm):
             if size == 1:
                 raise ValueError("Expected more than 1 value per channel when training, got "
                                  f"input size {input.size()}")
+        if bn_training and self.eps <= 0.0:  # (torch's batch_norm, word for word)
+            raise ValueError(f"batch_norm eps must be positive during training, but got "
+                             f"{self.eps}")
+        if self.eps < 0.0:
+            raise ValueError(f"batch_norm eps must be non-negative, but got {self.eps}")
         # (an empty batch, on every rank: no statistics, and syncbn_finalize leaves the
         # running ones as they are; num_batches_tracked counts it, as torch does)
         track = self.training and self.track_running_stats
