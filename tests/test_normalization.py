@@ -203,8 +203,64 @@ def test_bad_input_errors():
     m = FusedLayerNorm(8)
     with pytest.raises(RuntimeError, match=r"expected input with shape \[\*, 8\]"):
         m(torch.randn(3, 7))
-    with pytest.raises(TypeError, match="floating-point"):
+    with pytest.raises(TypeError, match="got torch.int64"):
         fused_layer_norm(torch.ones(3, 8, dtype=torch.long), 8)
+    with pytest.raises(TypeError, match="got torch.float8_e4m3fn"):
+        m(torch.ones(3, 8).to(torch.float8_e4m3fn))
+    with pytest.raises(TypeError, match="weights; got torch.int64"):
+        fused_layer_norm_affine(torch.ones(3, 8), torch.ones(8, dtype=torch.long),
+                                torch.zeros(8), 8)
+
+
+@pytest.mark.parametrize("call", ["weight", "bias", "rms weight", "numel", "empty shape"])
+def test_parameter_and_shape_errors_are_torchs(call):
+    """A weight or bias not shaped as normalized_shape is refused as torch refuses it,
+    even with the right number of elements (a transposed weight would otherwise be
+    applied in flattened order); an empty normalized_shape likewise."""
+    x = torch.randn(2, 4, 6)
+    w, b = torch.ones(4, 6), torch.zeros(4, 6)
+    ours, theirs = {
+        "weight": (lambda: fused_layer_norm_affine(x, w.t(), b, (4, 6)),
+                   lambda: F.layer_norm(x, (4, 6), w.t(), b)),
+        "bias": (lambda: fused_layer_norm_affine(x, w, b.t(), (4, 6)),
+                 lambda: F.layer_norm(x, (4, 6), w, b.t())),
+        "rms weight": (lambda: fused_rms_norm_affine(x, w.reshape(24), (4, 6)),
+                       lambda: F.rms_norm(x, (4, 6), w.reshape(24))),
+        "numel": (lambda: fused_layer_norm_affine(x, torch.ones(5), torch.zeros(5), (4, 6)),
+                  lambda: F.layer_norm(x, (4, 6), torch.ones(5), torch.zeros(5))),
+        "empty shape": (lambda: fused_layer_norm(x, ()), lambda: F.layer_norm(x, ())),
+    }[call]
+    with pytest.raises(RuntimeError) as want:
+        theirs()
+    with pytest.raises(RuntimeError) as got:
+        ours()
+    assert str(got.value) == str(want.value)
+
+
+def test_zero_width_rows_give_torchs_empty_output(path):
+    x = torch.randn(3, 0, requires_grad=True)
+    for m in (FusedLayerNorm(0), FusedRMSNorm(0)):
+        y = m(x)
+        assert y.shape == (3, 0) and y.grad_fn is not None
+        y.sum().backward()
+        assert x.grad.shape == (3, 0) and m.weight.grad.shape == (0,)
+
+
+def test_rms_norm_eps_none_is_torchs_machine_epsilon(path):
+    """FusedRMSNorm(eps=None), torch.nn.RMSNorm's default: the input dtype's epsilon."""
+    x = torch.randn(4, 8).bfloat16()
+    ours = FusedRMSNorm(8, eps=None)(x)
+    want = F.rms_norm(x.double(), (8,), eps=torch.finfo(torch.bfloat16).eps).bfloat16()
+    torch.testing.assert_close(ours, want, rtol=1.6e-2, atol=1e-2)
+
+
+def test_autocast_leaves_float64_input_alone(path):
+    """torch's autocast (and so Apex's casts) never cast float64: neither do the norms."""
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert FusedLayerNorm(8)(x).dtype == torch.float64
+        assert FusedRMSNorm(8)(x).dtype == torch.float64
+        assert FusedLayerNorm(8)(x.float()).dtype == torch.bfloat16
 
 
 def test_custom_op_registration_and_compile():
@@ -326,6 +382,22 @@ def test_float64_is_normalised_in_float64(rms, cpu_path):
     assert y.dtype == torch.float64
     torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_memory_efficient_zero_weight_with_an_eps_fp16_cannot_hold(path, rms):
+    """eps = 1e-8 (BERT's 1e-12 alike) rounds to 0 in fp16, where Apex's clamp then divides
+    0 by 0: the clamp is at least fp16's smallest normal number, and every gradient of a
+    zero-initialised column stays finite."""
+    cls = FusedRMSNorm if rms else FusedLayerNorm
+    m = cls(8, eps=1e-8, memory_efficient=True).half()
+    with torch.no_grad():
+        m.weight[0] = 0.0
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 8, generator=g).half()
+    dy = torch.randn(2, 8, generator=g).half()
+    _, dx, params = _fwd_bwd(m, x, dy)
+    assert torch.isfinite(dx).all() and all(torch.isfinite(p).all() for p in params)
 
 
 @pytest.mark.parametrize("rms", [False, True])

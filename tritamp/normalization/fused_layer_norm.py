@@ -123,15 +123,30 @@ class _EagerNorm(torch.autograd.Function):
 _is_compiling = torch.compiler.is_compiling
 
 
-def _normalized_numel(input, normalized_shape):
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _normalized_numel(input, normalized_shape, weight, bias):
+    """The elements of one normalised row, after torch's checks of the normalized shape,
+    the parameters' shapes and the input's trailing dimensions (its messages)."""
     if normalized_shape.__class__ is tuple and len(normalized_shape) == 1:  # the modules'
         n = normalized_shape[0]
-        if input.dim() and input.shape[-1] == n:
+        if input.dim() and input.shape[-1] == n and (weight is None or (
+                weight.shape == normalized_shape and (bias is None
+                                                      or bias.shape == normalized_shape))):
             return n
     shape = ((normalized_shape,) if isinstance(normalized_shape, numbers.Integral)
              else tuple(normalized_shape))
     k = len(shape)
-    if k == 0 or input.dim() < k or tuple(input.shape[input.dim() - k:]) != shape:
+    if k == 0:
+        raise RuntimeError("Expected normalized_shape to be at least 1-dimensional, i.e., "
+                           "containing at least one element, but got normalized_shape = []")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and tuple(t.shape) != shape:
+            raise RuntimeError(f"Expected {name} to be of same shape as normalized_shape, but "
+                               f"got {name} of shape {list(t.shape)} and normalized_shape = "
+                               f"{list(shape)}")
+    if input.dim() < k or tuple(input.shape[input.dim() - k:]) != shape:
         raise RuntimeError(
             f"Given normalized_shape={list(shape)}, expected input with shape [*, "
             f"{', '.join(str(s) for s in shape)}], but got input of size {list(input.shape)}")
@@ -142,25 +157,46 @@ def _normalized_numel(input, normalized_shape):
 
 
 def _norm(input, weight, bias, normalized_shape, eps, memory_efficient, rms, mixed):
-    n = _normalized_numel(input, normalized_shape)
-    if not input.is_floating_point():
-        raise TypeError(f"fused norms take floating-point input; got {input.dtype}")
+    if rms:
+        bias = None
+    n = _normalized_numel(input, normalized_shape, weight, bias)
+    dtype = input.dtype
+    if dtype not in _FLOATS:
+        raise TypeError(f"fused norms take float32, bfloat16, float16 or float64 input; got "
+                        f"{dtype}")
+    if weight is not None and weight.dtype not in _FLOATS:
+        raise TypeError(f"fused norms take float32, bfloat16, float16 or float64 weights; "
+                        f"got {weight.dtype}")
+    if eps is None:  # (torch.nn.RMSNorm's default: the input dtype's machine epsilon)
+        eps = torch.finfo(dtype).eps
     device_type = input.device.type
-    if torch.is_autocast_enabled(device_type):
+    if torch.is_autocast_enabled(device_type) and dtype is not torch.float64:
+        # (autocast's casts leave float64 alone)
         out_dtype = torch.get_autocast_dtype(device_type)
     elif mixed:
         out_dtype = weight.dtype
     else:
-        out_dtype = input.dtype
-    if rms:
-        bias = None
-    if input.dtype == torch.float64 or (weight is not None and weight.dtype == torch.float64):
+        out_dtype = dtype
+    if n == 0:  # zero-width rows: torch's own op gives the empty output and its graph
+        return _torch_norm(input, weight, bias, eps, rms).to(out_dtype)
+    if dtype is torch.float64 or (weight is not None and weight.dtype is torch.float64):
         return _float64_norm(input, weight, bias, n, eps, rms, out_dtype)
     if _is_compiling():
         return _norm_fwd(input, weight, bias, n, float(eps), rms, out_dtype,
                          bool(memory_efficient))[0]
     return _EagerNorm.apply(input, weight, bias, n, float(eps), rms, out_dtype,
                             bool(memory_efficient))
+
+
+def _torch_norm(input, weight, bias, eps, rms):
+    """torch's layer_norm / rms_norm over ``input``'s trailing dimensions of the weight's
+    shape (or the last one), the parameters cast to the input's dtype."""
+    shape = list(weight.shape) if weight is not None else [input.shape[-1]]
+    w = None if weight is None else weight.to(input.dtype)
+    if rms:
+        return torch.nn.functional.rms_norm(input, shape, w, eps)
+    b = None if bias is None else bias.to(input.dtype)
+    return torch.nn.functional.layer_norm(input, shape, w, b, eps)
 
 
 def _float64_norm(input, weight, bias, n, eps, rms, out_dtype):
