@@ -62,6 +62,8 @@ from torch import nn  # noqa: E402
 
 from tritamp.kernels import registry  # noqa: E402  (the op registry: samples, budgets)
 
+from .sass import loop_barriers  # noqa: E402  (reading SASS listings)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "out", "compile_report.json")
 OPTIMIZERS = ("FusedAdam", "FusedSGD", "FusedLAMB", "FusedAdagrad", "FusedNovoGrad")
@@ -379,36 +381,6 @@ def access_widths(sass):
         for k in (kind, "masked_" + kind) if pred else (kind,):
             out[k][width] = out[k].get(width, 0) + 1
     return out
-
-
-_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
-_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.*)")
-_BRANCH = re.compile(r"\bBRA\b.*`\((\.L_x_\d+)\)")
-
-
-def loop_barriers(sass):
-    """(loops, barriers in them): the backward branches of ``sass`` (nvdisasm's listing)
-    that close a body of more than one instruction, and the ``BAR.SYNC`` instructions
-    between each such branch and its target. A reduction across a tile's threads inside
-    a loop shows up as barriers there; running accumulators reduced after the loop do
-    not."""
-    labels, body = {}, []
-    for line in sass.splitlines():
-        m = _LABEL.match(line)
-        if m:
-            labels[m.group(1)] = len(body)
-            continue
-        m = _INSTRUCTION.search(line)
-        if m:
-            body.append(m.group(1))
-    loops = barriers = 0
-    for i, ins in enumerate(body):
-        m = _BRANCH.search(ins)
-        start = labels.get(m.group(1)) if m else None
-        if start is not None and start < i:
-            loops += 1
-            barriers += sum("BAR.SYNC" in b for b in body[start:i + 1])
-    return loops, barriers
 
 
 def resource_usage(res):

@@ -329,7 +329,7 @@ def _syncbn_load_dy_x(dy_ptr, x_ptr, z_ptr, base, offs, mask, cols, col_mask, me
     return dy, x
 
 
-_FLT_MAX: tl.constexpr = 3.4028234663852886e38
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit

@@ -175,7 +175,7 @@ def test_syncbn_reductions_keep_barriers_out_of_their_loops(syncbn):
 
 
 def test_loop_barriers_reads_backward_branches():
-    from benchmarks.compile_report import loop_barriers
+    from benchmarks.sass import loop_barriers
     sass = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
 .L_x_0:

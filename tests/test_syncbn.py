@@ -127,6 +127,31 @@ def test_channels_last_memory_format_is_kept(device, shape, dtype):
         _train_steps(sync, ref, exact, xs, dys, memory_format=fmt)
 
 
+@pytest.mark.parametrize("case", ["4-D W sliced", "4-D channels sliced", "5-D sliced"])
+def test_a_sliced_channels_last_view_gives_channels_last_output(device, case):
+    """A slice of a channels_last tensor is not dense, but torch reads its strides as
+    channels-last: the output and the input gradient come back in that format, with
+    torch's values."""
+    cl, cl3 = torch.channels_last, torch.channels_last_3d
+    base, view, fmt = {
+        "4-D W sliced": ((3, 4, 5, 12), lambda t: t[..., ::2], cl),
+        "4-D channels sliced": ((3, 8, 5, 6), lambda t: t[:, :4], cl),
+        "5-D sliced": ((2, 3, 4, 3, 10), lambda t: t[..., ::2], cl3),
+    }[case]
+    x = view(_data(base, torch.float32, device).contiguous(memory_format=fmt))
+    assert not x.is_contiguous(memory_format=fmt)
+    c = x.shape[1]
+    sync, ref = _pair(c, x.dim(), device)
+    xs, xr = x.detach().requires_grad_(), x.detach().clone().requires_grad_()
+    ys, yr = sync(xs), ref(xr)
+    assert ys.is_contiguous(memory_format=fmt) and yr.is_contiguous(memory_format=fmt)
+    torch.testing.assert_close(ys, yr, **TOL[torch.float32])
+    dy = _data(tuple(x.shape), torch.float32, device, seed=9, mean=0.0)
+    (gs,), (gr,) = torch.autograd.grad(ys, [xs], dy), torch.autograd.grad(yr, [xr], dy)
+    assert gs.is_contiguous(memory_format=fmt) and gr.is_contiguous(memory_format=fmt)
+    torch.testing.assert_close(gs, gr, **TOL[torch.float32])
+
+
 def test_apex_channel_last_takes_channels_from_the_last_dimension(device):
     sync, ref = _pair(5, 4, device)
     sync.channel_last = True

@@ -25,7 +25,9 @@ class _Layout:
     ``last``   channel is the last dimension (Apex's ``channel_last``, 2-D input): [M, C]
     ``dense``  channel is dimension 1 and memory is channels-last (torch's
                ``channels_last`` / ``channels_last_3d``, or any such permutation): [M, C]
-               without a copy; outputs keep that memory format
+               without a copy; outputs keep that memory format. A view that is not dense
+               but whose strides torch reads as channels-last (a slice of such a tensor)
+               is copied to that order, and its outputs are channels-last, as torch's
     ``first``  channel is dimension 1, anything else: [N, C, B] (contiguous copy if needed)
     """
 
@@ -37,12 +39,22 @@ class _Layout:
             return
         self.C = x.shape[1]
         self.perm = (0, *range(2, nd), 1)
-        if not x.is_contiguous() and x.permute(self.perm).is_contiguous():
+        if not x.is_contiguous() and (x.permute(self.perm).is_contiguous()
+                                      or self._channels_last_order(x)):
             self.kind = "dense"
             self.inv = tuple(self.perm.index(i) for i in range(nd))
             self.perm_shape = x.permute(self.perm).shape
         else:
             self.kind = "first"
+
+    @staticmethod
+    def _channels_last_order(x):
+        """Whether torch would lay a copy of ``x`` out channels-last (``empty_like``'s
+        preserve_format reads the strides of a tensor that is not dense)."""
+        if x.dim() not in (4, 5):
+            return False
+        fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        return torch.empty_like(x).is_contiguous(memory_format=fmt)
 
     def view(self, t):
         """``t`` (shaped like the input) as the canonical view; copies only if its memory
