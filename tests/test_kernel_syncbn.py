@@ -96,12 +96,12 @@ def test_large_mean_keeps_its_digits(shape):
     torch.testing.assert_close(invstd.double(), v64.rsqrt(), rtol=2e-6, atol=0)
 
 
-@pytest.mark.parametrize("shape", [(150000, 3), (500, 2, 3000)], ids=str)
+@pytest.mark.parametrize("shape", [(150000, 3), (200, 2, 3000)], ids=str)
 @pytest.mark.parametrize("data", ["blank first sample", "mean 1e4"])
 def test_long_lanes_keep_fp32_accuracy(monkeypatch, shape, data):
     """The GPU geometry (32- or 2048-element runs per lane of a tile), one program per
     channel block: every lane runs Welford's update over hundreds of tiles (293 channels
-    last, 1000 channels first) before the lanes are merged. A first sample far from the
+    last, 400 channels first) before the lanes are merged. A first sample far from the
     rest (blank, the rest at 1e3) and mean / std = 1e4 keep fp32 accuracy."""
     from tritamp.testing import force_gpu_path
     monkeypatch.setattr(K, "_target_programs", lambda device: 1)
