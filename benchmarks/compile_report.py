@@ -62,7 +62,10 @@ from torch import nn  # noqa: E402
 
 from tritamp.kernels import registry  # noqa: E402  (the op registry: samples, budgets)
 
-from .sass import loop_barriers  # noqa: E402  (reading SASS listings)
+if __package__:
+    from .sass import loop_barriers  # noqa: E402  (reading SASS listings)
+else:  # run as a script (python benchmarks/compile_report.py): benchmarks/ is on the path
+    from sass import loop_barriers  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "out", "compile_report.json")

@@ -139,10 +139,12 @@ def _syncbn_stats_kernel(
     # positions (the plane's last run, or the input's last rows), so a lane has seen
     # n_full tiles, plus n_rag when its position is below k_rag: two counts, inverted
     # once per tile, stand for the 2-D count.
+    # (in int64: M may pass 2**31 while n_segs fits int32, whose product would wrap)
+    zero64 = tl.zeros([], dtype=tl.int64)
     if CHANNELS_LAST:
-        k_rag = M - (n_segs - 1) * BLOCK_R
+        k_rag = M - (zero64 + n_segs - 1) * BLOCK_R
     else:
-        k_rag = B - (NBB - 1) * BLOCK_R
+        k_rag = B - (zero64 + NBB - 1) * BLOCK_R
     in_rag = tl.arange(0, BLOCK_R) < k_rag
     one = tl.full([], 1.0, tl.float32)
     n_full = one * 0.0
@@ -333,6 +335,13 @@ _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
+def _compensation(new, old, t):
+    """Kahan's compensation of ``new = old + t``, 0 where it or ``new`` is not finite."""
+    c = (new - old) - t
+    return tl.where((tl.abs(new) <= _FLT_MAX) & (tl.abs(c) <= _FLT_MAX), c, 0.0)
+
+
+@triton.jit
 def _syncbn_backward_reduce_kernel(
     dy_ptr,          # output gradient, same layout as x
     x_ptr,           # forward input, canonical view
@@ -366,15 +375,15 @@ def _syncbn_backward_reduce_kernel(
         dy, x = _syncbn_load_dy_x(dy_ptr, x_ptr, z_ptr, base, offs, mask, cols, col_mask,
                                   mean_ptr, invstd_ptr, w_ptr, b_ptr, HAS_WEIGHT, HAS_BIAS,
                                   HAS_Z, RELU, EMULATE_BF16_ROUNDING)
-        # (a lane that reached +-inf or NaN keeps no compensation: inf - inf would make
-        # an overflowed sum NaN, where torch's sum is +-inf)
+        # (a lane whose sum or compensation is not finite keeps no compensation: inf - inf
+        # would make an overflowed sum NaN, where torch's sum is +-inf)
         t = dy - c_dy
         new = lane_dy + t
-        c_dy = tl.where(tl.abs(new) <= _FLT_MAX, (new - lane_dy) - t, 0.0)
+        c_dy = _compensation(new, lane_dy, t)
         lane_dy = new
         t = tl.where(mask, dy * (x - mean[:, None]), 0.0) - c_xmu
         new = lane_xmu + t
-        c_xmu = tl.where(tl.abs(new) <= _FLT_MAX, (new - lane_xmu) - t, 0.0)
+        c_xmu = _compensation(new, lane_xmu, t)
         lane_xmu = new
     sum_dy = tl.sum(lane_dy - c_dy, axis=1)
     sum_dy_xmu = tl.sum(lane_xmu - c_xmu, axis=1)

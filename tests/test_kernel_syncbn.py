@@ -123,6 +123,21 @@ def test_long_lanes_keep_fp32_accuracy(monkeypatch, shape, data):
     torch.testing.assert_close(invstd.double(), v64.rsqrt(), rtol=5e-7, atol=0)
 
 
+def test_sums_near_the_float32_limit_keep_their_value(monkeypatch):
+    """Two tiles through one lane whose sum is finite (2.19e38) but whose Kahan
+    compensation overflows: the compensation is dropped, not carried as -inf; and a
+    lane's sum that overflows stays +inf, as torch's."""
+    monkeypatch.setattr(K, "_target_programs", lambda device: 1)
+    big = torch.finfo(torch.float32).max
+    x = torch.tensor([0.0, 1.0]).view(2, 1, 1).to(DEVICE)
+    mean, invstd = torch.zeros(1, device=DEVICE), torch.ones(1, device=DEVICE)
+    for first, want in ((-1.2126649e38, torch.tensor([-1.2126649e38, big]).sum().item()),
+                        (big, float("inf"))):
+        dy = torch.tensor([first, big]).view(2, 1, 1).to(DEVICE)
+        sums, _, _ = K.syncbn_backward_reduce(dy, x, mean, invstd)
+        assert sums[0].item() == want
+
+
 def _rank_rows(parts):
     """Each part as one rank's packed row (syncbn_combine), stacked [world, 2C + 1]."""
     return torch.stack([K.syncbn_combine(*K.syncbn_stats(p)) for p in parts])
