@@ -516,8 +516,8 @@ def layer_norm_bwd(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, r
 
 
 def layer_norm_bwd_prechecked(dy, saved, n, weight=None, bias=None, mean=None, rstd=None,
-                           rms=False, from_output=False, x_dtype=None, max_block=None,
-                           eps=1e-5):
+                              rms=False, from_output=False, x_dtype=None, max_block=None,
+                              eps=1e-5):
     """:func:`layer_norm_bwd` without its check of ``saved``, ``weight`` and ``bias``: for
     the norms' autograd, whose forward checked the same tensors (and autograd gives ``dy``
     the output's shape, dtype and device)."""

@@ -166,7 +166,6 @@ def _novograd_blend_kernel(
         tl.store(v_ptr, v)
 
 
-
 @triton.jit
 def _novograd_step_kernel(
     meta_ptr,        # int64 [n_tensors, 7]: the NOVOGRAD columns' addresses, then numel

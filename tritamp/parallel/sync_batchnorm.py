@@ -50,11 +50,12 @@ class _Layout:
     @staticmethod
     def _channels_last_order(x):
         """Whether torch would lay a copy of ``x`` out channels-last (``empty_like``'s
-        preserve_format reads the strides of a tensor that is not dense)."""
+        preserve_format reads the strides of a tensor that is not dense; asked on the meta
+        device, so nothing is allocated)."""
         if x.dim() not in (4, 5):
             return False
         fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
-        return torch.empty_like(x).is_contiguous(memory_format=fmt)
+        return torch.empty_like(x, device="meta").is_contiguous(memory_format=fmt)
 
     def view(self, t):
         """``t`` (shaped like the input) as the canonical view; copies only if its memory
