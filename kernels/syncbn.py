@@ -26,7 +26,8 @@ shift) -> (mean, invstd, count)``
     into ``mean``, ``invstd = 1 / sqrt(var + eps)`` and the total count, and updates the
     running statistics in the same launch: ``r = f * stat + (1 - f) * r`` with the
     unbiased variance and ``f = momentum``, or ``1 / num_batches_tracked`` read on the
-    device (no host sync for the cumulative average).
+    device (no host sync for the cumulative average). Every lane of a program's tile
+    merges its own rows (Chan's formula) in the loop; the lanes are merged after it.
 ``syncbn_forward(x, mean, invstd, weight, bias, z, relu) -> y``
     ``y = (x - mean) * (invstd * weight) + bias (+ z)``, ReLU optional, in x's dtype.
 ``syncbn_backward_reduce(dy, x, ...) -> (sums, grad_weight, grad_bias)``
@@ -34,7 +35,8 @@ shift) -> (mean, invstd, count)``
     tensor, the one all_reduce of the backward) with the local ``grad_weight`` and
     ``grad_bias``; with a fused ReLU, ``dy`` is masked where the recomputed output is <= 0.
     Each lane of a program's tile keeps a Kahan-compensated running sum over the
-    program's tiles, reduced once after the loop; the chunks are added in fp64.
+    program's tiles, reduced once after the loop; the chunks are added in fp64 (a
+    running sum per lane of the merge's tile, summed after its loop).
 ``syncbn_backward_input(dy, x, ..., sums, count) -> (dx, dz)``
     ``dx = (dy - sum_dy / n - (x - mean) * invstd^2 * sum_dy_xmu / n) * invstd * weight``
     (``sums=None``: running statistics were used, ``dx = dy * invstd * weight``), and the
@@ -86,18 +88,6 @@ def _syncbn_tile(seg, c0, col_mask, M, C, B, NBB, CHANNELS_LAST: tl.constexpr,
         rmask = r < B - start
         k = tl.minimum(B - start, BLOCK_R)
     return base, offs, col_mask[:, None] & rmask[None, :], k
-
-
-@triton.jit
-def _chan_merge(n_a, mean_a, m2_a, n_b, mean_b, m2_b):
-    """Chan et al.'s pairwise merge of (count, mean, m2); counts are scalars, shared by
-    every channel. A side with count 0 leaves the other unchanged."""
-    n = n_a + n_b
-    w_b = tl.div_rn(n_b, tl.maximum(n, 1.0))
-    delta = mean_b - mean_a
-    mean = mean_a + delta * w_b
-    m2 = m2_a + m2_b + delta * delta * (n_a * w_b)
-    return n, mean, m2
 
 
 @triton.jit
@@ -201,10 +191,7 @@ def _syncbn_merge_kernel(
     pid_c = tl.program_id(0)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
-    acc_n = 0.0
-    acc_mean = tl.zeros([BLOCK_C], dtype=tl.float32)
-    acc_m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    # Row means relative to a pivot (see the stats kernel): the weighted sums stay small.
+    # Means relative to a pivot (see the stats kernel): the weighted sums stay small.
     # Partials of one input share a shift; rows of different ranks use row 0's mean.
     if HAS_SHIFT:
         pivot = tl.load(shift_ptr + cols, mask=col_mask, other=0.0)
@@ -212,6 +199,14 @@ def _syncbn_merge_kernel(
     else:
         pivot = tl.load(rows_ptr + cols, mask=col_mask, other=0.0)
         rel = pivot
+    # Chan's merge in every lane of the [BLOCK_P, BLOCK_C] tile: lane (i, c) takes rows
+    # i, i + BLOCK_P, ... of channel c, so the loop only loads and updates registers (no
+    # reduction across threads, no barrier, per iteration); the lanes are merged once,
+    # after it. A row's count is the same for every channel: one count per lane row.
+    # Rows of count 0 (empty ranks, padding) add nothing.
+    lane_n = tl.zeros([BLOCK_P], dtype=tl.float32)
+    lane_mean = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
+    lane_m2 = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
     for p0 in range(0, P, BLOCK_P):
         p = p0 + tl.arange(0, BLOCK_P)
         p_mask = p < P
@@ -221,14 +216,22 @@ def _syncbn_merge_kernel(
         cnt = tl.load(rows_ptr + p.to(tl.int64) * row_stride + C + C, mask=p_mask, other=0.0)
         mean_i = tl.load(row + cols[None, :], mask=mask, other=0.0) - rel[None, :]
         m2_i = tl.load(row + C + cols[None, :], mask=mask, other=0.0)
-        # This block of rows merged exactly: its mean first, then the spread of the row
-        # means around it. Rows of count 0 (empty ranks, padding) add nothing.
-        k = tl.sum(cnt, axis=0)
-        t_mean = tl.div_rn(tl.sum(cnt[:, None] * mean_i, axis=0),
-                           tl.zeros([BLOCK_C], dtype=tl.float32) + tl.maximum(k, 1.0))
-        d = mean_i - t_mean[None, :]
-        t_m2 = tl.sum(m2_i, axis=0) + tl.sum(cnt[:, None] * d * d, axis=0)
-        acc_n, acc_mean, acc_m2 = _chan_merge(acc_n, acc_mean, acc_m2, k, t_mean, t_m2)
+        n = lane_n + cnt
+        w = tl.div_rn(cnt, tl.maximum(n, 1.0))
+        delta = mean_i - lane_mean
+        lane_mean += delta * w[:, None]
+        lane_m2 += m2_i + delta * delta * (lane_n * w)[:, None]
+        lane_n = n
+    # The lanes merged: the mean weighted by their counts, corrected by the weighted mean
+    # of the lanes' deviations from it (the first sum rounds at the means' magnitude, the
+    # second at the spread's), then m2 from theirs and the spread of their means around it.
+    acc_n = tl.sum(lane_n, axis=0)
+    k = tl.zeros([BLOCK_C], dtype=tl.float32) + tl.maximum(acc_n, 1.0)
+    approx = tl.div_rn(tl.sum(lane_n[:, None] * lane_mean, axis=0), k)
+    acc_mean = approx + tl.div_rn(
+        tl.sum(lane_n[:, None] * (lane_mean - approx[None, :]), axis=0), k)
+    d = lane_mean - acc_mean[None, :]
+    acc_m2 = tl.sum(lane_m2, axis=0) + tl.sum(lane_n[:, None] * d * d, axis=0)
     acc_mean = pivot + acc_mean
     if FINAL:
         n_vec = tl.zeros([BLOCK_C], dtype=tl.float32) + acc_n
@@ -405,18 +408,19 @@ def _syncbn_reduce_merge_kernel(
 ):
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
-    # fp64 over the few partial rows: the result is rounded to fp32 once.
-    s_dy = tl.zeros([BLOCK_C], dtype=tl.float64)
-    s_xmu = tl.zeros([BLOCK_C], dtype=tl.float64)
+    # fp64 over the partial rows, the result rounded to fp32 once; a running sum in every
+    # lane of the [BLOCK_P, BLOCK_C] tile (lane (i, c): rows i, i + BLOCK_P, ... of channel
+    # c), so the loop only loads and adds in registers; the lanes are summed after it.
+    s_dy = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float64)
+    s_xmu = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float64)
     for p0 in range(0, P, BLOCK_P):
         p = p0 + tl.arange(0, BLOCK_P)
         row = (part_ptr + p.to(tl.int64) * 2 * C)[:, None]
         mask = (p < P)[:, None] & col_mask[None, :]
-        s_dy += tl.sum(tl.load(row + cols[None, :], mask=mask, other=0.0).to(tl.float64), axis=0)
-        s_xmu += tl.sum(tl.load(row + C + cols[None, :], mask=mask, other=0.0).to(tl.float64),
-                        axis=0)
-    s_dy = s_dy.to(tl.float32)
-    s_xmu = s_xmu.to(tl.float32)
+        s_dy += tl.load(row + cols[None, :], mask=mask, other=0.0).to(tl.float64)
+        s_xmu += tl.load(row + C + cols[None, :], mask=mask, other=0.0).to(tl.float64)
+    s_dy = tl.sum(s_dy, axis=0).to(tl.float32)
+    s_xmu = tl.sum(s_xmu, axis=0).to(tl.float32)
     tl.store(sums_ptr + cols, s_dy, mask=col_mask)
     tl.store(sums_ptr + C + cols, s_xmu, mask=col_mask)
     if HAS_GW:
@@ -604,12 +608,18 @@ def _check_vector(name, t, c, device):
 
 
 def _merge_settings(p, c, device):
+    """(BLOCK_P, BLOCK_C, warps) of a merge over ``p`` rows of ``c`` channels."""
     gpu = gpu_code_path(device)
     block_c = min(next_power_of_2(max(c, 1)), 128 if gpu else 1024)
-    # the GPU always merges 8 rows at a time (masked past P): one variant per channel
-    # block, and fewer rows per step compiled no better (4 x 128 spilled)
-    block_p = 8 if gpu else min(next_power_of_2(max(p, 1)), 256)
-    return block_p, block_c
+    if gpu:
+        # A tile of _MERGE_TILE lanes whatever P (masked past it: one variant per channel
+        # block). One program per channel block walks every row, a load's latency per
+        # iteration (1056 rows at C = 64 channels last: 33 iterations, not 132 of 8).
+        return max(8, _MERGE_TILE // block_c), block_c, 8
+    return min(next_power_of_2(max(p, 1)), 256), block_c, 4
+
+
+_MERGE_TILE = 2048  # lanes of a merge's tile on the GPU (8 per thread at 8 warps)
 
 
 _MERGES = {}
@@ -624,9 +634,9 @@ def _merge_launch(kernel, p, c, device, **flags):
     if found is None:
         if len(_MERGES) > 4096:  # (varying batch sizes: keep it bounded)
             _MERGES.clear()
-        block_p, block_c = _merge_settings(p, c, device)
+        block_p, block_c, warps = _merge_settings(p, c, device)
         consts = dict(flags, EMULATE_BF16_ROUNDING=not gpu, BLOCK_P=block_p,
-                      BLOCK_C=block_c)
+                      BLOCK_C=block_c, num_warps=warps)
         found = _MERGES[key] = (kept_kernel(kernel), consts, tuple(consts.values()),
                                 (cdiv(c, block_c),))
     return found

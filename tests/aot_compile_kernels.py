@@ -148,8 +148,8 @@ def syncbn_variants():
                "invstd_ptr": "*fp32", "gw_ptr": w, "gb_ptr": w}
         out[f"syncbn_reduce_merge/{w}"] = _ok(compile_one(
             JIT["syncbn_reduce_merge_kernel"], sig, dict(HAS_GW=True, HAS_GB=True,
-                                                   EMULATE_BF16_ROUNDING=False, BLOCK_P=32,
-                                                   BLOCK_C=128), 4))
+                                                   EMULATE_BF16_ROUNDING=False, BLOCK_P=16,
+                                                   BLOCK_C=128), 8))
     for running, final, update, from_count, shift in (
             ("*fp32", False, False, False, True), ("*fp32", False, False, False, False),
             ("*fp32", True, False, False, True), ("*fp32", True, True, False, True),
@@ -163,8 +163,8 @@ def syncbn_variants():
                 JIT["syncbn_merge_kernel"], sig, dict(HAS_SHIFT=shift, FINAL=final,
                                                 UPDATE_RUNNING=update,
                                                 MOMENTUM_FROM_COUNT=from_count,
-                                                EMULATE_BF16_ROUNDING=False, BLOCK_P=32,
-                                                BLOCK_C=128), 4))
+                                                EMULATE_BF16_ROUNDING=False, BLOCK_P=16,
+                                                BLOCK_C=128), 8))
     return out
 
 if __name__ == "__main__":

@@ -163,6 +163,85 @@ def test_merge_of_uneven_ranks_matches_the_whole_batch(counts):
                                atol=0)
 
 
+def _rows_of_parts(parts):
+    """Packed fp32 rows [P, 2C + 1] (mean, m2, count) of ``parts`` ([n_i, C] float64),
+    each rounded once from float64."""
+    rows = []
+    for p in parts:
+        n, c = p.shape
+        mean = p.mean(0) if n else torch.zeros(c, dtype=torch.float64)
+        m2 = ((p - mean) ** 2).sum(0)
+        rows.append(torch.cat([mean, m2, torch.tensor([float(n)], dtype=torch.float64)]))
+    return torch.stack(rows).float().to(DEVICE)
+
+
+def _merge64(rows):
+    """(mean, m2, count) of packed rows merged exactly, in float64."""
+    r = rows.double()
+    c = (r.shape[1] - 1) // 2
+    cnt, mu, m2 = r[:, -1], r[:, :c], r[:, c:2 * c]
+    n = cnt.sum()
+    mean = (cnt[:, None] * mu).sum(0) / n
+    return mean, m2.sum(0) + (cnt[:, None] * (mu - mean) ** 2).sum(0), n
+
+
+@pytest.mark.parametrize("c", [64, 5])
+@pytest.mark.parametrize("data", ["blank first rows", "mean 1e4"])
+def test_many_rows_merge_through_every_lane_of_the_gpu_tile(c, data):
+    """The GPU's merge tile (32 x 64 lanes at 64 channels, 256 x 8 at 5) over 700 rows of
+    uneven counts, a tenth of them empty: every lane merges several rows in the loop
+    (Chan's formula), then the lanes are merged. Against the same rows merged in float64:
+    the finalize (mean, invstd, running variance) and the combine (the row the ranks
+    exchange). With the first rows blank, the pivot (row 0's mean) is 1e3 from the rest."""
+    from tritamp.testing import force_gpu_path
+    g = torch.Generator().manual_seed(11)
+    counts = torch.randint(1, 40, (700,), generator=g)
+    counts[torch.randperm(700, generator=g)[:70]] = 0
+    offset = 1e4 if data == "mean 1e4" else 1e3
+    parts = [torch.randn(int(k), c, generator=g, dtype=torch.float64) + offset
+             + torch.linspace(-2.0, 3.0, c, dtype=torch.float64) for k in counts]
+    if data == "blank first rows":
+        for p in parts[:5]:
+            p.zero_()
+    rows = _rows_of_parts(parts)
+    m64, m2_64, n = _merge64(rows)
+    var = m2_64 / n
+    rm = torch.zeros(c, device=DEVICE)
+    rv = torch.ones(c, device=DEVICE)
+    with force_gpu_path():
+        mean, invstd, count = K.syncbn_finalize(rows, 0.0, rm, rv, momentum=1.0)
+        combined = K.syncbn_combine(rows)
+    assert count.item() == n == sum(p.shape[0] for p in parts)
+    torch.testing.assert_close(mean.double(), m64, rtol=1e-7, atol=0)
+    torch.testing.assert_close(invstd.double(), var.rsqrt(), rtol=5e-7, atol=0)
+    torch.testing.assert_close(rv.double(), var * n / (n - 1), rtol=1e-6, atol=0)
+    torch.testing.assert_close(combined[:c].double(), m64, rtol=1e-7, atol=0)
+    torch.testing.assert_close(combined[c:2 * c].double(), m2_64, rtol=1e-6, atol=0)
+    assert combined[-1].item() == n
+
+
+def test_many_partial_sums_add_through_every_lane_of_the_gpu_tile(monkeypatch):
+    """The backward's partial sums of 351 chunks (GPU geometry, 64 channels last) added in
+    the merge's 32 x 64 lanes, several rows each, in fp64: sum_dy and sum_dy_xmu as
+    float64's, rounded once."""
+    from tritamp.testing import force_gpu_path
+    monkeypatch.setattr(K, "_target_programs", lambda device: 700)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(32 * 700 + 5, 64, generator=g).to(DEVICE)
+    dy = (torch.randn(x.shape, generator=g) + 0.5).to(DEVICE)
+    mean = x.double().mean(0).float()
+    invstd = torch.ones(64, device=DEVICE)
+    with force_gpu_path():
+        sums, _, _ = K.syncbn_backward_reduce(dy, x, mean, invstd)
+        assert K._Geometry.of(x).chunks(x.device)[0] == 351
+    want_dy = dy.double().sum(0)
+    want_xmu = (dy.double() * (x.double() - mean.double())).sum(0)
+    scale = dy.double().abs().sum(0) * (1 + x.double().abs().max())
+    for got, want in ((sums[:64], want_dy), (sums[64:], want_xmu)):
+        err = (got.double() - want).abs()
+        assert (err <= 1e-7 * scale).all(), (err / scale).max().item()
+
+
 @pytest.mark.parametrize("running_dtype", DTYPES, ids=str)
 def test_cumulative_momentum_reads_num_batches_tracked_on_the_device(running_dtype):
     x = _x((30, 4), torch.float32, seed=3)
