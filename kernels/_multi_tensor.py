@@ -339,7 +339,8 @@ def _stand_in(dtype, device):
 class GroupPlan:
     """One launch: the rows of one dtype group, their device tables and constexprs."""
     __slots__ = ("rows", "meta", "blocks", "n_blocks", "counters", "protos", "constexprs",
-                 "block", "warps", "launch_key", "host_meta", "present", "proto_cols")
+                 "block", "warps", "launch_key", "host_meta", "present", "proto_cols",
+                 "with_extra")
 
     def __init__(self, sweep, lists, rows, device, block, warps, emulate):
         self.rows = rows
@@ -399,6 +400,7 @@ class GroupPlan:
         self.warps = warps
         cx["num_warps"] = warps
         self.launch_key = tuple(cx.items())  # the kept-launch key of these constexprs
+        self.with_extra = {}  # a launch's own constexprs -> (merged constexprs, key), kept
 
     def new_addresses(self, addresses):
         """This group's rows of ``addresses`` (an int64 array: the addresses of a full
@@ -526,7 +528,11 @@ class Prepared:
             if extra is None:
                 cx, key = g.constexprs, g.launch_key
             else:
-                cx, key = {**g.constexprs, **constexprs}, (g.launch_key, extra)
+                found = g.with_extra.get(extra)
+                if found is None:
+                    found = g.with_extra[extra] = ({**g.constexprs, **constexprs},
+                                                   (g.launch_key, extra))
+                cx, key = found
             lead = () if group_args is None else group_args[k]
             kept.launch((g.n_blocks,), (g.meta, g.blocks, g.counters, *g.protos, *lead, *args),
                         cx, key)

@@ -140,14 +140,27 @@ def reduce_segments(partials, segments, n_segments, sqrt=True, out=None, max_nor
     if n_segments == 0:
         return out
     # A single column's stride is never used: 0 keeps one specialisation for every size.
-    consts = dict(SQRT=bool(sqrt), MAX_NORM=bool(max_norm), FLAG_FIRST=found_inf is not None,
-                  BLOCK_R=SEGMENT_BLOCK, num_warps=4)
+    consts, ckey = segment_consts(bool(sqrt), bool(max_norm), found_inf is not None)
     # (the kernel looked up at the call: a test may swap the module's kernel)
     kept_kernel(_l2norm_segment_kernel).launch((n_segments, n_cols), (
         partials, partials.stride(0) if n_cols > 1 else 0, segments, out,
         out.stride(0) if n_cols > 1 else 0, found_inf if found_inf is not None else out),
-        consts, tuple(consts.values()))
+        consts, ckey)
     return out
+
+
+_SEGMENT_CONSTS = {}
+
+
+def segment_consts(sqrt, max_norm, flag_first):
+    """(constexprs, their key) of the segment reduction, kept per combination of flags."""
+    key = (sqrt, max_norm, flag_first)
+    found = _SEGMENT_CONSTS.get(key)
+    if found is None:
+        consts = dict(SQRT=sqrt, MAX_NORM=max_norm, FLAG_FIRST=flag_first,
+                      BLOCK_R=SEGMENT_BLOCK, num_warps=4)
+        found = _SEGMENT_CONSTS[key] = (consts, tuple(consts.values()))
+    return found
 
 
 def reduce_by_rows(values, rows, n, norm_reduce, op):

@@ -331,10 +331,8 @@ def novograd_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, reg_inside
                                   MAX_NORM=max_norm, HAS_COPIES=False),
                              group_args=prepared.norm_args)
     def blend(args, stage):
-        consts = dict(STAGE=stage, HAS_FOUND_INF=has_inf, MAX_NORM=max_norm,
-                      INIT_ZERO=bool(init_zero), BLOCK_R=SEGMENT_BLOCK, num_warps=4)
-        kept_kernel(_novograd_blend_kernel).launch((prepared.n_tensors,), args, consts,
-                                                   tuple(consts.values()))
+        consts, ckey = _blend_consts(stage, has_inf, max_norm, bool(init_zero))
+        kept_kernel(_novograd_blend_kernel).launch((prepared.n_tensors,), args, consts, ckey)
 
     if norm_reduce is None:
         blend((prepared.tensors, prepared.partials, anchor, float(beta2), 1.0 - beta2, skip), 0)
@@ -352,6 +350,20 @@ def novograd_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, reg_inside
              BIAS_CORRECTION=bool(bias_correction), WRITE_GRAD=write_grads))
     if write_grads:
         write_staged_grads(prepared.prepared)
+
+
+_BLEND_CONSTS = {}
+
+
+def _blend_consts(stage, has_inf, max_norm, init_zero):
+    """(constexprs, their key) of the blend kernel, kept per combination of flags."""
+    key = (stage, has_inf, max_norm, init_zero)
+    found = _BLEND_CONSTS.get(key)
+    if found is None:
+        consts = dict(STAGE=stage, HAS_FOUND_INF=has_inf, MAX_NORM=max_norm,
+                      INIT_ZERO=init_zero, BLOCK_R=SEGMENT_BLOCK, num_warps=4)
+        found = _BLEND_CONSTS[key] = (consts, tuple(consts.values()))
+    return found
 
 
 @torch.no_grad()

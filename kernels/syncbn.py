@@ -159,8 +159,10 @@ def _syncbn_stats_kernel(
     # lanes' counts, then m2 from the lanes' m2 and their means' deviations from it.
     lane_n = tl.where(in_rag, n_full + n_rag, n_full)
     acc_n = n_full * BLOCK_R + n_rag * k_rag.to(tl.float32)
-    acc_mean = tl.div_rn(tl.sum(lane_n[None, :] * lane_mean, axis=1),
-                         tl.zeros([BLOCK_C], dtype=tl.float32) + tl.maximum(acc_n, 1.0))
+    k = tl.zeros([BLOCK_C], dtype=tl.float32) + tl.maximum(acc_n, 1.0)
+    approx = tl.div_rn(tl.sum(lane_n[None, :] * lane_mean, axis=1), k)
+    acc_mean = approx + tl.div_rn(
+        tl.sum(lane_n[None, :] * (lane_mean - approx[:, None]), axis=1), k)
     dev = lane_mean - acc_mean[:, None]
     acc_m2 = tl.sum(lane_m2, axis=1) + tl.sum(lane_n[None, :] * dev * dev, axis=1)
     row = part_ptr + chunk * row_stride  # (chunk is int64: the offset may pass 2**31)
