@@ -156,7 +156,8 @@ def _syncbn_stats_kernel(
         lane_mean += tl.where(mask, delta * inv_n[None, :], 0.0)
         lane_m2 += tl.where(mask, delta * (x - lane_mean), 0.0)
     # The lanes' merge (Chan's formula over all of them at once): the mean weighted by the
-    # lanes' counts, then m2 from the lanes' m2 and their means' deviations from it.
+    # lanes' counts, corrected by the weighted mean of the lanes' deviations from it (as
+    # the merge kernel does), then m2 from the lanes' m2 and their means' deviations.
     lane_n = tl.where(in_rag, n_full + n_rag, n_full)
     acc_n = n_full * BLOCK_R + n_rag * k_rag.to(tl.float32)
     k = tl.zeros([BLOCK_C], dtype=tl.float32) + tl.maximum(acc_n, 1.0)
