@@ -263,6 +263,27 @@ def test_autocast_leaves_float64_input_alone(path):
         assert FusedLayerNorm(8)(x.float()).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm])
+def test_nothing_to_differentiate_gives_the_same_output_without_a_graph(path, cls):
+    """Under no_grad, or with nothing requiring a gradient, the launcher runs without the
+    autograd Function: the same values, no graph. One parameter requiring a gradient
+    (the bias alone, through the functional form) still gets it."""
+    m = _randomise(cls(8).bfloat16())
+    x = torch.randn(3, 8).bfloat16()
+    want = m(x.requires_grad_()).detach()
+    x = x.detach()
+    with torch.no_grad():
+        got = m(x)
+    assert got.grad_fn is None and torch.equal(got, want)
+    m.requires_grad_(False)
+    got = m(x)
+    assert got.grad_fn is None and torch.equal(got, want)
+    b = torch.randn(8, requires_grad=True)
+    y = fused_layer_norm_affine(x.float(), None, b, (8,), 1e-5)
+    y.sum().backward()
+    torch.testing.assert_close(b.grad, torch.full((8,), 3.0))
+
+
 def test_custom_op_registration_and_compile():
     g = torch.Generator().manual_seed(8)
     x = torch.randn(4, 16, generator=g, requires_grad=True)

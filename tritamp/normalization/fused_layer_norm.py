@@ -121,6 +121,7 @@ class _EagerNorm(torch.autograd.Function):
 
 
 _is_compiling = torch.compiler.is_compiling
+_is_grad_enabled = torch.is_grad_enabled
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -184,8 +185,14 @@ def _norm(input, weight, bias, normalized_shape, eps, memory_efficient, rms, mix
     if _is_compiling():
         return _norm_fwd(input, weight, bias, n, float(eps), rms, out_dtype,
                          bool(memory_efficient))[0]
-    return _EagerNorm.apply(input, weight, bias, n, float(eps), rms, out_dtype,
-                            bool(memory_efficient))
+    if _is_grad_enabled() and (input.requires_grad
+                               or (weight is not None and weight.requires_grad)
+                               or (bias is not None and bias.requires_grad)):
+        return _EagerNorm.apply(input, weight, bias, n, float(eps), rms, out_dtype,
+                                bool(memory_efficient))
+    # Nothing to differentiate (inference, frozen parameters): the launcher alone, without
+    # the autograd Function's context and saved tensors.
+    return layer_norm_fwd(input, n, weight, bias, float(eps), rms, out_dtype)[0]
 
 
 def _torch_norm(input, weight, bias, eps, rms):
