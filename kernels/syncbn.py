@@ -162,8 +162,9 @@ def _syncbn_stats_kernel(
     acc_n = n_full * BLOCK_R + n_rag * k_rag.to(tl.float32)
     k = tl.zeros([BLOCK_C], dtype=tl.float32) + tl.maximum(acc_n, 1.0)
     approx = tl.div_rn(tl.sum(lane_n[None, :] * lane_mean, axis=1), k)
-    acc_mean = approx + tl.div_rn(
-        tl.sum(lane_n[None, :] * (lane_mean - approx[:, None]), axis=1), k)
+    corr = tl.div_rn(tl.sum(lane_n[None, :] * (lane_mean - approx[:, None]), axis=1), k)
+    # (an infinite mean stays infinite: its deviations would be inf - inf)
+    acc_mean = approx + tl.where(approx - approx == 0.0, corr, 0.0)
     dev = lane_mean - acc_mean[:, None]
     acc_m2 = tl.sum(lane_m2, axis=1) + tl.sum(lane_n[None, :] * dev * dev, axis=1)
     row = part_ptr + chunk * row_stride  # (chunk is int64: the offset may pass 2**31)
@@ -231,8 +232,9 @@ def _syncbn_merge_kernel(
     acc_n = tl.sum(lane_n, axis=0)
     k = tl.zeros([BLOCK_C], dtype=tl.float32) + tl.maximum(acc_n, 1.0)
     approx = tl.div_rn(tl.sum(lane_n[:, None] * lane_mean, axis=0), k)
-    acc_mean = approx + tl.div_rn(
-        tl.sum(lane_n[:, None] * (lane_mean - approx[None, :]), axis=0), k)
+    corr = tl.div_rn(tl.sum(lane_n[:, None] * (lane_mean - approx[None, :]), axis=0), k)
+    # (an infinite mean stays infinite: its deviations would be inf - inf)
+    acc_mean = approx + tl.where(approx - approx == 0.0, corr, 0.0)
     d = lane_mean - acc_mean[None, :]
     acc_m2 = tl.sum(lane_m2, axis=0) + tl.sum(lane_n[:, None] * d * d, axis=0)
     acc_mean = pivot + acc_mean
@@ -618,7 +620,7 @@ def _merge_settings(p, c, device):
         # A tile of _MERGE_TILE lanes whatever P (masked past it: one variant per channel
         # block). One program per channel block walks every row, a load's latency per
         # iteration (1056 rows at C = 64 channels last: 33 iterations, not 132 of 8).
-        return max(8, _MERGE_TILE // block_c), block_c, 8
+        return _MERGE_TILE // block_c, block_c, 8
     return min(next_power_of_2(max(p, 1)), 256), block_c, 4
 
 

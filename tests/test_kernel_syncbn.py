@@ -220,6 +220,21 @@ def test_many_rows_merge_through_every_lane_of_the_gpu_tile(c, data):
     assert combined[-1].item() == n
 
 
+def test_an_infinite_row_mean_stays_infinite_in_its_channel():
+    """A rank's row whose mean is +inf in one channel (an infinite input value): the merged
+    mean of that channel is +inf (the lanes' mean is corrected by their deviations from
+    it only where it is finite), the other channels' are exact."""
+    g = torch.Generator().manual_seed(13)
+    parts = [torch.randn(int(k), 3, generator=g, dtype=torch.float64) for k in (5, 7, 4)]
+    rows = _rows_of_parts(parts)
+    rows[2, 1] = float("inf")
+    mean, _, count = K.syncbn_finalize(rows, 1e-5)
+    assert count.item() == 16
+    assert mean[1].item() == float("inf")
+    m64 = _merge64(rows[:, [0, 2, 3, 5, 6]])[0]
+    torch.testing.assert_close(mean[[0, 2]].double(), m64, rtol=1e-7, atol=1e-7)
+
+
 def test_many_partial_sums_add_through_every_lane_of_the_gpu_tile(monkeypatch):
     """The backward's partial sums of 351 chunks (GPU geometry, 64 channels last) added in
     the merge's 32 x 64 lanes, several rows each, in fp64: sum_dy and sum_dy_xmu as
