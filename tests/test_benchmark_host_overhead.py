@@ -57,13 +57,15 @@ def _run_one_section(flag, tmp_path):
 
 
 def test_norm_host_cost_rows(tmp_path):
-    """--norms-only: FusedLayerNorm / FusedRMSNorm forward and forward+backward on the GPU
-    code path beside torch's modules; the launches a call records do not vary (the
-    forward kernel; then the backward kernel and one reduction pass for one row)."""
+    """--norms-only: FusedLayerNorm / FusedRMSNorm forward, forward+backward and forward
+    under no_grad on the GPU code path beside torch's modules; the launches a call records
+    do not vary (the forward kernel; then the backward kernel and one reduction pass for
+    one row)."""
     stdout, report = _run_one_section("--norms-only", tmp_path)
     rows = {r["case"]: r for r in report["norms"]}
     assert set(rows) == {f"{n} {k}" for n in ("LayerNorm", "RMSNorm")
-                         for k in ("forward", "forward+backward")}
+                         for k in ("forward", "forward+backward", "forward, no_grad")}
+    assert rows["LayerNorm forward, no_grad"]["target_us"] is None
     for name, r in rows.items():
         assert r["ours_us"] > 0 and r["torch_us"] > 0 and r["floor_us"] > 0
         if name.endswith("forward+backward"):
