@@ -387,8 +387,10 @@ def _rows(workload, rows, args):
     by_name = {r["config"]: r for r in out}
     for row in out:
         row["vs_torch_amp_bf16"] = _ratio(row, by_name.get(BASELINE))
+        row["vs_torch_amp_bf16_middle_half"] = _spread(row, by_name.get(BASELINE))
         same = SAME_DTYPE_BASELINE[CONFIGS[row["config"]][1]]
         row["vs_torch_same_dtype"] = _ratio(row, by_name.get(same))
+        row["vs_torch_same_dtype_middle_half"] = _spread(row, by_name.get(same))
     for row in out:
         del row["times"], row["rounds"]
     return out
@@ -425,6 +427,18 @@ def _ratio(row, base):
     if base is None:
         return None
     return statistics.median(a / b for a, b in zip(row["rounds"], base["rounds"]))
+
+
+def _spread(row, base):
+    """The middle half (25th to 75th percentile) of the per-round ratios whose median is
+    :func:`_ratio`: how far single rounds of this run scatter around it."""
+    if base is None:
+        return None
+    ratios = sorted(a / b for a, b in zip(row["rounds"], base["rounds"]))
+    if len(ratios) < 2:
+        return None
+    q = statistics.quantiles(ratios, n=4, method="inclusive")
+    return [q[0], q[2]]
 
 
 def device_name(device):
@@ -472,10 +486,15 @@ def target_lines(rows):
         row = by_name.get(config)
         if row is None or baseline not in by_name:
             continue
-        ratio = row["vs_torch_amp_bf16"] if baseline == BASELINE else row["vs_torch_same_dtype"]
+        key = "vs_torch_amp_bf16" if baseline == BASELINE else "vs_torch_same_dtype"
+        ratio, spread = row[key], row.get(key + "_middle_half")
         met = ratio <= limit
-        out.append((f"{config} <= {limit:.2f}x {baseline}: {ratio:.3f}x "
-                    f"{'met' if met else 'NOT met'}", met))
+        text = f"{config} <= {limit:.2f}x {baseline}: {ratio:.3f}x {'met' if met else 'NOT met'}"
+        if spread:
+            lo, hi = spread
+            text += f" (rounds' middle half {lo:.3f}-{hi:.3f}x"
+            text += ": the target lies within it)" if lo <= limit <= hi else ")"
+        out.append((text, met))
     return out
 
 

@@ -44,6 +44,24 @@ def test_ratio_is_the_median_of_per_round_ratios():
     assert opt_levels._ratio(row, base) == 2.0  # median of 2.0, 3.0, 1.5
 
 
+def test_target_lines_give_the_rounds_middle_half():
+    """Each target's verdict is the median's; beside it the middle half of the per-round
+    ratios, and whether the target lies inside it (a verdict the machine's noise can
+    flip)."""
+    base = dict(config="torch.amp-bf16", rounds=[1.0] * 5)
+    near = dict(config="O1-bf16", rounds=[0.97, 0.99, 1.01, 1.02, 1.05])
+    far = dict(config="O3-bf16", rounds=[0.80, 0.82, 0.85, 0.86, 0.90])
+    rows = []
+    for r in (near, far, base):
+        rows.append(dict(config=r["config"], vs_torch_amp_bf16=opt_levels._ratio(r, base),
+                         vs_torch_amp_bf16_middle_half=opt_levels._spread(r, base)))
+    (near_text, near_met), (far_text, far_met) = opt_levels.target_lines(rows)
+    assert near_met is False and "1.010x NOT met" in near_text
+    assert "middle half 0.990-1.020x: the target lies within it" in near_text
+    assert far_met is True and "middle half 0.820-0.860x)" in far_text
+    assert opt_levels._spread(dict(rounds=[1.0]), dict(rounds=[1.0])) is None
+
+
 def test_cpu_defaults_run_three_workloads_without_fp16():
     args = opt_levels.parse_args(["--device", "cpu"])
     assert list(args.workload_specs) == ["cnn-sgd", "cnn-adamw", "transformer-adamw"]
