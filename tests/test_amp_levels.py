@@ -421,3 +421,46 @@ def test_the_host_read_probe_catches_the_synchronising_path(monkeypatch):
         _forbid_host_reads(mp)
         with pytest.raises(HostRead):
             opt.step()
+
+
+class _RotaryLike(nn.Module):
+    """A Linear and a float64 buffer (rotary frequencies kept in float64); records the
+    dtypes its forward sees."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 4)
+        self.register_buffer("freqs", torch.linspace(0.0, 1.0, 4, dtype=torch.float64))
+        self.seen = None
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.seen = (y.dtype, self.freqs.dtype)
+        return y + self.freqs.to(y.dtype)
+
+
+@pytest.mark.parametrize("level,inner,freqs", [("O1", torch.bfloat16, torch.float64),
+                                               ("O2", torch.bfloat16, torch.bfloat16)])
+def test_a_float64_buffer_is_accepted_as_apex_does(level, inner, freqs):
+    """Apex refuses only half parameters and buffers: a float64 buffer stays as it is at
+    O1 and is cast with the model at O2; the model trains."""
+    model = _RotaryLike()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
+                                verbosity=0)
+    (x, y), = mlp_batches(1)
+    amp_step(model, opt, x, y)
+    assert model.seen == (inner, freqs)
+
+
+def test_o1_with_a_float32_cast_still_runs_the_forward_in_half():
+    """O1 with cast_model_type=torch.float32 (an override Apex accepts): the model is cast
+    to fp32 and its forward still runs under the half casts, as Apex still patches
+    torch's functions."""
+    model = _RotaryLike()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", cast_model_type=torch.float32,
+                                half_dtype=torch.bfloat16, verbosity=0)
+    out = model(torch.randn(2, 8))
+    assert model.seen[0] == torch.bfloat16 and out.dtype == torch.float32

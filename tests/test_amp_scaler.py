@@ -290,3 +290,29 @@ def test_growth_and_backoff_factors_are_honoured():
         step(model, opt, x, y, factor=factor)
         scales.append(loss_scale())
     assert scales == [1024.0, 4096.0, 1024.0, 1024.0]
+
+
+def test_apex_scripts_set_the_scale_through_amp_state():
+    """NVIDIA's BERT scripts set ``amp._amp_state.loss_scalers[0]._loss_scale`` (and
+    ``_max_loss_scale``) after initialize: the next scale_loss multiplies by it; a value
+    that is no scale is refused by name and changes nothing."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    scaler = amp._amp_state.loss_scalers[0]
+    scaler._max_loss_scale = 2.**30
+    scaler._loss_scale = 2.**20
+    assert scaler._loss_scale == 2.**20 and scaler._max_loss_scale == 2.**30
+    with pytest.raises(ValueError, match="_loss_scale must be a finite number > 0"):
+        scaler._loss_scale = 0.0
+    with pytest.raises(ValueError, match=r"_max_loss_scale must be >= the floor \(1.0\)"):
+        scaler._max_loss_scale = 0.5
+    assert scaler._loss_scale == 2.**20 and scaler._max_loss_scale == 2.**30
+    x, y = mlp_batches(1)[0]
+    loss = ((model(x) - y) ** 2).mean()
+    with amp.scale_loss(loss, opt) as scaled:
+        assert scaled.item() == pytest.approx(loss.item() * 2.**20, rel=1e-6)
+        scaled.backward()
+    opt.step()
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] in (2.**20, 2.**19)

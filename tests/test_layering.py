@@ -101,11 +101,19 @@ def test_tests_benchmarks_and_examples_import_no_private_module():
     assert found == []
 
 
+def _apex_spelling(node):
+    """``amp._amp_state``: Apex's module attribute, which Apex scripts use to reach the
+    loss scalers (tritamp.amp exports it for them): a public surface, not an internal."""
+    return (node.attr == "_amp_state" and isinstance(node.value, ast.Name)
+            and node.value.id == "amp")
+
+
 def test_tests_reach_amp_internals_only_through_tritamp_testing():
     found = []
     for path in _files("tests", "benchmarks", "examples"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr in ("_amp_stash", "_amp_state"):
+            if isinstance(node, ast.Attribute) and node.attr in ("_amp_stash", "_amp_state") \
+                    and not _apex_spelling(node):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
     assert found == []
 

@@ -7,6 +7,9 @@ from .lists import (float_function, half_function, promote_function, register_fl
 from .scaler import LossScaler
 from .overflow import nonfinite_gradients
 from .skips import last_step_skipped
+from . import state as _state
+
+_amp_state = _state._amp_state  # Apex's module attribute (scripts reach the scalers through it)
 
 __all__ = [
     "initialize", "scale_loss", "state_dict", "load_state_dict", "master_params",

@@ -243,8 +243,12 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     for model in model_list:
         if cast:
             convert_network(model, cast, keep_batchnorm_fp32=bool(props.keep_batchnorm_fp32))
+            # (patch_torch_functions with a cast, O1 with cast_model_type=torch.float32
+            # say: Apex casts the model and still patches torch's functions)
             patch_forward(model, input_dtype=cast,
-                          output_dtype=cast_model_outputs or torch.float32)
+                          output_dtype=cast_model_outputs or torch.float32,
+                          autocast_dtype=props.half_dtype if props.patch_torch_functions
+                          else None)
             register_fp32_state_dict(model)
         elif props.patch_torch_functions:
             # O1: autocast around the forward; outputs leave the region in fp32 (or

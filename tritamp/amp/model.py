@@ -32,13 +32,16 @@ def check_models(models):
 
 def check_params_fp32(models):
     """Apex's check: the models come in fp32, amp casts them. Names the first tensor
-    that is not (and how many others), its dtype and the fix."""
+    that is not (and how many others), its dtype and the fix. A float64 buffer (rotary
+    frequencies, say) is accepted, as Apex accepts every buffer but a half one: O1 leaves
+    it as it is, O2/O3 cast it with the model."""
     found = []
     for m, model in enumerate(models):
         where = f" (in models[{m}])" if len(models) > 1 else ""
         for kind, named in (("param", model.named_parameters()), ("buffer", model.named_buffers())):
             for name, t in named:
-                if t.is_floating_point() and t.dtype != torch.float32:
+                if t.is_floating_point() and t.dtype != torch.float32 and not (
+                        kind == "buffer" and t.dtype == torch.float64):
                     found.append((kind, name + where, t.dtype))
     if not found:
         return

@@ -311,6 +311,54 @@ class LossScaler:
     def _unskipped(self):
         return int(self._state[K.UNSKIPPED])
 
+    # -- Apex's attributes that scripts set directly ---------------------------------
+    # (NVIDIA's BERT scripts: amp._amp_state.loss_scalers[0]._loss_scale = 2**20)
+    @property
+    def _loss_scale(self):
+        """Apex's attribute: the current scale as a float (synchronises)."""
+        return self.loss_scale()
+
+    @_loss_scale.setter
+    def _loss_scale(self, value):
+        """Set the scale of the next backward; a dynamic one within [min, max], as a
+        loaded state_dict's."""
+        scale = check_number("_loss_scale", value, "pass a finite number > 0 such as 2.**20")
+        if not (math.isfinite(scale) and scale > 0.0):
+            raise ValueError(f"_loss_scale must be a finite number > 0, got {value!r}; the "
+                             "loss is multiplied by it: pass e.g. 2.**20")
+        if self.dynamic:
+            scale = min(max(scale, self.min_loss_scale), self.max_loss_scale)
+        else:
+            self._static_scale = scale
+        self._state[K.SCALE].fill_(scale)
+
+    @property
+    def _max_loss_scale(self):
+        """Apex's attribute: the ceiling of the dynamic scale (``max_loss_scale``)."""
+        return self.max_loss_scale
+
+    @_max_loss_scale.setter
+    def _max_loss_scale(self, value):
+        ceiling = check_number("_max_loss_scale", value, "pass a number >= the floor, or inf")
+        if not ceiling >= self.min_loss_scale:
+            raise ValueError(f"_max_loss_scale must be >= the floor ({self.min_loss_scale!r}), "
+                             f"got {value!r}; pass a larger ceiling (inf for none)")
+        self.max_loss_scale = ceiling
+
+    @property
+    def _min_loss_scale(self):
+        """Apex's attribute: the floor of the dynamic scale (``min_loss_scale``)."""
+        return self.min_loss_scale
+
+    @_min_loss_scale.setter
+    def _min_loss_scale(self, value):
+        floor = check_number("_min_loss_scale", value, "pass a finite number > 0")
+        if not (math.isfinite(floor) and 0.0 < floor <= self.max_loss_scale):
+            raise ValueError(f"_min_loss_scale must be a finite number in (0, "
+                             f"{self.max_loss_scale!r}], got {value!r}; a scale of 0 makes "
+                             "every unscaled gradient inf or NaN")
+        self.min_loss_scale = floor
+
     # -- one step -----------------------------------------------------------------
     def clear_overflow_state(self):
         """Zero the overflow slot before the gradients of a new backward are checked.
