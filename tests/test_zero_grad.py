@@ -49,3 +49,32 @@ def test_zeroed_gradients_are_checked_read_only_at_o2():
         runs.append([p.detach().clone() for p in amp.master_params(opt)])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def test_a_backward_outside_scale_loss_into_zeroed_gradients_is_kept_unscaled():
+    """zero_grad(set_to_none=False), then a backward outside scale_loss, then scale_loss:
+    the earlier gradient is kept as it was and this backward's is added unscaled (Apex's
+    stash), not divided by the scale as if the zeros were untouched. Without the outside
+    backward the zeroed gradients still count as scale_loss's own (read-only check)."""
+    for level, kw in (("O1", {}), ("O0", dict(loss_scale=1024.0))):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, **kw)
+        x = torch.randn(8, 4)
+        with amp.scale_loss(model(x).float().mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        model(x).float().mean().backward()
+        outside = model.weight.grad.clone()
+        with amp.scale_loss(model(x).float().mean(), opt) as scaled:
+            scaled.backward()
+        torch.testing.assert_close(model.weight.grad, 2 * outside, rtol=2e-3, atol=0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        zeroed = [p.grad for p in model.parameters()]
+        with amp.scale_loss(model(x).float().mean(), opt) as scaled:
+            scaled.backward()
+        # the zeros were this backward's: accumulated into in place, nothing stashed
+        assert all(p.grad is z for p, z in zip(model.parameters(), zeroed))

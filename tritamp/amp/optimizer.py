@@ -73,6 +73,7 @@ class AmpStash:
         self.scaler = None        # the scaler whose slots found_inf / grad_scale alias
         self.params_have_scaled_gradients = False  # SCALED (delay_unscale)
         self.grads_zeroed = False  # zero_grad(set_to_none=False) left zeroed gradients
+        self.zeroed_versions = None  # [(gradient, its version)] as that zero_grad left them
         self._sweeps = {}          # cached check/unscale sweeps, by purpose
         self.param_names = {}      # id(parameter) -> name, for the overflow warning
         self._count_key = None     # the layout key of the gradients this exit checked
@@ -228,11 +229,15 @@ class AmpStash:
     def prepare_backward(self):
         self.unscale_pending()
         if self.grads_zeroed:
-            # zero_grad(set_to_none=False) left zeros that nothing has written since: the
-            # backward accumulates into them and they count as this backward's own (checked
-            # read-only, never unscaled into fp32 copies, no stash to add back).
             self.grads_zeroed = False
-            return
+            zeroed, self.zeroed_versions = self.zeroed_versions, None
+            if _untouched(zeroed, self.plain_params, self.model_params):
+                # zero_grad(set_to_none=False) left zeros that nothing has written since:
+                # the backward accumulates into them and they count as this backward's own
+                # (checked read-only, never unscaled into fp32 copies, no stash to add back).
+                return
+            # (a backward outside scale_loss wrote them since: stashed below and added
+            # back unscaled, as any earlier gradient, as Apex's stash does)
         _clear_grads(self.model_params)  # fresh half gradients; the masters' accumulate
         self.plain_stash = list(map(_grad_of, self.plain_params))
         _clear_grads(self.plain_params)
@@ -427,6 +432,7 @@ class AmpStash:
         """After step() or zero_grad(): back to READY; the masters' gradients are spent."""
         _clear_grads(self.masters)
         self.grads_zeroed = False
+        self.zeroed_versions = None
         self.pending = False
         self.found_inf = None
         self.grad_scale = None
@@ -519,7 +525,29 @@ def _new_zero_grad(old_zero_grad):
         # What the optimizer's own zero_grad did decides: gradients still present are zeros.
         stash.grads_zeroed = any(map(_is_not_none, map(_grad_of, stash.plain_params))) or (
             not set_to_none and any(map(_is_not_none, map(_grad_of, stash.model_params))))
+        if stash.grads_zeroed:  # (what the zeros are: checked before they are trusted)
+            stash.zeroed_versions = _versions(stash.plain_params, stash.model_params)
     return zero_grad
+
+
+def _versions(*param_lists):
+    """(gradient, version counter) of every gradient of ``param_lists`` (None kept)."""
+    out = []
+    for params in param_lists:
+        for p in params:
+            g = p.grad
+            out.append((g, None if g is None else g._version))
+    return out
+
+
+def _untouched(recorded, *param_lists):
+    """Whether every gradient of ``param_lists`` is the tensor :func:`_versions` recorded,
+    unwritten since (an in-place accumulation or a write moves its version counter)."""
+    if recorded is None:
+        return False
+    now = _versions(*param_lists)
+    return len(now) == len(recorded) and all(
+        g is r and v == rv for (g, v), (r, rv) in zip(now, recorded))
 
 
 def _new_add_param_group(old_add_param_group):
