@@ -530,14 +530,20 @@ def _new_zero_grad(old_zero_grad):
     return zero_grad
 
 
+_version_of = operator.attrgetter("_version")
+
+
+def _version_list(grads):
+    try:
+        return list(map(_version_of, grads))
+    except AttributeError:  # a None among them
+        return [None if g is None else g._version for g in grads]
+
+
 def _versions(*param_lists):
-    """(gradient, version counter) of every gradient of ``param_lists`` (None kept)."""
-    out = []
-    for params in param_lists:
-        for p in params:
-            g = p.grad
-            out.append((g, None if g is None else g._version))
-    return out
+    """(gradients, their version counters) of ``param_lists`` (None kept)."""
+    grads = list(map(_grad_of, itertools.chain(*param_lists)))
+    return grads, _version_list(grads)
 
 
 def _untouched(recorded, *param_lists):
@@ -545,9 +551,10 @@ def _untouched(recorded, *param_lists):
     unwritten since (an in-place accumulation or a write moves its version counter)."""
     if recorded is None:
         return False
-    now = _versions(*param_lists)
-    return len(now) == len(recorded) and all(
-        g is r and v == rv for (g, v), (r, rv) in zip(now, recorded))
+    grads, versions = recorded
+    now = list(map(_grad_of, itertools.chain(*param_lists)))
+    return (len(now) == len(grads) and all(map(operator.is_, now, grads))
+            and _version_list(now) == versions)
 
 
 def _new_add_param_group(old_add_param_group):
