@@ -32,6 +32,8 @@ arithmetic on the per-tensor sums (a few ops on ``n`` values).
 launchers, whose first stage also writes per-block partials; :class:`SquareSums` and
 a few helpers with their production CPU paths.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -149,18 +151,12 @@ def reduce_segments(partials, segments, n_segments, sqrt=True, out=None, max_nor
     return out
 
 
-_SEGMENT_CONSTS = {}
-
-
+@functools.lru_cache(maxsize=None)
 def segment_consts(sqrt, max_norm, flag_first):
     """(constexprs, their key) of the segment reduction, kept per combination of flags."""
-    key = (sqrt, max_norm, flag_first)
-    found = _SEGMENT_CONSTS.get(key)
-    if found is None:
-        consts = dict(SQRT=sqrt, MAX_NORM=max_norm, FLAG_FIRST=flag_first,
-                      BLOCK_R=SEGMENT_BLOCK, num_warps=4)
-        found = _SEGMENT_CONSTS[key] = (consts, tuple(consts.values()))
-    return found
+    consts = dict(SQRT=sqrt, MAX_NORM=max_norm, FLAG_FIRST=flag_first,
+                  BLOCK_R=SEGMENT_BLOCK, num_warps=4)
+    return consts, tuple(consts.values())
 
 
 def reduce_by_rows(values, rows, n, norm_reduce, op):

@@ -41,6 +41,8 @@ stores g, the unscaled gradient, into it. :func:`novograd_prepare` validates and
 On the CPU without the interpreter :func:`novograd_step_cpu` runs the same stages as
 torch foreach ops over fp32 working lists, per dtype group (see its docstring).
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -352,18 +354,12 @@ def novograd_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, reg_inside
         write_staged_grads(prepared.prepared)
 
 
-_BLEND_CONSTS = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _blend_consts(stage, has_inf, max_norm, init_zero):
     """(constexprs, their key) of the blend kernel, kept per combination of flags."""
-    key = (stage, has_inf, max_norm, init_zero)
-    found = _BLEND_CONSTS.get(key)
-    if found is None:
-        consts = dict(STAGE=stage, HAS_FOUND_INF=has_inf, MAX_NORM=max_norm,
-                      INIT_ZERO=init_zero, BLOCK_R=SEGMENT_BLOCK, num_warps=4)
-        found = _BLEND_CONSTS[key] = (consts, tuple(consts.values()))
-    return found
+    consts = dict(STAGE=stage, HAS_FOUND_INF=has_inf, MAX_NORM=max_norm,
+                  INIT_ZERO=init_zero, BLOCK_R=SEGMENT_BLOCK, num_warps=4)
+    return consts, tuple(consts.values())
 
 
 @torch.no_grad()

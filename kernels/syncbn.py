@@ -91,6 +91,22 @@ def _syncbn_tile(seg, c0, col_mask, M, C, B, NBB, CHANNELS_LAST: tl.constexpr,
 
 
 @triton.jit
+def _merge_lanes(n, mean, m2, k, AXIS: tl.constexpr):
+    """Chan's merge of a tile's lanes along ``AXIS``: ``n`` their counts (broadcast
+    against ``mean``), ``mean`` / ``m2`` theirs, ``k`` the total count (at least 1).
+    The mean is taken in two steps, the counts' weighted mean corrected by the weighted
+    mean of the lanes' deviations from it (the first sum rounds at the means' magnitude,
+    the second at the spread's; an infinite mean stays infinite, its deviations would be
+    inf - inf); then m2 from the lanes' m2 and their means' deviations. Returns
+    ``(mean, m2)``."""
+    approx = tl.div_rn(tl.sum(n * mean, axis=AXIS), k)
+    corr = tl.div_rn(tl.sum(n * (mean - tl.expand_dims(approx, AXIS)), axis=AXIS), k)
+    merged = approx + tl.where(approx - approx == 0.0, corr, 0.0)
+    d = mean - tl.expand_dims(merged, AXIS)
+    return merged, tl.sum(m2, axis=AXIS) + tl.sum(n * d * d, axis=AXIS)
+
+
+@triton.jit
 def _syncbn_stats_kernel(
     x_ptr,           # input, [M, C] (CHANNELS_LAST) or [N, C, B], contiguous
     part_ptr,        # fp32 [n_chunks, 2C + 1] rows, row_stride apart: this program's
@@ -155,18 +171,11 @@ def _syncbn_stats_kernel(
         delta = x - lane_mean
         lane_mean += tl.where(mask, delta * inv_n[None, :], 0.0)
         lane_m2 += tl.where(mask, delta * (x - lane_mean), 0.0)
-    # The lanes' merge (Chan's formula over all of them at once): the mean weighted by the
-    # lanes' counts, corrected by the weighted mean of the lanes' deviations from it (as
-    # the merge kernel does), then m2 from the lanes' m2 and their means' deviations.
+    # The lanes' merge (Chan's formula over all of them at once).
     lane_n = tl.where(in_rag, n_full + n_rag, n_full)
     acc_n = n_full * BLOCK_R + n_rag * k_rag.to(tl.float32)
     k = tl.zeros([BLOCK_C], dtype=tl.float32) + tl.maximum(acc_n, 1.0)
-    approx = tl.div_rn(tl.sum(lane_n[None, :] * lane_mean, axis=1), k)
-    corr = tl.div_rn(tl.sum(lane_n[None, :] * (lane_mean - approx[:, None]), axis=1), k)
-    # (an infinite mean stays infinite: its deviations would be inf - inf)
-    acc_mean = approx + tl.where(approx - approx == 0.0, corr, 0.0)
-    dev = lane_mean - acc_mean[:, None]
-    acc_m2 = tl.sum(lane_m2, axis=1) + tl.sum(lane_n[None, :] * dev * dev, axis=1)
+    acc_mean, acc_m2 = _merge_lanes(lane_n[None, :], lane_mean, lane_m2, k, 1)
     row = part_ptr + chunk * row_stride  # (chunk is int64: the offset may pass 2**31)
     tl.store(row + cols, acc_mean, mask=col_mask)
     tl.store(row + C + cols, acc_m2, mask=col_mask)
@@ -226,17 +235,10 @@ def _syncbn_merge_kernel(
         lane_mean += delta * w[:, None]
         lane_m2 += m2_i + delta * delta * (lane_n * w)[:, None]
         lane_n = n
-    # The lanes merged: the mean weighted by their counts, corrected by the weighted mean
-    # of the lanes' deviations from it (the first sum rounds at the means' magnitude, the
-    # second at the spread's), then m2 from theirs and the spread of their means around it.
+    # The lanes merged (as the statistics kernel merges its lanes).
     acc_n = tl.sum(lane_n, axis=0)
     k = tl.zeros([BLOCK_C], dtype=tl.float32) + tl.maximum(acc_n, 1.0)
-    approx = tl.div_rn(tl.sum(lane_n[:, None] * lane_mean, axis=0), k)
-    corr = tl.div_rn(tl.sum(lane_n[:, None] * (lane_mean - approx[None, :]), axis=0), k)
-    # (an infinite mean stays infinite: its deviations would be inf - inf)
-    acc_mean = approx + tl.where(approx - approx == 0.0, corr, 0.0)
-    d = lane_mean - acc_mean[None, :]
-    acc_m2 = tl.sum(lane_m2, axis=0) + tl.sum(lane_n[:, None] * d * d, axis=0)
+    acc_mean, acc_m2 = _merge_lanes(lane_n[:, None], lane_mean, lane_m2, k, 0)
     acc_mean = pivot + acc_mean
     if FINAL:
         n_vec = tl.zeros([BLOCK_C], dtype=tl.float32) + acc_n

@@ -72,8 +72,9 @@ class AmpStash:
         self.grad_scale = None    # scale the plain gradients still carry, or None
         self.scaler = None        # the scaler whose slots found_inf / grad_scale alias
         self.params_have_scaled_gradients = False  # SCALED (delay_unscale)
-        self.grads_zeroed = False  # zero_grad(set_to_none=False) left zeroed gradients
-        self.zeroed_versions = None  # [(gradient, its version)] as that zero_grad left them
+        # (gradients, their version counters) as zero_grad(set_to_none=False) left them
+        # zeroed, or None
+        self.zeroed = None
         self._sweeps = {}          # cached check/unscale sweeps, by purpose
         self.param_names = {}      # id(parameter) -> name, for the overflow warning
         self._count_key = None     # the layout key of the gradients this exit checked
@@ -228,16 +229,14 @@ class AmpStash:
     # -- around backward -------------------------------------------------------------
     def prepare_backward(self):
         self.unscale_pending()
-        if self.grads_zeroed:
-            self.grads_zeroed = False
-            zeroed, self.zeroed_versions = self.zeroed_versions, None
-            if _untouched(zeroed, self.plain_params, self.model_params):
-                # zero_grad(set_to_none=False) left zeros that nothing has written since:
-                # the backward accumulates into them and they count as this backward's own
-                # (checked read-only, never unscaled into fp32 copies, no stash to add back).
-                return
-            # (a backward outside scale_loss wrote them since: stashed below and added
-            # back unscaled, as any earlier gradient, as Apex's stash does)
+        zeroed, self.zeroed = self.zeroed, None
+        if zeroed is not None and _untouched(zeroed, self.plain_params, self.model_params):
+            # zero_grad(set_to_none=False) left zeros that nothing has written since: the
+            # backward accumulates into them and they count as this backward's own (checked
+            # read-only, never unscaled into fp32 copies, no stash to add back). Written
+            # since (a backward outside scale_loss), they are stashed below and added back
+            # unscaled, as any earlier gradient, as Apex's stash does.
+            return
         _clear_grads(self.model_params)  # fresh half gradients; the masters' accumulate
         self.plain_stash = list(map(_grad_of, self.plain_params))
         _clear_grads(self.plain_params)
@@ -431,8 +430,7 @@ class AmpStash:
     def finish_step(self):
         """After step() or zero_grad(): back to READY; the masters' gradients are spent."""
         _clear_grads(self.masters)
-        self.grads_zeroed = False
-        self.zeroed_versions = None
+        self.zeroed = None
         self.pending = False
         self.found_inf = None
         self.grad_scale = None
@@ -523,10 +521,10 @@ def _new_zero_grad(old_zero_grad):
             zero_grads_([p.grad for p in stash.model_params if p.grad is not None])
         stash.finish_step()
         # What the optimizer's own zero_grad did decides: gradients still present are zeros.
-        stash.grads_zeroed = any(map(_is_not_none, map(_grad_of, stash.plain_params))) or (
-            not set_to_none and any(map(_is_not_none, map(_grad_of, stash.model_params))))
-        if stash.grads_zeroed:  # (what the zeros are: checked before they are trusted)
-            stash.zeroed_versions = _versions(stash.plain_params, stash.model_params)
+        # (their version counters: checked before the zeros are trusted)
+        if any(map(_is_not_none, map(_grad_of, stash.plain_params))) or (
+                not set_to_none and any(map(_is_not_none, map(_grad_of, stash.model_params)))):
+            stash.zeroed = _versions(stash.plain_params, stash.model_params)
     return zero_grad
 
 
@@ -549,8 +547,6 @@ def _versions(*param_lists):
 def _untouched(recorded, *param_lists):
     """Whether every gradient of ``param_lists`` is the tensor :func:`_versions` recorded,
     unwritten since (an in-place accumulation or a write moves its version counter)."""
-    if recorded is None:
-        return False
     grads, versions = recorded
     now = list(map(_grad_of, itertools.chain(*param_lists)))
     return (len(now) == len(grads) and all(map(operator.is_, now, grads))
