@@ -218,6 +218,12 @@ def test_many_rows_merge_through_every_lane_of_the_gpu_tile(c, data):
     torch.testing.assert_close(combined[:c].double(), m64, rtol=1e-7, atol=0)
     torch.testing.assert_close(combined[c:2 * c].double(), m2_64, rtol=1e-6, atol=0)
     assert combined[-1].item() == n
+    # and against the oracles (one merge of every row at once)
+    r_mean, r_invstd, r_count = K.syncbn_finalize_ref(rows, 0.0)
+    assert r_count.item() == n
+    torch.testing.assert_close(mean, r_mean, rtol=2e-7, atol=0)
+    torch.testing.assert_close(invstd, r_invstd, rtol=1e-6, atol=0)
+    torch.testing.assert_close(combined, K.syncbn_combine_ref(rows), rtol=1e-6, atol=0)
 
 
 def test_an_infinite_row_mean_stays_infinite_in_its_channel():
