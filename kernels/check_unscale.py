@@ -255,7 +255,8 @@ class LayoutPrepared:
 
     def rebind_sources(self, srcs, addresses=None):
         """The same checked sweep over ``srcs`` (this step's gradients: the caller's key
-        says they have the kept ones' strides, shapes and dtypes); returns whether it
+        says they have the kept ones' strides, shapes and dtypes), read only or unscaled
+        in place (:attr:`rebindable` / :attr:`rebindable_in_place`); returns whether it
         could (see :meth:`~._multi_tensor.Prepared.rebind`: the Triton path refuses
         addresses that break its alignment, and keeps no reference to the sources)."""
         srcs = list(srcs)
@@ -263,6 +264,15 @@ class LayoutPrepared:
             return False
         self.lists["srcs"] = None if self.triton else srcs
         return True
+
+    @property
+    def rebindable_in_place(self):
+        """A check/unscale that writes each source in place (prepared without
+        destinations or addends), with no stand-in: :meth:`rebind_sources` may give it
+        another step's sources, which are then its destinations too."""
+        return (self.options["write"] and self.options.get("in_place", False)
+                and self.prepared.rebindable and not self.layouts.reads
+                and not self.layouts.writeback)
 
     @property
     def rebindable_writes(self):
@@ -350,7 +360,8 @@ def check_unscale_prepare(srcs, dsts=None, adds=None, write=True):
     prepared = CHECK_UNSCALE.prepare(cols)
     lists = dict(srcs=srcs, dsts=dsts, adds=adds if write else None, write=write)
     return LayoutPrepared(prepared, lists, layouts,
-                          dict(write=write, adds=write and adds is not None))
+                          dict(write=write, adds=write and adds is not None,
+                               in_place=write and dsts is None and adds is None))
 
 
 def check_unscale_launch(prepared, scale=None, found_inf=None):

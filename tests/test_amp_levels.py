@@ -322,11 +322,12 @@ def test_clip_master_params_sees_unscaled_gradients(level, kind):
     opt.zero_grad()
     with amp.scale_loss(mse(model(x), y), opt) as scaled:
         scaled.backward()
-    if kind == "adam_fused":
-        # left scaled for the fused step: a clipped norm would be 65536x too large
-        scaled_norm = torch.linalg.vector_norm(
+    if level == "O1":
+        # the parameters are their own masters: unscaled in place at the exit, as in Apex
+        # (a fused step left them scaled once: a clipped norm was 65536x too large)
+        grad_norm = torch.linalg.vector_norm(
             torch.stack([p.grad.norm() for p in model.parameters()]))
-        torch.testing.assert_close(scaled_norm / 65536.0, ref_norm, **TOL[torch.float16])
+        torch.testing.assert_close(grad_norm, ref_norm, **TOL[torch.float16])
     max_norm = 0.5 * ref_norm.item()
     total = torch.nn.utils.clip_grad_norm_(amp.master_params(opt), max_norm)
     # the forward ran in fp16: TOL of fp16 against the fp32 reference
@@ -340,6 +341,55 @@ def test_clip_master_params_sees_unscaled_gradients(level, kind):
     assert seen["grad_scale"] is None  # already unscaled: the fused step must not divide again
     for b, p in zip(before, model.parameters()):
         assert torch.isfinite(p).all() and not torch.equal(b, p)
+
+
+def _o1_optimizer(kind, model):
+    from tritamp.optimizers import FusedAdam
+    if kind == "tritamp_fused_adam":
+        return FusedAdam(model.parameters(), lr=1e-2)
+    return make_opt(kind, model)
+
+
+@pytest.mark.parametrize("loss_scale", ["dynamic", 128.0])
+@pytest.mark.parametrize("kind", ["tritamp_fused_adam", "adam_fused", "sgd"])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_o1_grads_are_unscaled_when_scale_loss_exits_and_clipping_them_works(
+        kind, loss_scale, set_to_none):
+    """Apex's O1: the parameters are their own masters, and scale_loss's exit unscales
+    their gradients in place, so a script that clips (or reads) ``model.parameters()``
+    sees the true gradients, whichever optimizer steps (one that takes the scale itself
+    included). Held to torch.autocast + the same loss scale, unscaled by hand, clipped
+    and stepped the same way."""
+    model = mlp()
+    model, opt = amp.initialize(model, _o1_optimizer(kind, model), opt_level="O1",
+                                loss_scale=loss_scale, verbosity=0)
+    ref = mlp()
+    ref_opt = _o1_optimizer(kind, ref)
+    for step, (x, y) in enumerate(mlp_batches(3)):
+        scale = amp.state_dict()["loss_scaler0"]["loss_scale"]
+        opt.zero_grad(set_to_none=set_to_none)
+        with amp.scale_loss(mse(model(x), y), opt) as scaled:
+            scaled.backward()
+        ref_opt.zero_grad(set_to_none=set_to_none)
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = ref(x)
+        (mse(out, y) * scale).backward()
+        for r in ref.parameters():
+            r.grad.div_(scale)  # a power of two: exact
+        for p, r in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, r.grad), (step, kind)
+        max_norm = 0.5 * torch.nn.utils.get_total_norm(
+            [r.grad for r in ref.parameters()]).item()
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        assert torch.equal(total, ref_total)
+        opt.step()
+        ref_opt.step()
+        for p, r in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, r, **TOL[torch.float32])
+        # .grad after the step: what the clip left (the step writes no gradient)
+        for p, r in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, r.grad)
 
 
 # --------------------------------------------------------------------------------------
@@ -385,15 +435,16 @@ def test_fused_adam_o1_matches_gradscaler_without_host_reads(monkeypatch):
             out = ref(x)
         scaler.scale(mse(out, y) * factor).backward()
 
-        # still scaled after scale_loss: exactly the gradients GradScaler's backward made
+        # unscaled at scale_loss's exit, as Apex did: exactly the gradients GradScaler's
+        # backward made, divided by the scale (a power of two: exact in fp32)
         for p, r in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, r.grad, rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(p.grad, r.grad / scale, rtol=0, atol=0,
+                                       equal_nan=True)
 
         with monkeypatch.context() as mp:
             _forbid_host_reads(mp)
             opt.step()
-        assert isinstance(seen["grad_scale"], torch.Tensor)
-        assert float(seen["grad_scale"]) == scale
+        assert seen["grad_scale"] is None  # nothing left to unscale
         assert float(seen["found_inf"]) == (1.0 if factor == INF else 0.0)
 
         scaler.step(ref_opt)

@@ -97,13 +97,15 @@ def test_a_gradient_with_other_strides_is_re_prepared(cpu_path):
     assert not torch.equal(before, w.detach())
 
 
-def test_amp_check_is_rebound_and_still_catches_an_overflow(cpu_path):
-    """O2 with a dynamic scale on the CPU path: the read-only check of the half gradients
-    is prepared once, takes each step's gradients, and an overflow is still seen."""
+@pytest.mark.parametrize("level,sweep", [("O2", "check"), ("O1", "unscale_own")])
+def test_amp_check_is_rebound_and_still_catches_an_overflow(cpu_path, level, sweep):
+    """A dynamic scale on the CPU path: the read-only check of O2's half gradients, or
+    O1's unscale of the parameters' own gradients in place, is prepared once, takes each
+    step's gradients (holding none between steps), and an overflow is still seen."""
     from tritamp import amp
     model = _model()
     model, opt = amp.initialize(model, FusedAdam(model.parameters(), lr=1e-2),
-                                opt_level="O2", half_dtype=torch.bfloat16, loss_scale="dynamic",
+                                opt_level=level, half_dtype=torch.bfloat16, loss_scale="dynamic",
                                 verbosity=0)
     x = torch.randn(5, 8)
     for factor in (1.0, 1.0, float("inf"), 1.0):
@@ -116,7 +118,7 @@ def test_amp_check_is_rebound_and_still_catches_an_overflow(cpu_path):
         after = list(amp.master_params(opt))
         changed = any(not torch.equal(b, a) for b, a in zip(before, after))
         assert changed == (factor == 1.0)
-    cache = stash_of(opt)._sweeps["check"]
+    cache = stash_of(opt)._sweeps[sweep]
     assert cache.builds == 1
     opt.zero_grad(set_to_none=True)
     gc.collect()

@@ -108,11 +108,14 @@ def test_a_misaligned_gradient_prepares_the_sweep_again():
     assert cache.prepared.groups[0].constexprs["VEC"] == 1
 
 
-def test_amp_check_is_rebound_on_the_triton_path_and_still_catches_an_overflow():
+@pytest.mark.parametrize("level,sweep", [("O1", "unscale_own"), ("O2", "check")])
+def test_amp_check_is_rebound_on_the_triton_path_and_still_catches_an_overflow(level, sweep):
+    # O1: the in-place unscale of the parameters' own gradients; O2: the read-only check
+    # of the half gradients the step unscales
     reset_amp()
     model = _model()
     opt = FusedAdam(model.parameters(), lr=1e-2)
-    model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16,
+    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
                                 loss_scale="dynamic", verbosity=0)
     alive = []
     for step in range(3):
@@ -122,7 +125,7 @@ def test_amp_check_is_rebound_on_the_triton_path_and_still_catches_an_overflow()
             scaled.backward()
         alive.append([p.grad for p in model.parameters()])
         opt.step()
-    check = stash_of(opt)._sweeps["check"]
+    check = stash_of(opt)._sweeps[sweep]
     assert check.builds == 1 and check.prepared.triton is True
     before = [p.detach().clone() for p in model.parameters()]
     opt.zero_grad(set_to_none=True)

@@ -91,10 +91,10 @@ class AmpStash:
         ``key`` (optional) says what the lists were gathered from, per parameter; by
         default the key holds every tensor's address, strides, shape and dtype (the
         lists may be subsets: a position is not tied to one parameter).
-        ``rebind_on`` (optional, read-only checks) is the part of ``key`` without the
-        addresses: when only those changed, a kept CPU-path check takes the new sources
-        instead of being prepared again; ``addresses`` are then the sources' (from the
-        key)."""
+        ``rebind_on`` (optional, read-only checks and unscales in place) is the part of
+        ``key`` without the addresses: when only those changed, a kept check takes the
+        new sources instead of being prepared again; ``addresses`` are then the sources'
+        (from the key)."""
         if not srcs:
             return
         if self.sharded and rebind_on is None:  # (the steady-state check's are local)
@@ -158,6 +158,8 @@ class AmpStash:
         """The kept sweep ``prepared`` rebound to this step's lists, if it can be."""
         if not write:
             return prepared.rebindable and prepared.rebind_sources(srcs, addresses)
+        if dsts is None:  # unscaled in place: the sources are the destinations
+            return prepared.rebindable_in_place and prepared.rebind_sources(srcs, addresses)
         return prepared.rebindable_writes and prepared.rebind_lists(srcs, dsts, addresses,
                                                                     adds=adds)
 
@@ -249,26 +251,38 @@ class AmpStash:
         SCALE; without one (``delay_overflow_check``) SCALE itself is what they carry."""
         carried = scaler.used_scale if will_update and scaler.dynamic else scaler.scale
         check = scaler.found_inf if scaler.dynamic else None  # a static scale is not checked
-        if (not self.pending and self.supports_amp_scaling
-                and (not self.masters or self.writes_model_copies)
+        if (not self.pending
+                and (not self.masters or (self.supports_amp_scaling and self.writes_model_copies))
                 and not any(map(_is_not_none, self.plain_stash))
                 and not any(map(_is_not_none, map(_grad_of, self.masters)))):
-            # The steady state of a fused step: every gradient is this backward's own.
-            # Check them read-only; the step unscales them as it reads them.
+            # The steady state: every gradient is this backward's own. Without masters they
+            # are unscaled in place as they are checked; with masters and an optimizer that
+            # writes the half copies itself they are checked read-only and the step
+            # unscales them as it reads them.
             grads = list(map(_grad_of, self.model_params))
             grads.extend(map(_grad_of, self.plain_params))
             if self.sharded:
                 grads = locals_of(grads)
             # Keyed per parameter (None kept in place): a position always holds the same
             # parameter's gradient, so its shape and dtype are fixed and only the address
-            # and strides can change.
-            key = layout_key(grads)
+            # and strides can change. (A sparse gradient is refused by name here.)
+            key = layout_key(grads, op="amp")
             self._count_key = key  # (the key only: holding the gradients keeps them alive)
-            if check is not None:
+            own = not self.masters
+            if check is not None or own:
                 addresses = key[0]
                 if any(map(_is_none, grads)):
                     addresses = [a for a, g in zip(addresses, grads) if g is not None]
                     grads = [g for g in grads if g is not None]
+                if own:
+                    # The parameters are their own masters (O0, O1, O3): their gradients
+                    # are unscaled in place in the pass that checks them, as Apex's exit
+                    # did, so .grad holds the true gradient from here on (clipping or
+                    # reading model.parameters() sees it); the step reads them unscaled.
+                    self._check_unscale("unscale_own", grads, scaler.scale, check,
+                                        key=key, rebind_on=key[1], addresses=addresses)
+                    self._pending(None)
+                    return
                 self._check_unscale("check", grads, None, check, write=False, key=key,
                                     rebind_on=key[1], addresses=addresses)
             self._pending(carried)
@@ -306,7 +320,7 @@ class AmpStash:
         # backward's, so one grad_scale describes every one of them; with masters only
         # if the optimizer reads the half gradients and writes the half copies itself.
         lazy = (self.supports_amp_scaling and not acc and not self.pending
-                and (not self.masters or self.writes_model_copies))
+                and self.masters and self.writes_model_copies)
         found, scale = check, scaler.scale
         if lazy:
             self._check_unscale("check_some", srcs + plain_fresh, None, found, write=False)

@@ -17,7 +17,8 @@ or ``tritamp.amp``) on the device: unscaling is folded in, and on overflow nothi
 changes, step counts included, without a host sync. Driven by ``torch.amp.GradScaler``
 the step also leaves the unscaled gradients in ``.grad``, as torch's fused optimizers
 do (the kernels store the values they unscale anyway); under ``tritamp.amp`` the
-gradients stay as they are (docs/grads-after-step.md).
+step writes no gradient (at O1 amp unscaled them before the step; at O2 they stay
+scaled: docs/grads-after-step.md).
 """
 import collections
 import functools
