@@ -37,6 +37,27 @@ def test_other_norms_go_to_torch():
     assert torch.equal(n1, n2)
 
 
+@pytest.mark.parametrize("kwargs", [dict(), dict(norm_type=float("inf")), dict(norm_type=1.0),
+                                    dict(error_if_nonfinite=True), dict(foreach=False),
+                                    dict(norm_type=1.0, foreach=True)],
+                         ids=["l2", "inf", "l1", "error_if_nonfinite", "foreach-off", "l1-foreach"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_generator_of_parameters_is_clipped_on_every_path(kwargs, dtype):
+    """amp.master_params(...) and model.parameters() are generators: read once, whether the
+    kernels clip or torch's implementation does (which once got the spent generator and
+    clipped nothing, returning 0). ``foreach`` is torch's argument too."""
+    ours, theirs = _params(), _params()
+    for ps in (ours, theirs):
+        for p in ps:
+            p.data, p.grad = p.data.to(dtype), p.grad.to(dtype)
+    n1 = clip_grad_norm_((p for p in ours), 1.0, **kwargs)
+    n2 = torch.nn.utils.clip_grad_norm_(theirs, 1.0, **kwargs)
+    torch.testing.assert_close(n1, n2.to(n1.dtype), rtol=1e-5, atol=1e-6)
+    assert n1 > 1.0  # (there was something to clip)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_clipping_master_params_at_o2_reads_nothing_back():
     from test_hot_path import HostReads
     torch.manual_seed(0)

@@ -48,29 +48,33 @@ def _release(norm, scale):
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False):
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
+                    foreach=None):
     """``torch.nn.utils.clip_grad_norm_`` for the L2 norm on tritamp's multi-tensor kernels.
 
     One l2-norm launch and one scale launch per dtype group, the clip coefficient
     ``min(1, max_norm / (norm + 1e-6))`` computed and applied on the device: nothing is
     read back to the host. Returns the total norm as a 0-d device tensor. Use it on
-    ``amp.master_params(optimizer)`` after ``scale_loss`` exits. Other norm types,
-    ``error_if_nonfinite=True`` (which must read the norm) and float64 gradients go to
-    torch's implementation.
+    ``amp.master_params(optimizer)`` after ``scale_loss`` exits. ``parameters`` may be
+    any iterable (a generator is read once). Other norm types, ``error_if_nonfinite=True``
+    (which must read the norm) and float64 gradients go to torch's implementation, with
+    ``foreach``; the kernels' sweeps are multi-tensor whatever ``foreach`` says.
 
     Sharded gradients (DTensors, FSDP2's ``fully_shard``): each rank's shards are
     clipped by the norm of the whole gradients, their local norms summed over the shard
     group (one all-reduce, no host sync); every gradient must then be a DTensor on one
     mesh.
     """
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
+    # (a list: a generator such as amp.master_params(...) is read here and may still
+    # have to be handed to torch's implementation below)
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     if float(norm_type) != 2.0 or error_if_nonfinite \
             or not set(map(_dtype_of, grads)) <= _SWEPT:
         # (float64 gradients: the sweeps compute in float32)
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type,
-                                              error_if_nonfinite=error_if_nonfinite)
+                                              error_if_nonfinite=error_if_nonfinite,
+                                              foreach=foreach)
     if not grads:
         return torch.tensor(0.0)
     if len({g.device for g in grads}) > 1:
