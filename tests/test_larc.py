@@ -1,5 +1,6 @@
 """tritamp.parallel.LARC against Apex's LARC algorithm, written out in float64 per
 parameter, around torch's SGD and tritamp's FusedSGD; the wrapper's proxying contract."""
+import copy
 import pickle
 
 import pytest
@@ -132,6 +133,39 @@ def test_closure_is_passed_on():
     params = _params(6)
     opt = LARC(torch.optim.SGD(params, lr=0.1))
     assert opt.step(lambda: torch.tensor(3.0)).item() == 3.0
+
+
+@pytest.mark.parametrize("clip", [True, False])
+def test_a_closure_step_is_the_step_after_calling_the_closure(clip):
+    """step(closure): the closure's gradients are rewritten (weight decay inside the
+    adaptive rate), exactly as closure() then step() (handing the closure to the wrapped
+    optimizer let it recompute the gradients after the rewrite: plain SGD, no decay)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    twin = copy.deepcopy(model)
+    x, y = torch.randn(8, 6), torch.randn(8, 1)
+
+    def make(m):
+        return LARC(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-2),
+                    clip=clip)
+
+    def closure_of(m, opt):
+        def closure():
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            return loss
+        return closure
+
+    opt, ref = make(model), make(twin)
+    for _ in range(3):
+        loss = opt.step(closure_of(model, opt))
+        ref_loss = closure_of(twin, ref)()
+        ref.step()
+        assert torch.equal(loss, ref_loss)
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p, q)
+    assert all(g["weight_decay"] == 1e-2 for g in opt.param_groups)  # restored
 
 
 def test_bad_arguments():

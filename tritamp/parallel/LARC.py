@@ -59,7 +59,8 @@ class LARC:
 
     Differences from Apex: the norms are computed in fp32 (one launch per dtype group for
     all of a group's parameters) and the zero-norm test runs on the device, so a step makes
-    no host sync; ``step`` accepts a closure; a LARC pickles and deep-copies with its
+    no host sync; ``step`` accepts a closure (run before the rewrite, as torch's optimizers
+    run theirs before they read the gradients); a LARC pickles and deep-copies with its
     optimizer (Apex's forwarded ``__getstate__`` made the copy lose it).
 
     ``param_groups``, ``state``, ``defaults``, ``state_dict``, ``load_state_dict``,
@@ -202,6 +203,14 @@ class LARC:
             p.grad.mul_(factor[i])
 
     def step(self, closure=None):
+        """Rewrite the gradients, then the wrapped optimizer's step. A ``closure`` (which
+        recomputes the loss and the gradients, as torch's optimizers take it) runs first,
+        with gradients enabled, so that the rewrite applies to the gradients it leaves;
+        the wrapped step is then called without it. Returns the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         weight_decays = []
         try:
             groups = self.optim.param_groups
@@ -214,7 +223,8 @@ class LARC:
                 weight_decays.append(weight_decay)
                 group["weight_decay"] = 0
                 self._adapt(index, group, weight_decay)
-            return self.optim.step() if closure is None else self.optim.step(closure)
+            self.optim.step()
+            return loss
         finally:
             for group, weight_decay in zip(self.optim.param_groups, weight_decays):
                 group["weight_decay"] = weight_decay
