@@ -188,7 +188,9 @@ def main(argv=None):
         dist.init_process_group("gloo", init_method="file://" + args.init_file,
                                 rank=args.rank, world_size=args.world_size)
     else:
-        dist.init_process_group("gloo")
+        # torch's default backend (its name is not "gloo": "undefined", gloo for CPU
+        # tensors), as a torchrun script that names none gets it
+        dist.init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         cases = json.load(open(args.cases)) if args.cases else []

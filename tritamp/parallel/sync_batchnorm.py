@@ -80,14 +80,23 @@ class _Layout:
         return v.view(self.shape)
 
 
+# torch's single-tensor all-gather (all_gather_into_tensor in older torch releases)
+_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _all_gather_rows(row, group, world_size):
-    """Every rank's packed statistics row, stacked [world, 2C + 1]: one collective."""
-    out = torch.empty(world_size, row.numel(), dtype=row.dtype, device=row.device)
-    if dist.get_backend(group) == "gloo":  # gloo has no all_gather_into_tensor
-        dist.all_gather(list(out.unbind(0)), row, group=group)
-    else:
-        dist.all_gather_into_tensor(out, row, group=group)
-    return out
+    """Every rank's packed statistics row, stacked [world, 2C + 1]: one collective into
+    a flat output (the concatenated form, which every backend takes, whatever name the
+    process group was given: "gloo", "cpu:gloo,cuda:nccl", torch's default)."""
+    n = row.numel()
+    out = torch.empty(world_size * n, dtype=row.dtype, device=row.device)
+    try:
+        _gather_single(out, row, group=group)
+    except (RuntimeError, NotImplementedError):
+        # a backend without the single-tensor gather (gloo in older torch releases;
+        # raised before any rank communicates): one tensor per rank
+        dist.all_gather(list(out.view(world_size, n).unbind(0)), row, group=group)
+    return out.view(world_size, n)
 
 
 class SyncBatchnormFunction(torch.autograd.Function):
