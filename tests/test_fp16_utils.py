@@ -683,3 +683,54 @@ def test_float64_pairs_are_copied_by_torch():
     master_params_to_model_params(model_params, masters)
     for p, m in zip(model_params, masters):
         assert torch.equal(p.detach(), m.detach().to(p.dtype))
+
+
+class _TwoBranches(nn.Module):
+    """``a`` always used; ``b`` only when asked (a half branch and an fp32 scale)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 2)
+        self.b = nn.Linear(4, 2)
+        self.s = nn.Parameter(torch.ones(2))
+
+    def forward(self, x, use_b):
+        y = self.a(x)
+        return y + self.b(x) * self.s.to(y.dtype) if use_b else y
+
+
+def test_zero_grad_keeps_an_unused_parameters_zero_gradient_as_apex():
+    """zero_grad() (set_grads_to_None=False, Apex's default) zeroes the gradients in place
+    and Apex's update_master_grads copies those zeros to the masters: a branch the next
+    backward does not reach still steps with a zero gradient (momentum, weight decay).
+    (It was frozen: the zeros were dropped and its masters got no gradient.)"""
+    uses = [True, False, False]
+    x = torch.ones(3, 4)
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.1)
+
+    ref = _TwoBranches()
+    ref_opt = sgd(ref.parameters())
+    model = _TwoBranches()
+    model.a.to(torch.bfloat16)
+    model.b.to(torch.bfloat16)
+    opt = FP16_Optimizer(sgd(model.parameters()), verbose=False)
+    for step, use_b in enumerate(uses):
+        ref_opt.zero_grad(set_to_none=False)
+        ref(x, use_b).sum().backward()
+        ref_opt.step()
+        opt.zero_grad()
+        opt.backward(model(x.bfloat16(), use_b).float().sum())
+        if not use_b:  # the unused branch's masters (and the fp32 scale) get zeros
+            for half, master in zip(opt.all_fp16_params, opt.all_fp32_from_fp16_params):
+                if half is model.b.weight or half is model.b.bias:
+                    assert master.grad is not None and not master.grad.any(), step
+            assert model.s.grad is not None and not model.s.grad.any(), step
+        opt.step()
+    masters = {id(h): m for h, m in zip(opt.all_fp16_params, opt.all_fp32_from_fp16_params)}
+    # (step 0's gradients went through a bf16 forward: bf16's tolerance)
+    for ours, theirs in ((masters[id(model.b.weight)], ref.b.weight),
+                         (masters[id(model.b.bias)], ref.b.bias), (model.s, ref.s)):
+        torch.testing.assert_close(ours, theirs, **TOL[torch.bfloat16])

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 import torch
 
 from tritamp import kernels as K
-from tritamp.amp.optimizer import AmpStash, amp_step
+from tritamp.amp.optimizer import AmpStash, _versions, amp_step
 from tritamp.amp.scaler import check_number
 
 from .fp16util import clip_grad_norm
@@ -152,7 +152,13 @@ class FP16_Optimizer:
             elif p.grad is not None:
                 p.grad.detach_()
                 p.grad.zero_()
-        self._stash.finish_step()
+        stash = self._stash
+        stash.finish_step()
+        if not set_grads_to_None:
+            # The zeros stay the next backward's own (recorded with their versions): a
+            # parameter that backward does not reach still gets a zero master gradient,
+            # so momentum and weight decay still move it, as in Apex.
+            stash.zeroed = _versions(stash.plain_params, stash.model_params)
         self._backward_pending = False
 
     def backward(self, loss, update_master_grads=True, retain_graph=False):
