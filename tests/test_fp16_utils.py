@@ -533,6 +533,51 @@ def test_dynamic_loss_scaler_follows_apex_legacy_rule():
     assert scaler.cur_iter == len(overflows)
 
 
+class _ApexLegacyDynamic:
+    """Apex's fp16_utils.DynamicLossScaler: plain attributes its update_scale reads."""
+
+    def __init__(self, init_scale, scale_factor, scale_window):
+        self.cur_scale, self.scale_factor, self.scale_window = init_scale, scale_factor, scale_window
+        self.cur_iter, self.last_overflow_iter = 0, -1
+
+    def update_scale(self, overflow):
+        if overflow:
+            self.cur_scale = max(self.cur_scale / self.scale_factor, 1)
+            self.last_overflow_iter = self.cur_iter
+        elif (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+            self.cur_scale *= self.scale_factor
+        self.cur_iter += 1
+
+
+def test_dynamic_loss_scaler_follows_its_attributes_as_apex_legacy_does():
+    """A script may set scale_factor, scale_window, cur_scale, cur_iter and
+    last_overflow_iter between updates (a restored checkpoint, a schedule): the next
+    update_scale follows them, as Apex's, which read them every call (they were stored
+    and ignored)."""
+    overflows = [False] * 4 + [True] + [False] * 9 + [True, True] + [False] * 8
+    changes = {2: dict(scale_factor=4.0), 6: dict(scale_window=2),
+               9: dict(cur_scale=2.0 ** 12), 12: dict(cur_iter=40, last_overflow_iter=37),
+               18: dict(scale_window=5, scale_factor=2.0)}
+    ours = DynamicLossScaler(init_scale=2.**8, scale_factor=2., scale_window=3)
+    ref = _ApexLegacyDynamic(2.**8, 2., 3)
+    for i, overflow in enumerate(overflows):
+        for name, value in changes.get(i, {}).items():
+            setattr(ours, name, value)
+            setattr(ref, name, value)
+        ours.update_scale(overflow)
+        ref.update_scale(overflow)
+        assert (ours.loss_scale, ours.cur_scale, ours.cur_iter, ours.last_overflow_iter) == \
+            (ref.cur_scale, ref.cur_scale, ref.cur_iter, ref.last_overflow_iter), i
+        assert (ours.scale_factor, ours.scale_window) == (ref.scale_factor, ref.scale_window)
+    static = LossScaler(4.0)
+    static.cur_scale = 8.0
+    assert static.loss_scale == 8.0
+    for name, bad in (("scale_factor", 1.0), ("scale_window", 0), ("cur_iter", -1),
+                      ("last_overflow_iter", 1.5), ("cur_scale", 0.0)):
+        with pytest.raises(ValueError, match=name.replace("cur_scale", "loss_scale")):
+            setattr(ours, name, bad)
+
+
 def test_legacy_scalers_check_and_scale():
     p = torch.zeros(3, requires_grad=True)
     for scaler in (LossScaler(4.0), DynamicLossScaler(init_scale=8.0)):

@@ -17,7 +17,7 @@ import torch
 
 from tritamp import kernels as K
 from tritamp.amp.scaler import LossScaler as _DeviceLossScaler
-from tritamp.amp.scaler import check_number
+from tritamp.amp.scaler import check_number, check_scaler_args
 
 from ._kept import KeptSweeps
 from .fp16util import to_python_float
@@ -70,6 +70,13 @@ class OptimizerLossScaler(_DeviceLossScaler):
         super()._report(snapshot)
 
 
+def _count_arg(name, value, low=0):
+    """An int attribute of the legacy scaler (not a bool), at least ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"DynamicLossScaler.{name} must be an int >= {low}, got {value!r}")
+    return value
+
+
 def _found_inf_of(tensors):
     """A 0-d fp32 device flag, 1.0 when any tensor holds inf/NaN (one launch per dtype)."""
     tensors = [t for t in tensors if t is not None]
@@ -93,7 +100,13 @@ class _LegacyScaler:
 
     @property
     def cur_scale(self):
+        """The current scale (Apex's attribute): reads the device; setting it replaces
+        the scale (a finite number > 0), as scripts restoring a checkpoint do."""
         return self._scaler.loss_scale()
+
+    @cur_scale.setter
+    def cur_scale(self, value):
+        self._scaler.set_scale(value)
 
     def has_overflow(self, params):
         """True when a gradient of ``params`` holds inf/NaN. One check launch per dtype
@@ -135,23 +148,75 @@ class LossScaler(_LegacyScaler):
         pass
 
 
+_LEGACY_NAMES = {"scale_factor": "scale_factor", "scale_window": "scale_window",
+                 "min_loss_scale": None}
+
+
 class DynamicLossScaler(_LegacyScaler):
     """Apex's ``fp16_utils.DynamicLossScaler``: start at ``init_scale``, divide by
     ``scale_factor`` on overflow (never below 1), multiply by it after ``scale_window``
     consecutive clean iterations. The scale lives on the device; ``update_scale``
-    given a device tensor makes no host sync."""
+    given a device tensor makes no host sync.
+
+    As in Apex, ``scale_factor``, ``scale_window``, ``cur_iter``, ``last_overflow_iter``
+    and ``cur_scale`` are attributes the next ``update_scale`` follows when a script sets
+    them (checked: ``scale_factor`` a finite number > 1, ``scale_window`` an int >= 1).
+    ``last_overflow_iter`` is recorded for overflows passed as bools; one passed as a
+    device tensor is not read back, so it is not recorded there (the growth count on the
+    device still restarts)."""
 
     def __init__(self, init_scale=2**32, scale_factor=2., scale_window=1000):
         super().__init__(OptimizerLossScaler("dynamic", report=False, init_scale=init_scale,
                                              scale_factor=scale_factor, scale_window=scale_window,
                                              min_loss_scale=1.0, max_loss_scale=None,
-                                             arg_names={"scale_factor": "scale_factor",
-                                                        "scale_window": "scale_window",
-                                                        "min_loss_scale": None}))
-        self.scale_factor = scale_factor
-        self.scale_window = scale_window
-        self.cur_iter = 0
-        self.last_overflow_iter = -1
+                                             arg_names=_LEGACY_NAMES))
+        self._cur_iter = 0
+        self._last_overflow_iter = -1
+
+    @property
+    def scale_factor(self):
+        return self._scaler.growth_factor
+
+    @scale_factor.setter
+    def scale_factor(self, value):
+        args = check_scaler_args("dynamic", scale_factor=value, arg_names=_LEGACY_NAMES)
+        self._scaler.growth_factor = args.growth_factor
+        self._scaler.backoff_factor = args.backoff_factor
+
+    @property
+    def scale_window(self):
+        return self._scaler.growth_interval
+
+    @scale_window.setter
+    def scale_window(self, value):
+        args = check_scaler_args("dynamic", scale_window=value, arg_names=_LEGACY_NAMES)
+        self._scaler.growth_interval = args.growth_interval
+        self._set_clean_count()
+
+    @property
+    def cur_iter(self):
+        return self._cur_iter
+
+    @cur_iter.setter
+    def cur_iter(self, value):
+        self._cur_iter = _count_arg("cur_iter", value)
+        self._set_clean_count()
+
+    @property
+    def last_overflow_iter(self):
+        return self._last_overflow_iter
+
+    @last_overflow_iter.setter
+    def last_overflow_iter(self, value):
+        self._last_overflow_iter = _count_arg("last_overflow_iter", value, low=-1)
+        self._set_clean_count()
+
+    def _set_clean_count(self):
+        """The device's count of clean iterations since the last growth or overflow, as
+        Apex's rule reads it from the attributes: the next clean iteration grows the
+        scale when ``(cur_iter - last_overflow_iter) % scale_window == 0``."""
+        clean = (self._cur_iter - self._last_overflow_iter - 1) % self._scaler.growth_interval
+        self._scaler._state[K.UNSKIPPED] = float(clean)
 
     def update_scale(self, overflow):
         """Advance the scale after an iteration; ``overflow`` is a bool, or a 0-d device
@@ -162,6 +227,6 @@ class DynamicLossScaler(_LegacyScaler):
         else:
             self._scaler.found_inf.fill_(1.0 if overflow else 0.0)
             if overflow:
-                self.last_overflow_iter = self.cur_iter
+                self._last_overflow_iter = self._cur_iter
         self._scaler.update_scale()
-        self.cur_iter += 1
+        self._cur_iter += 1
