@@ -779,3 +779,37 @@ def test_zero_grad_keeps_an_unused_parameters_zero_gradient_as_apex():
     for ours, theirs in ((masters[id(model.b.weight)], ref.b.weight),
                          (masters[id(model.b.bias)], ref.b.bias), (model.s, ref.s)):
         torch.testing.assert_close(ours, theirs, **TOL[torch.bfloat16])
+
+
+def test_fp16_optimizer_wraps_larc_as_apex_documents():
+    """Apex's LARC docstring: ``optim = LARC(optim); optim = FP16_Optimizer(optim)``. The
+    bf16 model's masters follow an fp32 LARC(SGD) on the same data (bf16's tolerance),
+    and an overflow skips the step, LARC's rewrite included (it was refused: not a
+    torch.optim.Optimizer)."""
+    from tritamp.parallel import LARC
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+
+    def build(dtype):
+        torch.manual_seed(3)
+        model = nn.Linear(8, 4).to(dtype)
+        return model, LARC(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9,
+                                           weight_decay=1e-2))
+
+    ref, ref_opt = build(torch.float32)
+    model, larc = build(torch.bfloat16)
+    opt = FP16_Optimizer(larc, dynamic_loss_scale=True, verbose=False)
+    for factor in (1.0, float("inf"), 1.0, 1.0):
+        before = [m.detach().clone() for m in _masters(opt)]
+        opt.zero_grad()
+        opt.backward(model(x.bfloat16()).float().pow(2).mean() * factor)
+        opt.step()
+        if factor != 1.0:
+            assert opt.overflow
+            assert all(torch.equal(b, m) for b, m in zip(before, _masters(opt)))
+            continue
+        ref_opt.zero_grad()
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+    for m, r in zip(_masters(opt), ref.parameters()):
+        torch.testing.assert_close(m, r, **TOL[torch.bfloat16])
+    assert all(g["weight_decay"] == 1e-2 for g in opt.param_groups)

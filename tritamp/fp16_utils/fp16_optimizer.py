@@ -25,6 +25,7 @@ import torch
 from tritamp import kernels as K
 from tritamp.amp.optimizer import AmpStash, _versions, amp_step
 from tritamp.amp.scaler import check_number
+from tritamp.parallel.LARC import LARC
 
 from .fp16util import clip_grad_norm
 from .loss_scaler import OptimizerLossScaler
@@ -42,8 +43,9 @@ _STATIC_NAMES = {"loss_scale": "static_loss_scale"}
 
 
 class FP16_Optimizer:
-    """Wrap ``init_optimizer`` (built over a half model's parameters) with fp32 master
-    weights and a static or dynamic loss scale.
+    """Wrap ``init_optimizer`` (built over a half model's parameters; a torch optimizer,
+    or a :class:`~tritamp.parallel.LARC` around one, as Apex's LARC docs show) with fp32
+    master weights and a static or dynamic loss scale.
 
     ``static_loss_scale`` is used unless ``dynamic_loss_scale=True``; ``dynamic_loss_args``
     is a dict of ``init_scale`` (2**16), ``scale_factor`` (2.), ``scale_window`` (2000),
@@ -56,8 +58,9 @@ class FP16_Optimizer:
 
     def __init__(self, init_optimizer, static_loss_scale=1.0, dynamic_loss_scale=False,
                  dynamic_loss_args=None, verbose=True):
-        if not isinstance(init_optimizer, torch.optim.Optimizer):
-            raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer, got "
+        if not isinstance(init_optimizer, (torch.optim.Optimizer, LARC)):
+            raise TypeError(f"FP16_Optimizer wraps a torch.optim.Optimizer (or a "
+                            f"tritamp.parallel.LARC around one), got "
                             f"{type(init_optimizer).__name__}")
         if hasattr(init_optimizer, "_amp_stash"):
             raise RuntimeError("This optimizer is already managed by FP16_Optimizer or "
