@@ -12,7 +12,8 @@ import torch.nn as nn
 from conftest import TOL
 from tritamp import amp
 from tritamp.fp16_utils import (BN_convert_float, DynamicLossScaler, FP16_Optimizer, FP16Model,
-                                LossScaler, clip_grad_norm, master_params_to_model_params,
+                                LossScaler, clip_grad_norm, convert_network,
+                                master_params_to_model_params,
                                 model_grads_to_master_grads, network_to_half, prep_param_lists,
                                 to_python_float, tofp16)
 from tritamp.optimizers import FusedAdam, FusedSGD
@@ -813,3 +814,17 @@ def test_fp16_optimizer_wraps_larc_as_apex_documents():
     for m, r in zip(_masters(opt), ref.parameters()):
         torch.testing.assert_close(m, r, **TOL[torch.bfloat16])
     assert all(g["weight_decay"] == 1e-2 for g in opt.param_groups)
+
+
+def test_convert_network_keeps_a_shared_buffer_shared():
+    """A buffer two modules share (a table, running statistics) is cast in place, as
+    Apex's ``buf.data = ...`` did: still one tensor afterwards (it became two)."""
+    shared = torch.arange(4.0)
+    a, b = nn.Module(), nn.Module()
+    a.register_buffer("table", shared)
+    b.register_buffer("table", shared)
+    net = nn.Sequential(a, b)
+    convert_network(net, torch.bfloat16)
+    assert a.table is b.table is shared and shared.dtype == torch.bfloat16
+    a.table.add_(1)
+    assert torch.equal(b.table, torch.arange(1.0, 5.0, dtype=torch.bfloat16))

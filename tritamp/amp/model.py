@@ -60,16 +60,17 @@ def check_params_fp32(models):
 
 def convert_module(module, dtype):
     """Cast ``module``'s own floating parameters, their gradients and buffers to ``dtype``."""
-    # Assigning .data keeps every Parameter object, so optimizers built on the fp32
-    # model still hold the right tensors.
+    # Assigning .data keeps every Parameter and buffer object, as Apex's cast did:
+    # optimizers built on the fp32 model still hold the right tensors, and a buffer two
+    # modules share stays one tensor.
     for param in module.parameters(recurse=False):
         if param.is_floating_point():
             param.data = param.data.to(dtype)
             if param.grad is not None and param.grad.is_floating_point():
                 param.grad = param.grad.to(dtype)
-    for name, buf in module.named_buffers(recurse=False):
+    for buf in module.buffers(recurse=False):
         if buf is not None and buf.is_floating_point():
-            module._buffers[name] = buf.to(dtype)
+            buf.data = buf.data.to(dtype)
 
 
 def _modules_to_convert(network, keep_batchnorm_fp32):
