@@ -107,13 +107,16 @@ def _layer_norm_fwd_kernel(
 def _xhat(v_row, w_ptr, b_ptr, cols, mask, mean, rstd, min_w, IS_RMS: tl.constexpr,
           HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, FROM_OUTPUT: tl.constexpr,
           EMULATE_BF16_ROUNDING: tl.constexpr):
-    """The normalised row, from the input and its statistics or from the output. From the
-    output the weight divides with its magnitude raised to at least ``min_w`` (Apex's
+    """The normalised row, from the input and its statistics or from the output, and
+    (from the output) ``y - bias``, which is ``weight * xhat`` without the division. From
+    the output the weight divides with its magnitude raised to at least ``min_w`` (Apex's
     clamp: a zero weight counts as +min_w; NaN stays NaN)."""
     v = load_f32(v_row + cols, mask, EMULATE_BF16_ROUNDING)
+    scaled = v
     if FROM_OUTPUT:
         if HAS_BIAS:
             v = v - load_f32(b_ptr + cols, mask, EMULATE_BF16_ROUNDING)
+        scaled = tl.where(mask, v, 0.0)
         if HAS_WEIGHT:
             w = load_f32(w_ptr + cols, mask, EMULATE_BF16_ROUNDING)
             w = tl.where(w >= 0.0, tl.where(w < min_w, min_w, w),
@@ -126,31 +129,43 @@ def _xhat(v_row, w_ptr, b_ptr, cols, mask, mean, rstd, min_w, IS_RMS: tl.constex
         else:
             xhat = (v - mean) * rstd
     # Zero the tail: 0 / 0 there would poison the row sums.
-    return tl.where(mask, xhat, 0.0)
+    return tl.where(mask, xhat, 0.0), scaled
+
+
+@triton.jit
+def _c1_term(xhat, scaled, dy, wdy, HAS_WEIGHT: tl.constexpr, FROM_OUTPUT: tl.constexpr):
+    """The summand of ``c1 = mean(xhat * w * dy)``: from the output with a weight,
+    ``(y - bias) * dy``, which needs no division (as Apex's kernel forms it), so a weight
+    raised to ``min_w`` touches only its own column's terms, not every column's dx."""
+    if FROM_OUTPUT and HAS_WEIGHT:
+        return scaled * dy
+    else:
+        return xhat * wdy
 
 
 @triton.jit
 def _row_terms(row, v_ptr, v_stride, dy_ptr, w, w_ptr, b_ptr, mean_ptr, rstd_ptr, cols, mask,
                N, min_w, IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                FROM_OUTPUT: tl.constexpr, EMULATE_BF16_ROUNDING: tl.constexpr):
-    """One row's chunk ``cols`` in the backward: (xhat, dy, w * dy, rstd), ``w`` the
-    chunk's weight already loaded (when HAS_WEIGHT)."""
+    """One row's chunk ``cols`` in the backward: (xhat, dy, w * dy, rstd, the summand of
+    ``c1``), ``w`` the chunk's weight already loaded (when HAS_WEIGHT)."""
     rstd = tl.load(rstd_ptr + row)
     mean = 0.0
     if not IS_RMS and not FROM_OUTPUT:
         mean = tl.load(mean_ptr + row)
-    xhat = _xhat(v_ptr + row * v_stride, w_ptr, b_ptr, cols, mask, mean, rstd, min_w, IS_RMS,
-                 HAS_WEIGHT, HAS_BIAS, FROM_OUTPUT, EMULATE_BF16_ROUNDING)
+    xhat, scaled = _xhat(v_ptr + row * v_stride, w_ptr, b_ptr, cols, mask, mean, rstd, min_w,
+                         IS_RMS, HAS_WEIGHT, HAS_BIAS, FROM_OUTPUT, EMULATE_BF16_ROUNDING)
     dy = load_f32(dy_ptr + row * N + cols, mask, EMULATE_BF16_ROUNDING)
     wdy = dy
     if HAS_WEIGHT:
         wdy = dy * w
-    return xhat, dy, wdy, rstd
+    return xhat, dy, wdy, rstd, _c1_term(xhat, scaled, dy, wdy, HAS_WEIGHT, FROM_OUTPUT)
 
 
 @triton.jit
 def _dx(wdy, xhat, c1, c2, rstd, IS_RMS: tl.constexpr):
-    """dx of one row's chunk from its two row means ``c1 = mean(xhat * w * dy)`` and
+    """dx of one row's chunk from its two row means ``c1 = mean(xhat * w * dy)`` (see
+    :func:`_c1_term`) and
     ``c2 = mean(w * dy)`` (LayerNorm only)."""
     if IS_RMS:
         return (wdy - xhat * c1) * rstd
@@ -191,11 +206,11 @@ def _layer_norm_bwd_kernel(
         dw_acc = tl.zeros([BLOCK], dtype=tl.float32)
         db_acc = tl.zeros([BLOCK], dtype=tl.float32)
         for row in range(row_start, row_end):
-            xhat, dy, wdy, rstd = _row_terms(row, v_ptr, v_stride, dy_ptr, w, w_ptr, b_ptr,
-                                             mean_ptr, rstd_ptr, cols, mask, N, min_w, IS_RMS,
-                                             HAS_WEIGHT, HAS_BIAS, FROM_OUTPUT,
-                                             EMULATE_BF16_ROUNDING)
-            c1 = tl.div_rn(tl.sum(xhat * wdy, axis=0), n)
+            xhat, dy, wdy, rstd, c1_term = _row_terms(row, v_ptr, v_stride, dy_ptr, w, w_ptr,
+                                                      b_ptr, mean_ptr, rstd_ptr, cols, mask, N,
+                                                      min_w, IS_RMS, HAS_WEIGHT, HAS_BIAS,
+                                                      FROM_OUTPUT, EMULATE_BF16_ROUNDING)
+            c1 = tl.div_rn(tl.sum(c1_term, axis=0), n)
             c2 = 0.0
             if not IS_RMS:
                 c2 = tl.div_rn(tl.sum(wdy, axis=0), n)
@@ -221,12 +236,14 @@ def _layer_norm_bwd_kernel(
             for start in range(0, N, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
                 mask = cols < N
-                xhat = _xhat(v_row, w_ptr, b_ptr, cols, mask, mean, rstd, min_w, IS_RMS,
-                             HAS_WEIGHT, HAS_BIAS, FROM_OUTPUT, EMULATE_BF16_ROUNDING)
-                wdy = load_f32(dy_ptr + row * N + cols, mask, EMULATE_BF16_ROUNDING)
+                xhat, scaled = _xhat(v_row, w_ptr, b_ptr, cols, mask, mean, rstd, min_w,
+                                     IS_RMS, HAS_WEIGHT, HAS_BIAS, FROM_OUTPUT,
+                                     EMULATE_BF16_ROUNDING)
+                dy = load_f32(dy_ptr + row * N + cols, mask, EMULATE_BF16_ROUNDING)
+                wdy = dy
                 if HAS_WEIGHT:
-                    wdy = wdy * load_f32(w_ptr + cols, mask, EMULATE_BF16_ROUNDING)
-                c1_acc += xhat * wdy
+                    wdy = dy * load_f32(w_ptr + cols, mask, EMULATE_BF16_ROUNDING)
+                c1_acc += _c1_term(xhat, scaled, dy, wdy, HAS_WEIGHT, FROM_OUTPUT)
                 if not IS_RMS:
                     c2_acc += wdy
             tl.store(stats_ptr + 2 * row, tl.div_rn(tl.sum(c1_acc, axis=0), n))
@@ -244,10 +261,10 @@ def _layer_norm_bwd_kernel(
             dw_acc = tl.zeros([BLOCK], dtype=tl.float32)
             db_acc = tl.zeros([BLOCK], dtype=tl.float32)
             for row in range(row_start, row_end):
-                xhat, dy, wdy, rstd = _row_terms(row, v_ptr, v_stride, dy_ptr, w, w_ptr, b_ptr,
-                                                 mean_ptr, rstd_ptr, cols, mask, N, min_w, IS_RMS,
-                                                 HAS_WEIGHT, HAS_BIAS, FROM_OUTPUT,
-                                                 EMULATE_BF16_ROUNDING)
+                xhat, dy, wdy, rstd, _ = _row_terms(row, v_ptr, v_stride, dy_ptr, w, w_ptr,
+                                                    b_ptr, mean_ptr, rstd_ptr, cols, mask, N,
+                                                    min_w, IS_RMS, HAS_WEIGHT, HAS_BIAS,
+                                                    FROM_OUTPUT, EMULATE_BF16_ROUNDING)
                 c1 = tl.load(stats_ptr + 2 * row)
                 c2 = 0.0
                 if not IS_RMS:
@@ -693,11 +710,7 @@ def layer_norm_bwd_cpu(dy, saved, n, weight=None, bias=None, mean=None, rstd=Non
             dx, dw, db = torch.ops.aten.native_layer_norm_backward(
                 dy32, v.float(), [n], mean[:, None], rstd[:, None], w32, b32, mask)
         else:
-            xhat = _xhat_from_output(v, div, b32)
-            m = v.shape[0]
-            dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-                dy32, xhat, [n], xhat.new_zeros(m, 1), xhat.new_ones(m, 1), w32, b32, mask)
-            dx.mul_(rstd[:, None])
+            dx, dw, db = _layer_norm_bwd_from_output_cpu(dy32, v, w32, b32, div, rstd)
     dw = None if weight is None else dw.to(weight.dtype).reshape(weight.shape)
     db = None if not has_b else db.to(bias.dtype).reshape(bias.shape)
     return dx.to(x_dtype).reshape(saved.shape), dw, db
@@ -717,6 +730,27 @@ def _xhat_from_output(y, w32, b32):
     return xhat
 
 
+def _layer_norm_bwd_from_output_cpu(dy32, y, w32, b32, div, rstd):
+    """LayerNorm's ``(dx, dw, db)`` in fp32 from the output: ``xhat = (y - bias) / div``,
+    ``c1 = mean((y - bias) * dy)`` (no division: a clamped weight touches only its own
+    column), ``c2 = mean(w dy)``, ``dx = (w dy - (xhat c1 + c2)) rstd``, the reference's
+    arithmetic step for step."""
+    if b32 is None:
+        scaled = y.float()
+    else:  # (a new tensor: y itself is the saved output)
+        scaled = torch.sub(y, b32) if y.dtype == torch.float32 else y.float().sub_(b32)
+    xhat = scaled if w32 is None else torch.div(scaled, div)
+    wdy = dy32 if w32 is None else torch.mul(dy32, w32)
+    c1 = (torch.mul(scaled, dy32) if w32 is not None else torch.mul(xhat, wdy)).mean(
+        dim=1, keepdim=True)
+    c2 = wdy.mean(dim=1, keepdim=True)
+    # wdy - (xhat * c1 + c2) with every rounding (no fused multiply-add), then * rstd
+    dx = torch.sub(wdy, torch.mul(xhat, c1).add_(c2)).mul_(rstd[:, None])
+    dw = None if w32 is None else torch.mul(dy32, xhat).sum(0)
+    db = None if b32 is None else dy32.sum(0)
+    return dx, dw, db
+
+
 def _rms_norm_bwd_cpu(dy, v, w32, rstd, from_output, n, div=None):
     """RMSNorm's ``(dx, dw)`` in fp32, the reference's arithmetic step for step
     (``dx = (w dy - xhat * mean(xhat * w dy)) * rstd``, ``dw = sum(dy * xhat)``, ``xhat =
@@ -731,7 +765,10 @@ def _rms_norm_bwd_cpu(dy, v, w32, rstd, from_output, n, div=None):
     else:
         xhat = v.float().mul_(r)
     wdy = dy32 if w32 is None else torch.mul(dy32, w32)
-    prod = torch.mul(xhat, wdy)
+    if from_output and w32 is not None:  # (y * dy: no division, see _c1_term)
+        prod = torch.mul(v, dy32) if v.dtype == torch.float32 else v.float().mul_(dy32)
+    else:
+        prod = torch.mul(xhat, wdy)
     c1 = prod.mean(dim=1, keepdim=True)
     # wdy - xhat * c1 with both roundings (no fused multiply-add), then * rstd
     dx = torch.sub(wdy, torch.mul(xhat, c1, out=prod), out=prod).mul_(r)
@@ -786,6 +823,7 @@ def layer_norm_bwd_ref(dy, saved, n, weight=None, bias=None, mean=None, rstd=Non
         xhat = v
         if bias is not None and not rms:
             xhat = xhat - bias.reshape(-1).float()
+        scaled = xhat  # y - bias: weight * xhat, without the clamped division
         if w is not None:
             xhat = xhat / _clamped_weight(w, min_weight(eps, weight.dtype))
     elif rms:
@@ -793,7 +831,10 @@ def layer_norm_bwd_ref(dy, saved, n, weight=None, bias=None, mean=None, rstd=Non
     else:
         xhat = (v - mean[:, None]) * rstd[:, None]
     wdy = dy2 * w if w is not None else dy2
-    c1 = (xhat * wdy).mean(dim=1, keepdim=True)
+    if from_output and w is not None:  # (as Apex's kernel: no division in the row sum)
+        c1 = (scaled * dy2).mean(dim=1, keepdim=True)
+    else:
+        c1 = (xhat * wdy).mean(dim=1, keepdim=True)
     if rms:
         dx = (wdy - xhat * c1) * rstd[:, None]
     else:

@@ -421,6 +421,33 @@ def test_memory_efficient_zero_weight_with_an_eps_fp16_cannot_hold(path, rms):
     assert torch.isfinite(dx).all() and all(torch.isfinite(p).all() for p in params)
 
 
+@pytest.mark.parametrize("max_block", [None, 16], ids=["one-pass", "chunked"])
+@pytest.mark.parametrize("eps", [1e-3, 0.1])
+@pytest.mark.parametrize("rms", [False, True])
+def test_memory_efficient_weights_under_eps_leave_the_other_columns_exact(path, rms, eps,
+                                                                          max_block):
+    """A weight under eps is raised to eps where it divides (Apex's clamp), which makes
+    its own column's xhat wrong; the row sum every column's dx needs is formed from
+    (y - bias) * dy, with no division, as Apex's kernel forms it, so the other columns'
+    input gradients are the ordinary backward's to fp32 precision (they took the clamped
+    column's error: 1e-4 off at eps 1e-3, 8e-3 at eps 0.1)."""
+    from tritamp.kernels.layer_norm import layer_norm_bwd, layer_norm_fwd
+    n = 48
+    g = torch.Generator().manual_seed(5)
+    w = 1 + 0.3 * torch.randn(n, generator=g)
+    w[:3] = eps / 5
+    b = None if rms else 0.1 * torch.randn(n, generator=g)
+    x = torch.randn(16, n, generator=g) * 2 + 0.5
+    dy = torch.randn(16, n, generator=g)
+    y, mean, rstd = layer_norm_fwd(x, n, w, b, eps, rms, max_block=max_block)
+    want, _, _ = layer_norm_bwd(dy, x, n, w, b, mean, rstd, rms, max_block=max_block, eps=eps)
+    got, _, _ = layer_norm_bwd(dy, y, n, w, b, None, rstd, rms, from_output=True,
+                               max_block=max_block, eps=eps)
+    scale = want[:, 3:].abs().max()
+    assert (got[:, 3:] - want[:, 3:]).abs().max() <= 2e-6 * scale
+    assert (got[:, :3] - want[:, :3]).abs().max() > 1e-3 * scale  # (the clamped columns)
+
+
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_memory_efficient_with_zero_weights_gives_apexs_finite_gradients(path, rms, dtype):
