@@ -104,6 +104,16 @@ def test_mixed_elementwise_affine_argument():
         MixedFusedRMSNorm(8, elementwise_affine=False)
 
 
+@pytest.mark.parametrize("cls", [MixedFusedLayerNorm, MixedFusedRMSNorm])
+def test_mixed_norms_ignore_other_keywords_as_apex_does(cls):
+    """Apex's Mixed* constructors drop keywords they do not know (its transformer layers
+    pass sequence_parallel_enabled): ignored here too, with a warning naming them."""
+    with pytest.warns(UserWarning, match=r"ignores the keyword argument\(s\) "
+                                         r"\['sequence_parallel_enabled'\]"):
+        m = cls(8, sequence_parallel_enabled=True)
+    assert m.weight.shape == (8,) and not hasattr(m, "sequence_parallel_enabled")
+
+
 def test_functional_forms_match_torch():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(6, 30, generator=g)
@@ -201,8 +211,12 @@ def test_half_input_fp32_weights_under_autocast():
 
 def test_bad_input_errors():
     m = FusedLayerNorm(8)
-    with pytest.raises(RuntimeError, match=r"expected input with shape \[\*, 8\]"):
+    # torch's message, to the character
+    with pytest.raises(RuntimeError) as theirs:
+        nn.LayerNorm(8)(torch.randn(3, 7))
+    with pytest.raises(RuntimeError, match=r"expected input with shape \[\*, 8\]") as ours:
         m(torch.randn(3, 7))
+    assert str(ours.value) == str(theirs.value)
     with pytest.raises(TypeError, match="got torch.int64"):
         fused_layer_norm(torch.ones(3, 8, dtype=torch.long), 8)
     with pytest.raises(TypeError, match="got torch.float8_e4m3fn"):
@@ -500,3 +514,33 @@ def test_memory_efficient_with_zero_weights_gives_apexs_finite_gradients(path, r
                                        from_output=True, eps=eps)
     torch.testing.assert_close(dx1, rdx.float(), **tol)
     torch.testing.assert_close(dw1, rdw.float(), **tol)
+
+
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm])
+def test_export_and_trace_give_torchs_norm_ops(cls):
+    """torch.export (and torch.onnx.export, which goes through it) and torch.jit.trace
+    record torch's own norm op, as Apex's norms do under tracing: the graph runs, saves and
+    converts without tritamp's custom op (export refused: no ONNX function for it; a trace
+    failed its check and could not be saved). torch.compile keeps the fused op."""
+    import io
+    import warnings
+    m = cls((3, 8))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.uniform_(0.5, 1.5)
+    x = torch.randn(2, 3, 8)
+    want = m(x)
+    ep = torch.export.export(m, (x,))
+    targets = {str(node.target) for node in ep.graph.nodes if node.op == "call_function"}
+    assert not any("tritamp" in t for t in targets), targets
+    assert any(t.startswith("aten.layer_norm" if cls is not FusedRMSNorm else "aten.rms_norm")
+               for t in targets), targets
+    torch.testing.assert_close(ep.module()(x), want, rtol=1e-6, atol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (torch.jit.trace is deprecated)
+        traced = torch.jit.trace(m, (x,))
+        buf = io.BytesIO()
+        torch.jit.save(traced, buf)
+        buf.seek(0)
+        loaded = torch.jit.load(buf)
+    torch.testing.assert_close(loaded(x), want, rtol=1e-6, atol=1e-6)

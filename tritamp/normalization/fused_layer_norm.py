@@ -121,6 +121,8 @@ class _EagerNorm(torch.autograd.Function):
 
 
 _is_compiling = torch.compiler.is_compiling
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+_is_tracing = torch.jit.is_tracing
 _is_grad_enabled = torch.is_grad_enabled
 
 
@@ -150,7 +152,7 @@ def _normalized_numel(input, normalized_shape, weight, bias):
     if input.dim() < k or tuple(input.shape[input.dim() - k:]) != shape:
         raise RuntimeError(
             f"Given normalized_shape={list(shape)}, expected input with shape [*, "
-            f"{', '.join(str(s) for s in shape)}], but got input of size {list(input.shape)}")
+            f"{', '.join(str(s) for s in shape)}], but got input of size{list(input.shape)}")
     n = 1
     for s in shape:
         n *= s
@@ -182,9 +184,15 @@ def _norm(input, weight, bias, normalized_shape, eps, memory_efficient, rms, mix
         return _torch_norm(input, weight, bias, eps, rms).to(out_dtype)
     if dtype is torch.float64 or (weight is not None and weight.dtype is torch.float64):
         return _float64_norm(input, weight, bias, n, eps, rms, out_dtype)
-    if _is_compiling():
+    if _is_compiling() and not _is_exporting():
         return _norm_fwd(input, weight, bias, n, float(eps), rms, out_dtype,
                          bool(memory_efficient))[0]
+    if _is_tracing() or _is_exporting():
+        # torch.jit.trace, torch.export and torch.onnx.export: torch's own ops (as Apex's
+        # norms do), so the graph runs, saves and converts without tritamp
+        # (the input's trailing dimensions are the normalized shape: checked above)
+        shape = input.shape[input.dim() - _trailing_dims(normalized_shape):]
+        return _exported_norm(input, weight, bias, shape, eps, rms, out_dtype)
     if _is_grad_enabled() and (input.requires_grad
                                or (weight is not None and weight.requires_grad)
                                or (bias is not None and bias.requires_grad)):
@@ -193,6 +201,24 @@ def _norm(input, weight, bias, normalized_shape, eps, memory_efficient, rms, mix
     # Nothing to differentiate (inference, frozen parameters): the launcher alone, without
     # the autograd Function's context and saved tensors.
     return layer_norm_fwd(input, n, weight, bias, float(eps), rms, out_dtype)[0]
+
+
+def _trailing_dims(normalized_shape):
+    return 1 if isinstance(normalized_shape, numbers.Integral) else len(normalized_shape)
+
+
+def _exported_norm(input, weight, bias, shape, eps, rms, out_dtype):
+    """The fused norm in torch's ops for graphs that leave Python: fp32 arithmetic, one
+    rounding to the output dtype, as the kernels."""
+    shape = list(shape)
+    x = input.float()
+    w = None if weight is None else weight.float()
+    if rms:
+        y = torch.nn.functional.rms_norm(x, shape, w, eps)
+    else:
+        y = torch.nn.functional.layer_norm(x, shape, w, None if bias is None else bias.float(),
+                                           eps)
+    return y.to(out_dtype)
 
 
 def _torch_norm(input, weight, bias, eps, rms):
@@ -314,11 +340,21 @@ class FusedRMSNorm(nn.RMSNorm):
                      self.memory_efficient, True, self._mixed)
 
 
+_MIXED_KWARGS = ("bias", "device", "dtype")
+
+
 def _mixed_affine(cls_name, kwargs):
     if "elementwise_affine" in kwargs:
         warnings.warn(f"{cls_name} does not support `elementwise_affine` argument")
         if not kwargs.pop("elementwise_affine"):
             raise RuntimeError(f"{cls_name} does not support `elementwise_affine = False`")
+    # Apex's constructors drop any other keyword (Apex's own transformer layers pass
+    # sequence_parallel_enabled through them): ignored here too, said once.
+    ignored = sorted(k for k in kwargs if k not in _MIXED_KWARGS)
+    if ignored:
+        warnings.warn(f"{cls_name} ignores the keyword argument(s) {ignored}, as Apex's does")
+        for k in ignored:
+            del kwargs[k]
 
 
 class MixedFusedLayerNorm(FusedLayerNorm):
