@@ -31,8 +31,9 @@ def test_amp_o1_trains_and_a_resumed_run_logs_the_same_losses(tmp_path):
     assert sorted(straight) == [0, 5, 9]
     assert straight[9] < straight[0] - 0.1
     ckpt = str(tmp_path / "ckpt")
+    os.makedirs(ckpt)  # an empty folder (mktemp -d) is no checkpoint yet: a fresh start
     first = _run("--steps", "5", "--checkpoint", ckpt)
-    assert f"saved {ckpt}" in first
+    assert f"saved {ckpt}" in first and "resumed" not in first
     second = _run("--steps", "5", "--checkpoint", ckpt)
     assert f"resumed from {ckpt} at step 5" in second
     assert _losses(second) == {5: straight[5], 9: straight[9]}

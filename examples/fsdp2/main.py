@@ -131,7 +131,8 @@ def main(argv=None):
             loss_scale="dynamic" if half == torch.float16 else 1.0, verbosity=0)
 
     start = 0
-    if args.checkpoint and os.path.isdir(args.checkpoint):
+    # (a checkpoint is there once its metadata is: an empty or new folder starts afresh)
+    if args.checkpoint and os.path.isfile(os.path.join(args.checkpoint, ".metadata")):
         start = load(args.checkpoint, model, optimizer)
         if rank == 0:
             print(f"resumed from {args.checkpoint} at step {start}")

@@ -125,6 +125,12 @@ class MasterWeights:
 
     def __init__(self, model, args):
         self.model, self.args = model, args
+        if args.static_loss_scale != 1.0 and not args.fp16:
+            # (the loss scale is divided out only with --fp16; Apex's main.py reset it,
+            # its main_reducer.py did not and trained on scaled gradients)
+            log(args, "Warning:  static_loss_scale != 1.0 is only necessary with --fp16. "
+                      "Resetting static_loss_scale to 1.0")
+            args.static_loss_scale = 1.0
         if args.fp16:
             self.model_params, self.params = prep_param_lists(model)
         else:

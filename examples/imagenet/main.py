@@ -15,7 +15,6 @@ import torch
 from imagenet_checkpoint import resume
 from imagenet_cli import HALF_DTYPES, legacy_fp16_parser, setup
 from imagenet_data import make_loaders
-from imagenet_metrics import log
 from imagenet_model import MasterWeights, datasets_and_model, make_sgd, wrap_ddp
 from imagenet_train import fit
 
@@ -30,10 +29,6 @@ def parse(argv=None):
 def main(argv=None):
     args = parse(argv)
     setup(args)
-    if args.static_loss_scale != 1.0 and not args.fp16:
-        log(args, "Warning:  static_loss_scale != 1.0 is only necessary with --fp16. "
-                  "Resetting static_loss_scale to 1.0")
-        args.static_loss_scale = 1.0
     half = HALF_DTYPES[args.half_dtype]
 
     train_dataset, val_dataset, model = datasets_and_model(args)
