@@ -1,8 +1,11 @@
 """Logging and metrics of the ImageNet examples: rank-0 printing (``log``), the tqdm-or-print
-``Progress``, ``AverageMeter``, top-k ``accuracy`` and ``record`` (averaged over the processes)."""
+``Progress``, ``AverageMeter``, top-k ``accuracy`` and ``record`` (averaged over the processes;
+validation's ``record_counted`` sums every image once)."""
 import sys
 
+import torch
 import torch.distributed as dist
+from torch.utils.data.distributed import DistributedSampler
 
 
 def log(args, *a, **kw):
@@ -43,6 +46,32 @@ def record(meters, loss, prec1, prec5, batch_size, args):
         values = [reduce_tensor(v, args.world_size) for v in values]
     for meter, value in zip(meters, values):
         meter.update(value.item(), batch_size)
+
+
+def record_counted(meters, loss, prec1, prec5, n, args):
+    """Validation's ``record``: each process's batch weighed by the ``n`` samples it really
+    holds (see :func:`unique_samples`), summed over the processes in one all-reduce, so the
+    meters see every validation image once, however the batches fall on the ranks."""
+    sums = torch.stack([loss.reshape(()).float() * n, prec1.reshape(()).float() * n,
+                        prec5.reshape(()).float() * n,
+                        torch.tensor(float(n), device=loss.device)])
+    if args.distributed:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    loss_sum, top1_sum, top5_sum, count = sums.tolist()
+    if count:
+        for meter, total in zip(meters, (loss_sum, top1_sum, top5_sum)):
+            meter.update(total / count, int(count))
+
+
+def unique_samples(loader):
+    """The samples of this process's share of ``loader`` that are its own: a
+    DistributedSampler pads the set to a multiple of the processes by repeating its
+    first samples, which land at the end of some processes' lists (counted twice
+    otherwise)."""
+    sampler = loader.sampler
+    if isinstance(sampler, DistributedSampler) and not sampler.drop_last:
+        return len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))
+    return len(sampler)
 
 
 def reduce_tensor(tensor, world_size):

@@ -15,7 +15,8 @@ import torch.nn as nn
 from imagenet_checkpoint import restore_rng_states, save_epoch
 from imagenet_cli import finish
 from imagenet_data import DevicePrefetcher
-from imagenet_metrics import AverageMeter, Progress, accuracy, log, record
+from imagenet_metrics import (AverageMeter, Progress, accuracy, log, record, record_counted,
+                              unique_samples)
 from imagenet_model import adjust_learning_rate
 
 
@@ -133,13 +134,20 @@ def validate(loader, model, criterion, args, input_dtype=torch.float32):
     model.eval()
     progress = Progress(len(loader), "Test", args.rank == 0)
     end = time.time()
+    own, seen = unique_samples(loader), 0  # (the padding's repeats are left out)
     try:
         for i, (inp, target) in enumerate(DevicePrefetcher(loader, args.device, input_dtype), 1):
+            n = max(0, min(inp.size(0), own - seen))
+            seen += inp.size(0)
             with torch.no_grad():
-                output = model(inp)
-                loss = criterion(output, target)
-            prec1, prec5 = accuracy(output, target, topk=(1, 5))
-            record((losses, top1, top5), loss, prec1, prec5, inp.size(0), args)
+                output = model(inp)[:n]
+                target = target[:n]
+                if n:
+                    loss = criterion(output, target)
+                    prec1, prec5 = accuracy(output, target, topk=(1, 5))
+                else:  # (a batch of repeats only: it adds nothing)
+                    loss = prec1 = prec5 = output.new_zeros(1)
+            record_counted((losses, top1, top5), loss, prec1, prec5, n, args)
             batch_time.update(time.time() - end)
             end = time.time()
             if i % args.print_freq == 0:

@@ -3,7 +3,8 @@
     python examples/simple/main.py --opt-level O2 --half-dtype bf16
 
 The lines marked 1-3 are all that differ from a plain PyTorch training loop (and from
-the same script written against Apex, only the import).
+the same script written against Apex, the import and ``half_dtype``, which Apex's
+``initialize`` did not have: it chooses bf16).
 """
 import argparse
 
