@@ -122,7 +122,8 @@ class _EagerNorm(torch.autograd.Function):
 
 _is_compiling = torch.compiler.is_compiling
 _is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
-_is_tracing = torch.jit.is_tracing
+# (torch.jit.is_tracing's own check, without its Python wrapper: ~0.03 us a call, not 0.16)
+_is_tracing = getattr(torch._C, "_is_tracing", torch.jit.is_tracing)
 _is_grad_enabled = torch.is_grad_enabled
 
 
@@ -184,12 +185,14 @@ def _norm(input, weight, bias, normalized_shape, eps, memory_efficient, rms, mix
         return _torch_norm(input, weight, bias, eps, rms).to(out_dtype)
     if dtype is torch.float64 or (weight is not None and weight.dtype is torch.float64):
         return _float64_norm(input, weight, bias, n, eps, rms, out_dtype)
-    if _is_compiling() and not _is_exporting():
+    compiling = _is_compiling()
+    if compiling and not _is_exporting():
         return _norm_fwd(input, weight, bias, n, float(eps), rms, out_dtype,
                          bool(memory_efficient))[0]
-    if _is_tracing() or _is_exporting():
-        # torch.jit.trace, torch.export and torch.onnx.export: torch's own ops (as Apex's
-        # norms do), so the graph runs, saves and converts without tritamp
+    if compiling or _is_tracing():
+        # torch.export and torch.onnx.export (exporting is compiling), torch.jit.trace:
+        # torch's own ops (as Apex's norms do), so the graph runs, saves and converts
+        # without tritamp
         # (the input's trailing dimensions are the normalized shape: checked above)
         shape = input.shape[input.dim() - _trailing_dims(normalized_shape):]
         return _exported_norm(input, weight, bias, shape, eps, rms, out_dtype)
