@@ -392,6 +392,36 @@ def test_o1_grads_are_unscaled_when_scale_loss_exits_and_clipping_them_works(
             assert torch.equal(p.grad, r.grad)
 
 
+@pytest.mark.parametrize("change", ["dtype", "size"])
+def test_o1_unscale_in_place_follows_a_gradient_of_another_dtype_or_size_at_the_same_address(
+        path, change):
+    """The in-place unscale's kept sweep is keyed by the gradients' addresses and layout:
+    a parameter recast through .data (another dtype, or fewer elements) whose new gradient
+    lands at the old one's address gets a sweep of its own, which writes that gradient
+    and nothing past it (the kept one wrote with the old dtype and size)."""
+    p = nn.Parameter(torch.randn(64))
+    model, opt = amp.initialize(nn.Linear(1, 1), torch.optim.SGD([p], lr=0.0),
+                                opt_level="O1", loss_scale=128.0, verbosity=0)
+    buf = torch.zeros(64 * 4, dtype=torch.uint8)
+    with amp.scale_loss(p.float().sum(), opt):
+        p.grad = buf.view(torch.float32).fill_(128.0)
+    assert torch.equal(p.grad, torch.ones(64))
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if change == "dtype":
+        p.data, dtype, n = p.data.half(), torch.float16, 64
+    else:
+        p.data, dtype, n = p.data[:32].clone(), torch.float32, 32
+    buf.zero_()
+    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    grad = buf[:nbytes].view(dtype).fill_(128.0)
+    buf[nbytes:].view(torch.float32).fill_(7.0)
+    with amp.scale_loss(p.float().sum(), opt):
+        p.grad = grad
+    assert torch.equal(p.grad, torch.ones(n, dtype=dtype))
+    assert (buf[nbytes:].view(torch.float32) == 7.0).all()  # nothing written past it
+
+
 # --------------------------------------------------------------------------------------
 # the fused path: no host read, same result as torch.amp.GradScaler + torch.autocast
 # --------------------------------------------------------------------------------------

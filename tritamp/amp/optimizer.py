@@ -30,6 +30,7 @@ from tritamp.sharding import is_dtensor, locals_of
 _grad_of = operator.attrgetter("grad")
 _shape_of = operator.attrgetter("shape")
 _dtype_of = operator.attrgetter("dtype")
+_numel_of = torch.Tensor.numel
 _is_none = functools.partial(operator.is_, None)
 _is_not_none = functools.partial(operator.is_not, None)
 _no_grads = itertools.repeat(None)
@@ -279,8 +280,13 @@ class AmpStash:
                     # are unscaled in place in the pass that checks them, as Apex's exit
                     # did, so .grad holds the true gradient from here on (clipping or
                     # reading model.parameters() sees it); the step reads them unscaled.
+                    # A sweep that writes is keyed by the gradients' dtypes and sizes too
+                    # (with the strides, what it writes): a parameter recast through .data
+                    # may get a gradient of another dtype or size at the old one's address.
                     self._check_unscale("unscale_own", grads, scaler.scale, check,
-                                        key=key, rebind_on=key[1], addresses=addresses)
+                                        key=key, addresses=addresses, rebind_on=(
+                                            key[1], tuple(map(_dtype_of, grads)),
+                                            tuple(map(_numel_of, grads))))
                     self._pending(None)
                     return
                 self._check_unscale("check", grads, None, check, write=False, key=key,
