@@ -684,10 +684,10 @@ def layer_norm_bwd_cpu(dy, saved, n, weight=None, bias=None, mean=None, rstd=Non
     LayerNorm from the input: torch's fp32 ``native_layer_norm_backward``, as the reference
     already runs it (half operands are widened first: torch's mixed-dtype backward
     accumulates the weight and bias gradients with too little precision). From the output
-    (``memory_efficient``): ``xhat = (y - bias) / weight`` (the weight's magnitudes at
-    least :func:`min_weight`) in one fp32 pass, then the same
-    kernel with unit statistics (mean 0, rstd 1: it then takes ``xhat`` as the normalised
-    input) and one multiply by ``rstd``. RMSNorm (torch has no CPU backward kernel): the
+    (``memory_efficient``): the reference's arithmetic written out
+    (:func:`_layer_norm_bwd_from_output_cpu`: ``xhat = (y - bias) / weight``, the weight's
+    magnitudes at least :func:`min_weight`, and the row sum from ``(y - bias) * dy``).
+    RMSNorm (torch has no CPU backward kernel): the
     reference's arithmetic with its temporaries reused in place (bit for bit)."""
     _check(saved, n, weight, bias)
     x_dtype = x_dtype or saved.dtype

@@ -112,6 +112,11 @@ def test_mixed_norms_ignore_other_keywords_as_apex_does(cls):
                                          r"\['sequence_parallel_enabled'\]"):
         m = cls(8, sequence_parallel_enabled=True)
     assert m.weight.shape == (8,) and not hasattr(m, "sequence_parallel_enabled")
+    if cls is MixedFusedRMSNorm:  # (an RMSNorm has no bias: Apex's ignores the keyword)
+        with pytest.warns(UserWarning, match=r"\['bias'\]"):
+            assert cls(8, bias=False).weight.shape == (8,)
+    else:
+        assert MixedFusedLayerNorm(8, bias=False).bias is None
 
 
 def test_functional_forms_match_torch():

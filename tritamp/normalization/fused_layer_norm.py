@@ -343,17 +343,14 @@ class FusedRMSNorm(nn.RMSNorm):
                      self.memory_efficient, True, self._mixed)
 
 
-_MIXED_KWARGS = ("bias", "device", "dtype")
-
-
-def _mixed_affine(cls_name, kwargs):
+def _mixed_affine(cls_name, kwargs, known=("device", "dtype")):
     if "elementwise_affine" in kwargs:
         warnings.warn(f"{cls_name} does not support `elementwise_affine` argument")
         if not kwargs.pop("elementwise_affine"):
             raise RuntimeError(f"{cls_name} does not support `elementwise_affine = False`")
     # Apex's constructors drop any other keyword (Apex's own transformer layers pass
     # sequence_parallel_enabled through them): ignored here too, said once.
-    ignored = sorted(k for k in kwargs if k not in _MIXED_KWARGS)
+    ignored = sorted(k for k in kwargs if k not in known)
     if ignored:
         warnings.warn(f"{cls_name} ignores the keyword argument(s) {ignored}, as Apex's does")
         for k in ignored:
@@ -365,7 +362,7 @@ class MixedFusedLayerNorm(FusedLayerNorm):
     _mixed = True
 
     def __init__(self, normalized_shape, eps=1e-5, *, memory_efficient=False, **kwargs):
-        _mixed_affine("MixedFusedLayerNorm", kwargs)
+        _mixed_affine("MixedFusedLayerNorm", kwargs, ("bias", "device", "dtype"))
         super().__init__(normalized_shape, eps=eps, elementwise_affine=True,
                          memory_efficient=memory_efficient, **kwargs)
 
