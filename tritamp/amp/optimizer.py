@@ -326,7 +326,7 @@ class AmpStash:
         # backward's, so one grad_scale describes every one of them; with masters only
         # if the optimizer reads the half gradients and writes the half copies itself.
         lazy = (self.supports_amp_scaling and not acc and not self.pending
-                and self.masters and self.writes_model_copies)
+                and bool(self.masters) and self.writes_model_copies)
         found, scale = check, scaler.scale
         if lazy:
             self._check_unscale("check_some", srcs + plain_fresh, None, found, write=False)

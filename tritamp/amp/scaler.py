@@ -322,15 +322,20 @@ class LossScaler:
     def _loss_scale(self, value):
         """Set the scale of the next backward; a dynamic one within [min, max], as a
         loaded state_dict's."""
-        scale = check_number("_loss_scale", value, "pass a finite number > 0 such as 2.**20")
+        self._replace_scale(value, "_loss_scale", "2.**20", within_bounds=True)
+
+    def _replace_scale(self, value, label, example, within_bounds):
+        """Make ``value`` (checked: a finite number > 0, named ``label`` in the errors)
+        the current scale; a dynamic one brought within [min, max] if ``within_bounds``."""
+        scale = check_number(label, value, f"pass a finite number > 0 such as {example}")
         if not (math.isfinite(scale) and scale > 0.0):
-            raise ValueError(f"_loss_scale must be a finite number > 0, got {value!r}; the "
-                             "loss is multiplied by it: pass e.g. 2.**20")
-        if self.dynamic:
-            scale = min(max(scale, self.min_loss_scale), self.max_loss_scale)
-        else:
+            raise ValueError(f"{label} must be a finite number > 0, got {value!r}; the "
+                             f"loss is multiplied by it: pass e.g. {example}")
+        if not self.dynamic:
             self._static_scale = scale
-        self._state[K.SCALE].fill_(scale)
+        elif within_bounds:
+            scale = min(max(scale, self.min_loss_scale), self.max_loss_scale)
+        self._state[K.SCALE] = scale
 
     @property
     def _max_loss_scale(self):

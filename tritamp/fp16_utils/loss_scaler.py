@@ -11,7 +11,6 @@ Everything here drives it:
   ``update_scale(overflow)``, ``backward``) for scripts that scale by hand.
 """
 import logging
-import math
 
 import torch
 
@@ -42,14 +41,9 @@ class OptimizerLossScaler(_DeviceLossScaler):
         self.report = report
 
     def set_scale(self, value):
-        """Replace the current scale (a Python number > 0)."""
-        value = check_number("loss_scale", value, "pass a finite number > 0 such as 128.0")
-        if not (math.isfinite(value) and value > 0.0):
-            raise ValueError(f"loss_scale must be a finite number > 0, got {value!r}; the loss "
-                             "is multiplied by it: pass e.g. 128.0")
-        if not self.dynamic:
-            self._static_scale = value
-        self._state[K.SCALE] = value
+        """Replace the current scale (a Python number > 0, taken as it is: a dynamic one is
+        not brought within the floor and ceiling)."""
+        self._replace_scale(value, "loss_scale", "128.0", within_bounds=False)
 
     def _report(self, snapshot):
         values = snapshot.values()

@@ -184,7 +184,7 @@ def _norm(input, weight, bias, normalized_shape, eps, memory_efficient, rms, mix
     if n == 0:  # zero-width rows: torch's own op gives the empty output and its graph
         return _torch_norm(input, weight, bias, eps, rms).to(out_dtype)
     if dtype is torch.float64 or (weight is not None and weight.dtype is torch.float64):
-        return _float64_norm(input, weight, bias, n, eps, rms, out_dtype)
+        return _norm_in_torch(input, weight, bias, n, eps, rms, torch.float64, out_dtype)
     compiling = _is_compiling()
     if compiling and not _is_exporting():
         return _norm_fwd(input, weight, bias, n, float(eps), rms, out_dtype,
@@ -193,9 +193,7 @@ def _norm(input, weight, bias, normalized_shape, eps, memory_efficient, rms, mix
         # torch.export and torch.onnx.export (exporting is compiling), torch.jit.trace:
         # torch's own ops (as Apex's norms do), so the graph runs, saves and converts
         # without tritamp
-        # (the input's trailing dimensions are the normalized shape: checked above)
-        shape = input.shape[input.dim() - _trailing_dims(normalized_shape):]
-        return _exported_norm(input, weight, bias, shape, eps, rms, out_dtype)
+        return _norm_in_torch(input, weight, bias, n, eps, rms, torch.float32, out_dtype)
     if _is_grad_enabled() and (input.requires_grad
                                or (weight is not None and weight.requires_grad)
                                or (bias is not None and bias.requires_grad)):
@@ -204,24 +202,6 @@ def _norm(input, weight, bias, normalized_shape, eps, memory_efficient, rms, mix
     # Nothing to differentiate (inference, frozen parameters): the launcher alone, without
     # the autograd Function's context and saved tensors.
     return layer_norm_fwd(input, n, weight, bias, float(eps), rms, out_dtype)[0]
-
-
-def _trailing_dims(normalized_shape):
-    return 1 if isinstance(normalized_shape, numbers.Integral) else len(normalized_shape)
-
-
-def _exported_norm(input, weight, bias, shape, eps, rms, out_dtype):
-    """The fused norm in torch's ops for graphs that leave Python: fp32 arithmetic, one
-    rounding to the output dtype, as the kernels."""
-    shape = list(shape)
-    x = input.float()
-    w = None if weight is None else weight.float()
-    if rms:
-        y = torch.nn.functional.rms_norm(x, shape, w, eps)
-    else:
-        y = torch.nn.functional.layer_norm(x, shape, w, None if bias is None else bias.float(),
-                                           eps)
-    return y.to(out_dtype)
 
 
 def _torch_norm(input, weight, bias, eps, rms):
@@ -235,15 +215,16 @@ def _torch_norm(input, weight, bias, eps, rms):
     return torch.nn.functional.layer_norm(input, shape, w, b, eps)
 
 
-def _float64_norm(input, weight, bias, n, eps, rms, out_dtype):
-    """float64 (which the kernels, computing in float32, do not take): torch's own norm
-    in float64, the result in the output dtype the fused norm would give."""
-    x = input.reshape(-1, n).double()
-    w = None if weight is None else weight.reshape(-1).double()
+def _norm_in_torch(input, weight, bias, n, eps, rms, compute, out_dtype):
+    """torch's own norm over rows of ``n`` in ``compute`` (float64, which the kernels,
+    computing in float32, do not take; float32 for graphs that leave Python, as the
+    kernels compute), the result in the output dtype the fused norm would give."""
+    x = input.reshape(-1, n).to(compute)
+    w = None if weight is None else weight.reshape(-1).to(compute)
     if rms:
         y = torch.nn.functional.rms_norm(x, [n], w, eps)
     else:
-        b = None if bias is None else bias.reshape(-1).double()
+        b = None if bias is None else bias.reshape(-1).to(compute)
         y = torch.nn.functional.layer_norm(x, [n], w, b, eps)
     return y.reshape(input.shape).to(out_dtype)
 
