@@ -17,8 +17,11 @@ import json
 import os
 import sys
 
-# The Triton kernels run in the interpreter on CPU tensors; set before tritamp is imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Run as a rank, the Triton kernels run in the interpreter on CPU tensors; set before
+# tritamp is imported. Imported by a test (for make_data) it sets nothing: the variable
+# would reach every later test of that process, torch.compile's kernels on a GPU too.
+if __name__ == "__main__":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
