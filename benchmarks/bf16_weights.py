@@ -98,7 +98,7 @@ def run_mode(mode, args, device):
         with amp.scale_loss(loss, opt) as scaled:
             scaled.backward()
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)

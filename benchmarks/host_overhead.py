@@ -181,7 +181,7 @@ class Case:
         self.opt.step()
 
     def zero(self):
-        self.opt.zero_grad()
+        self.opt.zero_grad(set_to_none=True)  # (O2 zero_grad() zeroes in place, as Apex)
         self.steps += 1
 
 

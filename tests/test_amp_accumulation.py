@@ -65,19 +65,29 @@ def test_accumulating_two_micro_batches_matches_one_batch(opt_level, fused):
         assert (a - b).norm() <= 4 * eps * b.norm()
 
 
-def test_delay_overflow_check_still_skips_but_keeps_the_scale():
+def test_delay_overflow_check_is_ignored_the_step_skips_and_the_scale_backs_off():
+    """Apex's placeholder (its only effect there: a step on inf/NaN gradients and no
+    scale update) changes nothing: an overflow skips the step and halves the scale at
+    this exit, every time (it used to keep the scale, so a loop passing the flag at
+    every step skipped every step from the first overflow on, silently)."""
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
     before = [p.clone() for p in amp.master_params(opt)]
     x, y = _batch()
-    loss = nn.functional.mse_loss(model(x), y) * float("inf")
+    for expected_scale in (32768.0, 16384.0):
+        loss = nn.functional.mse_loss(model(x), y) * float("inf")
+        opt.zero_grad()
+        with amp.scale_loss(loss, opt, delay_overflow_check=True) as scaled:
+            scaled.backward()
+        opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(before, amp.master_params(opt)))
+        assert amp.state_dict()["loss_scaler0"]["loss_scale"] == expected_scale
+    # a finite step with the flag is taken
+    loss = nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
     with amp.scale_loss(loss, opt, delay_overflow_check=True) as scaled:
         scaled.backward()
     opt.step()
-    assert all(torch.equal(a, b) for a, b in zip(before, amp.master_params(opt)))
-    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 65536.0
-    # a normal exit afterwards updates the scale again
-    amp_step(model, opt, x, y, loss_fn=nn.functional.mse_loss, factor=float("inf"),
-             zero_grad=False)
-    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 32768.0
+    assert not all(torch.equal(a, b) for a, b in zip(before, amp.master_params(opt)))
+    assert amp.state_dict()["loss_scaler0"]["unskipped"] == 1

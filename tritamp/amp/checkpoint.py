@@ -3,7 +3,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Mapping
 
-from .state import _amp_state, maybe_print
+from .state import _amp_state, logger
 
 _ENTRY = re.compile(r"loss_scaler(0|[1-9][0-9]*)\Z")
 
@@ -62,11 +62,13 @@ def check_state_dict(state_dict):
     count = len(state_dict)
 
     def load():
+        # Apex printed both whatever the verbosity: warnings, on logger tritamp.amp
         if count != nb:
-            maybe_print("Warning: state_dict contains {} entries, while {} loss_scalers are "
-                        "used".format(count, nb))
+            logger.warning("Warning: state_dict contains {} entries, while {} loss_scalers are "
+                           "used".format(count, nb))
         for idx in sorted(skipped):
-            maybe_print("Skipping loss_scaler[{}], since num_losses was set to {}".format(idx, nb))
+            logger.warning("Skipping loss_scaler[{}], since num_losses was set to {}".format(
+                idx, nb))
         for scaler, values in checked:
             scaler._load_checked(values)
     return load

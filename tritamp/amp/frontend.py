@@ -50,9 +50,22 @@ def _is_optimizer(o):
     return isinstance(o, torch.optim.Optimizer) or _is_wrapper(o)
 
 
+def _refuse_fp16_optimizer(o):
+    """Apex's check_optimizers: an FP16_Optimizer (it keeps masters and scales itself)."""
+    from ..fp16_utils import FP16_Optimizer  # (fp16_utils imports amp: imported here)
+    if isinstance(o, FP16_Optimizer):
+        raise RuntimeError("An incoming optimizer is an instance of "
+                           "tritamp.fp16_utils.FP16_Optimizer. The optimizer(s) passed to "
+                           "amp.initialize() must be bare instances of either ordinary PyTorch "
+                           "optimizers, or tritamp's fused optimizers (FP16_Optimizer keeps "
+                           "master weights and scales the loss itself: use one or the other).")
+
+
 def _as_optimizers(optimizers):
     if optimizers is None:
         return [], False
+    for o in optimizers if isinstance(optimizers, list) else [optimizers]:
+        _refuse_fp16_optimizer(o)
     if _is_optimizer(optimizers):
         return [optimizers], False
     kinds = "torch.optim.Optimizer or tritamp.parallel.LARC instances"

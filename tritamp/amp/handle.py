@@ -1,6 +1,7 @@
 """``scale_loss``, ``disable_casts`` and ``master_params``."""
 import contextlib
 import numbers
+import threading
 
 import torch
 
@@ -28,8 +29,13 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
 
     ``delay_unscale=True`` leaves the gradients scaled (accumulation; a later
     ``scale_loss`` with ``delay_unscale=False`` unscales them).
-    ``delay_overflow_check=True`` still checks the gradients (the step still skips on
-    inf/NaN) but leaves the loss scale as it is at this exit.
+    ``delay_overflow_check`` is accepted and ignored: the check, the skip and the scale's
+    update run as without it. Apex documented it as a placeholder; its only effect there
+    was to step on inf/NaN gradients without updating the scale.
+
+    With a static scale of 1.0 and no master weights nothing is asked of ``optimizers``
+    (Apex returned before looking at them): an optimizer built after ``initialize``, or
+    None, is accepted there.
     """
     props = _amp_state.opt_properties
     if props is None:
@@ -51,11 +57,6 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
     if not props.enabled:
         yield loss
         return
-    for opt in optimizers:
-        if not hasattr(opt, "_amp_stash"):
-            raise RuntimeError(f"scale_loss got an optimizer ({type(opt).__name__}) that did not go "
-                               "through amp.initialize. Pass the optimizer(s) returned by "
-                               "amp.initialize(model, optimizer, ...).")
     nb = len(_amp_state.loss_scalers)
     if isinstance(loss_id, bool) or not isinstance(loss_id, numbers.Integral):
         raise TypeError(f"loss_id must be an int (0 <= loss_id < num_losses={nb}), got "
@@ -71,6 +72,11 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
     if not props.master_weights and scaler.static_one:
         yield loss.float()
         return
+    for opt in optimizers:
+        if not hasattr(opt, "_amp_stash"):
+            raise RuntimeError(f"scale_loss got an optimizer ({type(opt).__name__}) that did not go "
+                               "through amp.initialize. Pass the optimizer(s) returned by "
+                               "amp.initialize(model, optimizer, ...).")
 
     scaler.poll_reports()
     scaler._to(loss.device)
@@ -88,7 +94,7 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
     if scaler.dynamic:
         scaler.clear_overflow_state()
     for opt in optimizers:
-        opt._amp_stash.post_backward(scaler, will_update=not delay_overflow_check)
+        opt._amp_stash.post_backward(scaler)
         opt._amp_stash.params_have_scaled_gradients = False
     if scaler.dynamic and scaler.overflow_process_group is not None:
         scaler.reduce_overflow()
@@ -99,21 +105,35 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
     if scaler.dynamic and _amp_state.verbosity > 0:  # names for the skip warning
         for opt in optimizers:
             opt._amp_stash.count_overflows(scaler)
-    if not delay_overflow_check:
-        scaler.update_scale()
+    scaler.update_scale()
+
+
+_casts = threading.local()  # .off: how many disable_casts blocks this thread is inside
+
+
+def casts_disabled():
+    """Whether this thread is inside :func:`disable_casts` (O1's patched forward then
+    enters no autocast of its own)."""
+    return getattr(_casts, "off", 0) > 0
 
 
 @contextlib.contextmanager
 def disable_casts():
-    """Turn O1's casts (autocast and the registered functions) off inside the block.
+    """Turn O1's casts (autocast and the registered functions) off inside the block, as
+    Apex's did: a forward of an O1 model called inside it runs without autocast too.
 
-    Safe at every opt level and before ``initialize``: it only switches off autocast on
-    the device types where it is currently on."""
+    Safe at every opt level and before ``initialize``: it switches off autocast on the
+    device types where it is currently on, and tells O1's patched forwards not to switch
+    it on (per thread)."""
     on = [d for d in ("cpu", "cuda", "xpu", "mps") if _autocast_on(d)]
-    with contextlib.ExitStack() as stack:
-        for device_type in on:
-            stack.enter_context(torch.autocast(device_type, enabled=False))
-        yield
+    _casts.off = getattr(_casts, "off", 0) + 1
+    try:
+        with contextlib.ExitStack() as stack:
+            for device_type in on:
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+            yield
+    finally:
+        _casts.off -= 1
 
 
 def _autocast_on(device_type):

@@ -81,19 +81,19 @@ def _register(module, name, target):
     setattr(module, name, _make_wrapper(fn, target))
 
 
-def register_half_function(module, function_name):
-    """Run ``module.function_name`` in the half dtype inside O1 (autocast) regions."""
-    _register(module, function_name, _half)
+def register_half_function(module, name):
+    """Run ``module.name`` in the half dtype inside O1 (autocast) regions."""
+    _register(module, name, _half)
 
 
-def register_float_function(module, function_name):
-    """Run ``module.function_name`` in fp32 inside O1 (autocast) regions."""
-    _register(module, function_name, _float)
+def register_float_function(module, name):
+    """Run ``module.name`` in fp32 inside O1 (autocast) regions."""
+    _register(module, name, _float)
 
 
-def register_promote_function(module, function_name):
-    """Run ``module.function_name`` in the widest floating dtype of its arguments."""
-    _register(module, function_name, _promote)
+def register_promote_function(module, name):
+    """Run ``module.name`` in the widest floating dtype of its arguments."""
+    _register(module, name, _promote)
 
 
 def half_function(fn):

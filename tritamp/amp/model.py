@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .handle import casts_disabled
 from .state import warn_or_err
 
 MASTER_ATTR = "_tritamp_master"  # a half model parameter -> its fp32 master
@@ -152,7 +153,7 @@ def patch_forward(model, input_dtype=None, output_dtype=None, autocast_dtype=Non
                 args = applier(args, input_caster)
             if kwargs:
                 kwargs = applier(kwargs, input_caster)
-        if autocast_dtype is not None:
+        if autocast_dtype is not None and not casts_disabled():
             with torch.autocast(_device_type(args, kwargs, model), dtype=autocast_dtype):
                 output = old_forward(*args, **kwargs)
         else:

@@ -244,13 +244,12 @@ class AmpStash:
         self.plain_stash = list(map(_grad_of, self.plain_params))
         _clear_grads(self.plain_params)
 
-    def post_backward(self, scaler, will_update=True):
+    def post_backward(self, scaler):
         """Check (and unscale) this backward's gradients; record what step() needs.
 
-        Gradients left scaled for the step carry the scaler's current scale. The scale
-        update at this exit (``will_update``) copies it into USED_SCALE before moving
-        SCALE; without one (``delay_overflow_check``) SCALE itself is what they carry."""
-        carried = scaler.used_scale if will_update and scaler.dynamic else scaler.scale
+        Gradients left scaled for the step carry the scaler's current scale: a dynamic
+        scale's update at this exit copies it into USED_SCALE before moving SCALE."""
+        carried = scaler.used_scale if scaler.dynamic else scaler.scale
         check = scaler.found_inf if scaler.dynamic else None  # a static scale is not checked
         if (not self.pending
                 and (not self.masters or (self.supports_amp_scaling and self.writes_model_copies))
@@ -462,26 +461,46 @@ def amp_step(old_step):
     step contract (tritamp's fused optimizers), torch's GradScaler protocol (torch's
     optimizers that declare ``_step_supports_amp_scaling``), or one host read of the
     overflow flag (every other optimizer, as in Apex); then the masters' copies and the
-    return to READY."""
-    def step(self, closure=None):
-        if closure is not None:
+    return to READY.
+
+    Without master weights the arguments (a closure, an optimizer's own keywords) go to
+    ``old_step`` as in Apex, which patched only the master-weights step: where a skip
+    may be pending the flag is read on the host first, and a closure with an overflow
+    pending is refused with Apex's message, as Apex's skip was."""
+    def step(self, *args, **kwargs):
+        closure = args[0] if args else kwargs.get("closure")
+        stash = self._amp_stash
+        if closure is not None and stash.master_weights:
             raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
         if torch.compiler.is_compiling():
+            if args or kwargs:
+                raise RuntimeError(
+                    f"optimizer.step() got {len(args)} positional argument(s) and keywords "
+                    f"{sorted(kwargs)} under torch.compile: amp's compiled step takes no "
+                    "arguments (it runs the eager step as one custom op). "
+                    "Call optimizer.step() inside the compiled region, or step eagerly.")
             # torch.compile(optimizer.step): one custom op that runs this eager step
             return compiled.step(self)
         # torch's LR schedulers: optimizer.step() was called, whether the step runs or is
         # skipped (their wrapper, when they wrapped the step before amp did, may not run)
         self._opt_called = True
-        stash = self._amp_stash
         if stash.params_have_scaled_gradients:
             raise RuntimeError("optimizer.step() was called while the gradients are still scaled "
                                "from a backward with delay_unscale=True. Run the last backward of "
                                "the accumulation with amp.scale_loss(..., delay_unscale=False) "
                                "before optimizer.step().")
+        if closure is not None and (stash.found_inf is not None or stash.grad_scale is not None):
+            # A skip may be pending: decided on the host (one sync), as Apex's patched skip
+            # was, before the closure runs a backward of its own. (Without masters the
+            # gradients were unscaled at scale_loss's exit: none is left scaled.)
+            if stash.grad_scale is not None or bool(stash.found_inf):
+                raise RuntimeError("Currently, Amp does not support closure use with "
+                                   "optimizers.")
+            stash.found_inf = None
         if stash.found_inf is None and stash.grad_scale is None:
             # Nothing to skip on and nothing left scaled: a static scale (never checked),
             # or no scale_loss since the last step (static 1.0 without masters).
-            retval = old_step()
+            retval = old_step(*args, **kwargs)
             stash.master_to_model()
             stash.last_step.record(None, None)
             stash.finish_step()
@@ -495,7 +514,7 @@ def amp_step(old_step):
             handoff.hand(StepState.UNSCALED if stash.grad_scale is None else StepState.SCALED,
                          grad_scale=stash.grad_scale, found_inf=stash.found_inf)
             try:
-                retval = old_step()
+                retval = old_step(*args, **kwargs)
             finally:
                 handoff.reset()
         elif stash.supports_amp_scaling:
@@ -505,7 +524,7 @@ def amp_step(old_step):
             self.grad_scale = stash.grad_scale
             self.found_inf = stash.found_inf
             try:
-                retval = old_step()
+                retval = old_step(*args, **kwargs)
             finally:
                 del self.grad_scale
                 del self.found_inf
@@ -515,7 +534,7 @@ def amp_step(old_step):
         elif bool(stash.found_inf):  # one sync per step decides the skip, as in Apex
             retval = None
         else:
-            retval = old_step()
+            retval = old_step(*args, **kwargs)
             stash.master_to_model()
         stash.finish_step()
         return retval
@@ -529,12 +548,18 @@ def amp_step(old_step):
 
 def _new_zero_grad(old_zero_grad):
     def zero_grad(self, set_to_none=None):
-        if set_to_none is None:
+        stash = self._amp_stash
+        if set_to_none is None and stash.master_weights:
+            # Apex's zero_grad with master weights: the model's gradients (half ones and
+            # the fp32 parameters') zeroed in place, the masters' set to None.
+            _clear_grads(stash.masters)
+            zero_grads_([g for g in map(_grad_of, stash.plain_params) if g is not None])
+            set_to_none = False
+        elif set_to_none is None:
             old_zero_grad()  # the optimizer's own default (Apex's set_grad_none)
             set_to_none = True
         else:
             old_zero_grad(set_to_none=set_to_none)
-        stash = self._amp_stash
         if set_to_none:
             _clear_grads(stash.model_params)
         else:

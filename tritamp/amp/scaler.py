@@ -474,10 +474,12 @@ class LossScaler:
         self._seen_skipped = skipped
         if new_skips > 0 and _amp_state.verbosity > 0:
             scale, used = snapshot[K.SCALE], snapshot[K.USED_SCALE]
-            verb = "reducing loss scale to" if scale < used else "keeping loss scale at"
+            # Apex's text whatever happened to the scale (Apex's too said "reducing" at
+            # its floor); what differs follows it, for the logs' parsers
+            held = "" if scale < used else " (held: at its floor, or hysteresis)"
             more = "" if new_skips == 1 else f" ({new_skips} steps skipped since the last report)"
-            logger.warning("Gradient overflow.  Skipping step, loss scaler %d %s %s%s%s",
-                           self.loss_id, verb, scale, more, self._overflowed())
+            logger.warning("Gradient overflow.  Skipping step, loss scaler %d reducing loss scale "
+                           "to %s%s%s%s", self.loss_id, scale, held, more, self._overflowed())
         streak = snapshot[K.FLOOR_STREAK]
         if streak >= FLOOR_WARN_STEPS and not self._floor_warned:
             self._floor_warned = True
