@@ -57,7 +57,7 @@ from ._cpu_optim import advance_counts, amp_flags, take_grad_writes, write_stage
 from .rounding import (ROUNDING_COLUMNS, check_rounding_rows, load_compensated_ref, load_param,
                        row_rounding_ref, step_key, store_rounded_ref, store_updated)
 from .l2norm import (SEGMENT_BLOCK, SegmentLayout, SquareSums, bias_correction_terms,
-                     reduce_by_rows, scalar_views)
+                     scalar_views)
 from .lamb import (_CpuLists, bias_correction_f32, cpu_lists, first_moment, fp32_grads,
                    fp32_params, fp32_scalar, gated, unscaled_grads, write_params)
 
@@ -243,14 +243,21 @@ class NovoGradPrepared(StagedPrepared):
     """A prepared ``NOVOGRAD`` sweep and what its three stages share, built once: the
     per-group slices of the partials buffer and the blend stage's table (per non-empty
     tensor: its run of partials, the addresses of its v and step)."""
-    __slots__ = ("partials", "tensors", "n_tensors", "norm_args", "cpu", "_rows")
+    __slots__ = ("partials", "tensors", "n_tensors", "norm_args", "cpu", "_rows", "empties",
+                 "_empty_rows")
 
     def __init__(self, prepared):
         super().__init__(prepared)
-        self.partials = self.tensors = self._rows = None
+        self.partials = self.tensors = self._rows = self.empties = self._empty_rows = None
         self.n_tensors = 0
         self.norm_args = ()
         self.cpu = None  # the CPU path's per-group lists (_NovoGradCpuLists), on first use
+        if self.triton and prepared.empty_rows:
+            # Empty tensors' v and step addresses, for the blend stage of a sharded step:
+            # an empty local shard of a tensor that is not empty takes the reduced norm.
+            vs, steps = self.lists["exp_avg_sqs"], self.lists["steps"]
+            rows = [(0, 0, vs[i].data_ptr(), steps[i].data_ptr()) for i in prepared.empty_rows]
+            self.empties = _upload(torch.tensor(rows, dtype=torch.int64), self.device)
         if not self.triton or not prepared.groups:
             return
         layout = SegmentLayout(prepared)
@@ -262,6 +269,13 @@ class NovoGradPrepared(StagedPrepared):
                 for g in prepared.groups for i in g.rows]
         self.n_tensors = len(rows)
         self.tensors = _upload(torch.tensor(rows, dtype=torch.int64), self.device)
+
+    def empty_rows(self):
+        """The rows of the empty tensors, as a device index tensor (built on first use)."""
+        if self._empty_rows is None:
+            self._empty_rows = torch.tensor(self.prepared.empty_rows, dtype=torch.int64,
+                                            device=self.device)
+        return self._empty_rows
 
     def blend_rows(self):
         """The row of the prepared lists of each blend program (non-empty tensors, group
@@ -299,8 +313,10 @@ def novograd_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, reg_inside
     which it must reduce in place over the processes holding the other shards. On the
     Triton path ``t`` has one entry per row (0 for an empty local shard; the blend
     stage then runs in two launches around it); on the CPU path one per row of a dtype
-    group, group after group. A tensor whose local shard is empty keeps its moment on
-    that process (no update reads it there)."""
+    group, group after group. With ``norm_reduce`` a tensor whose local shard is empty
+    takes the reduced norm into its moment on that process too, so that every process
+    holds the same moment (a distributed checkpoint saves one copy of it); without it an
+    empty tensor keeps its moment, as in the reference."""
     _check_norm_type(norm_type)
     prepared, write_grads = take_grad_writes(prepared, write_grads)
     if prepared.n == 0:
@@ -314,19 +330,32 @@ def novograd_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, reg_inside
                           grad_scale=grad_scale, found_inf=found_inf, write_grads=write_grads,
                           norm_reduce=norm_reduce)
         return
-    prepared.prepared.advance_empty_steps(found_inf)
     op = "max" if norm_type == 0 else "sum"
+    has_inf = found_inf is not None
+    max_norm = norm_type == 0
+
+    def blend_empties(full):
+        # (before the empty tensors' steps advance: the blend reads the step count)
+        if prepared.empties is not None:
+            sums = full[prepared.empty_rows()]
+            consts, ckey = _blend_consts(2, has_inf, max_norm, bool(init_zero))
+            kept_kernel(_novograd_blend_kernel).launch(
+                (len(prepared.prepared.empty_rows),),
+                (prepared.empties, sums, sums, float(beta2), 1.0 - beta2,
+                 found_inf if has_inf else sums), consts, ckey)
+
     if not prepared.norm_args:
         if norm_reduce is not None:  # the other processes' reduce
-            norm_reduce(torch.zeros(prepared.n, dtype=torch.float32, device=prepared.device), op)
+            full = torch.zeros(prepared.n, dtype=torch.float32, device=prepared.device)
+            norm_reduce(full, op)
+            blend_empties(full)
+        prepared.prepared.advance_empty_steps(found_inf)
         return  # every tensor is empty
     device = prepared.device
     lr = scalar_arg(lr, "lr", device)
     anchor = prepared.partials
-    max_norm = norm_type == 0
     scale = grad_scale if grad_scale is not None else anchor
     skip = found_inf if found_inf is not None else anchor
-    has_inf = found_inf is not None
     prepared.prepared.launch(_novograd_norm_kernel, (scale, skip),
                              # HAS_COPIES=False: this stage writes no copy.
                              dict(HAS_SCALE=grad_scale is not None, HAS_FOUND_INF=has_inf,
@@ -342,8 +371,13 @@ def novograd_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, reg_inside
         sums = anchor.new_empty(prepared.n_tensors)
         args = (prepared.tensors, prepared.partials, sums, float(beta2), 1.0 - beta2, skip)
         blend(args, 1)
-        sums.copy_(reduce_by_rows(sums, prepared.blend_rows(), prepared.n, norm_reduce, op))
+        full = sums.new_zeros(prepared.n)  # one entry per row, 0 for the empty ones
+        full[prepared.blend_rows()] = sums
+        norm_reduce(full, op)
+        sums.copy_(full[prepared.blend_rows()])
         blend(args, 2)
+        blend_empties(full)
+    prepared.prepared.advance_empty_steps(found_inf)
     prepared.prepared.launch(_novograd_step_kernel, (
         lr, device_constants(device, (beta1, beta2)), float(beta1),
         1.0 - beta1 if grad_averaging else 1.0, float(eps), float(weight_decay), scale, skip),
@@ -486,7 +520,8 @@ def novograd_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay,
             v = v * beta2 + norm * (1.0 - beta2)
         else:
             v = torch.sqrt(v * beta2 * v + sq * (1.0 - beta2))
-        if plan.nonempty is not None:
+        if plan.nonempty is not None and norm_reduce is None:
+            # (sharded: an empty local shard took the reduced norm, as the other shards)
             v = torch.where(plan.nonempty, v, v_old)
         v = gated(v, keep, v_old)
         if bias_correction:

@@ -217,7 +217,10 @@ def _save_continue_reload(build, rank, path):
 def resume(name, rank, folder):
     make_opt = {"adam": lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1),
                 "sgd": lambda p: FusedSGD(p, lr=0.05, momentum=0.9),
-                "lamb": lambda p: FusedLAMB(p, lr=1e-2)}[name]
+                "lamb": lambda p: FusedLAMB(p, lr=1e-2),
+                # emb's shard is empty on rank 1: its per-tensor moment must still be the
+                # whole tensor's there (the checkpoint saves one rank's copy of it)
+                "novograd": lambda p: FusedNovoGrad(p, lr=1e-2, weight_decay=0.01)}[name]
 
     def build():
         model = make()
@@ -288,6 +291,7 @@ def amp_overflow_one_rank(rank):
     after = full(model.parameters())
     scale = float(amp.state_dict()["loss_scaler0"]["loss_scale"])
     skipped = amp.last_step_skipped(opt)
+    nonfinite = [list(x) for x in amp.nonfinite_gradients(opt)]  # this rank's shards
     # a clean step after it trains
     opt.zero_grad()
     with amp.scale_loss(loss_of(model, x, y), opt) as scaled:
@@ -296,7 +300,7 @@ def amp_overflow_one_rank(rank):
     moved = not torch.equal(after, full(model.parameters()))
     reset_amp()
     return dict(unchanged=bool(torch.equal(before, after)), scale=scale, skipped=bool(skipped),
-                state_before=state_before, trained_after=moved)
+                state_before=state_before, trained_after=moved, nonfinite=nonfinite)
 
 
 def amp_o0_with_mixed_precision_policy(rank):
@@ -345,7 +349,7 @@ def amp_refused(level, rank):
 
 INTERPRETED = ("torch/adam_w", "unsharded/lamb", "unsharded/novograd",
                "unsharded/novograd_max", "clip", "amp/overflow", "rounding/stochastic",
-               "rounding/kahan")
+               "rounding/kahan", "resume/novograd")
 
 
 def cases(rank, out):
@@ -357,7 +361,7 @@ def cases(rank, out):
     yield "clip", lambda: clip(rank)
     yield "refused", lambda: refused(rank)
     yield "refused/gradient", lambda: refused_gradient(rank)
-    for name in ("adam", "sgd", "lamb"):
+    for name in ("adam", "sgd", "lamb", "novograd"):
         yield f"resume/{name}", lambda name=name: resume(name, rank, out)
     for flag in ("stochastic", "kahan"):
         yield f"rounding/{flag}", lambda flag=flag: rounding(flag, rank, out)

@@ -21,6 +21,7 @@ import torch
 from tritamp.kernels.overflow import count_nonfinite, count_nonfinite_launch, \
     count_nonfinite_prepare
 from tritamp.kernels.engine import borrowed
+from tritamp.sharding import locals_of
 
 __all__ = ["Ledger", "nonfinite_gradients", "DETAIL_INTERVAL_S", "MAX_NAMES"]
 
@@ -148,7 +149,8 @@ def nonfinite_gradients(optimizer):
     values now, most first. Names are module paths when the optimizer went through
     ``amp.initialize``, else ``param_groups[g][i] (shape [..])``. Reads every gradient
     and the counts back to the host: a debugging call (after a skipped step, before
-    ``zero_grad``), not one for every step."""
+    ``zero_grad``), not one for every step. With DTensor gradients (FSDP2) each rank
+    counts its own shards, as the skip warning does."""
     stash = getattr(optimizer, "_amp_stash", None)
     names = getattr(stash, "param_names", None) or {}
     model_of = _model_of(stash)
@@ -165,5 +167,5 @@ def nonfinite_gradients(optimizer):
             grads.append(holder.grad)
     if not grads:
         return []
-    counts = torch.stack([(~torch.isfinite(x)).sum() for x in grads]).tolist()
+    counts = torch.stack([(~torch.isfinite(x)).sum() for x in locals_of(grads)]).tolist()
     return sorted(((n, c) for n, c in zip(named, counts) if c), key=lambda nc: -nc[1])
