@@ -596,3 +596,89 @@ def test_bad_rounding_lists_are_refused_before_anything_is_written(path):
         sgd.sgd_step(sgd_params, grads, lr=0.1, keys=keys)
     for a, b in zip(params, sgd_params):
         assert_bits_equal(a, b)
+
+
+# --- checkpoints across the modes: masters <-> Kahan compensation --------------------------------
+def _trained_bf16(**kw):
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).to(torch.bfloat16)
+    opt = O.FusedAdam(model.parameters(), lr=1e-2, **kw)
+    for s in range(3):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(s)).bfloat16()
+        opt.zero_grad()
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+    return model, opt
+
+
+def _zero_lr_step(model, opt):
+    """A step with lr=0 (weight decay 0): the weights keep their values; the state the
+    optimizer builds from a loaded checkpoint is made. (The loaded groups carry the
+    saved lr: set to 0 here.)"""
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    opt.zero_grad()
+    model(torch.ones(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+
+
+def test_a_masters_checkpoint_loads_into_kahan_as_its_compensation(path):
+    model, opt = _trained_bf16(master_weights=True)
+    masters = [opt.state[p]["master_param"].clone() for p in model.parameters()]
+    model2 = copy.deepcopy(model)
+    opt2 = O.FusedAdam(model2.parameters(), lr=0.0, kahan_summation=True)
+    opt2.load_state_dict(opt.state_dict())
+    _zero_lr_step(model2, opt2)
+    for p, master in zip(model2.parameters(), masters):
+        st = opt2.state[p]
+        # the stale master is gone (it was kept, saved again, and a later load into a
+        # masters optimizer wrote the weights back to it)
+        assert "master_param" not in st
+        comp = st["kahan_comp"].float()
+        assert comp.any()
+        # weight + compensation stands for the master, to the compensation's rounding
+        err = (p.detach().float() + comp - master).abs()
+        assert (err <= (master - p.detach().float()).abs() * 2 ** -8).all()
+    assert all("master_param" not in st for st in opt2.state_dict()["state"].values())
+
+
+def test_a_kahan_checkpoint_loads_into_masters_as_weight_plus_compensation(path):
+    model, opt = _trained_bf16(kahan_summation=True)
+    stood_for = [p.detach().float() + opt.state[p]["kahan_comp"].float()
+                 for p in model.parameters()]
+    model2 = copy.deepcopy(model)
+    opt2 = O.FusedAdam(model2.parameters(), lr=0.0, master_weights=True)
+    opt2.load_state_dict(opt.state_dict())
+    _zero_lr_step(model2, opt2)
+    for p, value in zip(model2.parameters(), stood_for):
+        st = opt2.state[p]
+        assert "kahan_comp" not in st
+        assert_bits_equal(st["master_param"], value, "master from weight + compensation")
+
+
+def test_unused_rounding_state_is_dropped():
+    # a Kahan checkpoint into a stochastic-rounding optimizer: the compensation is not
+    # used there, so it is not kept (and not saved again for a later Kahan load)
+    model, opt = _trained_bf16(kahan_summation=True)
+    model2 = copy.deepcopy(model)
+    opt2 = O.FusedAdam(model2.parameters(), lr=0.0, stochastic_rounding=True, seed=1)
+    opt2.load_state_dict(opt.state_dict())
+    _zero_lr_step(model2, opt2)
+    assert all(set(st) == {"exp_avg", "exp_avg_sq", "step"} for st in opt2.state.values())
+
+
+def test_seed_and_flags_are_checked_wherever_they_come_in():
+    opt = O.FusedAdam(_bf16_params(), stochastic_rounding=True, seed=3)
+    for bad, error in ((-1, ValueError), (1.7, TypeError), (2 ** 64, ValueError),
+                       (True, TypeError), ("7", TypeError)):
+        with pytest.raises(error, match="seed must be"):
+            opt.add_param_group({"params": _bf16_params(), "seed": bad})
+        sd = opt.state_dict()
+        sd["param_groups"][0]["seed"] = bad
+        with pytest.raises(error, match="seed must be"):
+            opt.load_state_dict(sd)
+    assert len(opt.param_groups) == 1 and opt.param_groups[0]["seed"] == 3
+    for flag in ("stochastic_rounding", "kahan_summation"):
+        for bad in ("no", 0.5, 2):
+            with pytest.raises(TypeError, match=f"{flag} must be True or False"):
+                O.FusedAdam(_bf16_params(), **{flag: bad})

@@ -81,6 +81,14 @@ def test_a_gradient_laid_out_unlike_its_parameter_is_refused(reports):
         assert r["unchanged"] and r["no_state"], r
 
 
+def test_state_with_other_placements_loads_sharded_as_the_parameters(reports):
+    for r in _both(reports, "load/other_placements"):
+        assert r["placements"] == ["(Shard(dim=0),)"] and r["rel"] == 0.0, r
+        # stochastic rounding without seed= in a group of 2 processes warns (once: the
+        # optimizer given seed= does not)
+        assert len(r["seed_warnings"]) == 1 and "Pass the same seed=" in r["seed_warnings"][0]
+
+
 @pytest.mark.parametrize("name", ["adam", "sgd", "lamb", "novograd", "novograd/interpreted"])
 def test_a_distributed_checkpoint_resumes_bitwise(reports, name):
     for r in _both(reports, f"resume/{name}"):

@@ -7,6 +7,8 @@ in another layout read through a dense copy, the vectorised (aligned) and masked
 validating anything, step counts advanced inside the kernels, and a fixed number of
 launches per dtype group.
 """
+import math
+
 import pytest
 import torch
 from conftest import all_tensors, assert_bitwise_unchanged, snapshot, unaligned_copy
@@ -398,6 +400,12 @@ def _sharded_case(which, norm_reduce, max_norm=False):
     grads = [torch.zeros(0, device=DEVICE), _randn((300,), seed=3),
              _randn((5, 7), torch.bfloat16, seed=4)]
     m, v, steps = _state(which, params)
+    if which == "novograd":
+        # A tensor with no element has a zero moment from its first step on (its norm is
+        # 0): sharded, an empty local shard takes the reduced norm into its moment (so
+        # every process holds the whole tensor's), which for a tensor empty everywhere
+        # keeps that 0, as the unsharded step keeps it.
+        v[0].zero_()
     if which == "lamb":
         lamb_mod.lamb_launch(lamb_mod.lamb_prepare(params, grads, m, v, steps),
                              global_grad_norm=multi_tensor_l2norm(grads)[0],
@@ -433,6 +441,20 @@ def test_a_one_process_norm_reduce_changes_no_bit(which, max_norm, path):
     else:  # one reduce per dtype group, one entry per row of the group
         assert sorted(calls) == sorted([((2, 2) if which == "lamb" else (2,), op),
                                         ((2, 1) if which == "lamb" else (1,), op)])
+
+
+@pytest.mark.parametrize("max_norm", [False, True], ids=["l2", "max"])
+def test_an_empty_local_shard_takes_the_reduced_norm_into_its_moment(max_norm, path):
+    # Row 0 is empty here; the other processes' shards of it give a norm of 3: its moment
+    # is the whole tensor's, as on those processes (it used to keep its old value, so
+    # the processes disagreed and a distributed checkpoint saved one rank's copy).
+    def others(t, op):
+        t[0] = 9.0 if op == "sum" else 3.0
+
+    v_empty = _sharded_case("novograd", others, max_norm)[6]  # 3 params, 3 m, then v[0]
+    beta2 = NOVOGRAD_KW["beta2"]
+    expected = beta2 * 0.0 + (1 - beta2) * 3.0 if max_norm else math.sqrt((1 - beta2) * 9.0)
+    assert v_empty.shape == () and v_empty.item() == pytest.approx(expected, rel=1e-6)
 
 
 @pytest.mark.parametrize("which,max_norm", CASES_SHARDED,

@@ -253,6 +253,40 @@ def rounding(flag, rank, folder):
                 comps=comps, dtypes=sorted({str(p.dtype) for p in model.parameters()}))
 
 
+def load_other_placements(rank):
+    """A state dict whose DTensor moments were redistributed (Replicate) before loading:
+    loaded sharded as the parameters again, the run continues as the straight one."""
+    import copy
+    import warnings
+    from torch.distributed.tensor import Replicate
+    model = make()
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    train(model, opt, 3, rank)
+    sd = opt.state_dict()
+    other = {"param_groups": copy.deepcopy(sd["param_groups"]),
+             "state": {k: {n: (v.redistribute(placements=[Replicate()])
+                               if hasattr(v, "placements") else v.clone())
+                           for n, v in st.items()} for k, st in sd["state"].items()}}
+    model2 = make()
+    with torch.no_grad():
+        for p, q in zip(model2.parameters(), model.parameters()):
+            p.to_local().copy_(q.to_local())
+    opt2 = FusedAdam(model2.parameters(), lr=1e-2)
+    opt2.load_state_dict(other)
+    placements = sorted({str(tuple(st["exp_avg"].placements)) for st in opt2.state.values()})
+    train(model, opt, 3, rank, start=3)
+    train(model2, opt2, 3, rank, start=3)
+    # stochastic rounding without seed= in a group of 2 processes: said
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        FusedAdam(make(dtype=torch.bfloat16).parameters(), stochastic_rounding=True)
+        FusedAdam(make(dtype=torch.bfloat16).parameters(), stochastic_rounding=True, seed=1)
+    seed_warnings = [str(w.message) for w in caught if "without seed=" in str(w.message)]
+    return dict(placements=placements, rel=rel_diff(full(model2.parameters()),
+                                                    full(model.parameters())),
+                seed_warnings=seed_warnings)
+
+
 # -- amp -----------------------------------------------------------------------------------------
 def amp_o1(half, rank):
     """O1 (autocast) on the sharded model against O1 on the unsharded one, same batches."""
@@ -361,6 +395,7 @@ def cases(rank, out):
     yield "clip", lambda: clip(rank)
     yield "refused", lambda: refused(rank)
     yield "refused/gradient", lambda: refused_gradient(rank)
+    yield "load/other_placements", lambda: load_other_placements(rank)
     for name in ("adam", "sgd", "lamb", "novograd"):
         yield f"resume/{name}", lambda name=name: resume(name, rank, out)
     for flag in ("stochastic", "kahan"):

@@ -25,6 +25,7 @@ import functools
 import math
 import numbers
 import operator
+import warnings
 
 import torch
 from torch.optim import optimizer as _torch_optimizer
@@ -127,6 +128,11 @@ def _rounding_mode(name, stochastic_rounding, kahan_summation, master_weights, s
     """None, ``"stochastic"`` or ``"kahan"``: how bf16 parameters without fp32 masters are
     stored (tritamp/kernels/rounding.py). The flags are checked here, before anything is
     built."""
+    for flag, value in (("stochastic_rounding", stochastic_rounding),
+                        ("kahan_summation", kahan_summation)):
+        if not isinstance(value, (bool, int)) or value not in (0, 1):
+            raise TypeError(f"{name}: {flag} must be True or False, got "
+                            f"{type(value).__name__} {value!r}")
     if stochastic_rounding and kahan_summation:
         raise ValueError(f"{name}: stochastic_rounding=True and kahan_summation=True are "
                          "mutually exclusive; pick one (docs/bf16-weights.md says when)")
@@ -137,14 +143,37 @@ def _rounding_mode(name, stochastic_rounding, kahan_summation, master_weights, s
                          f"weights, but master_weights=True keeps fp32 masters (which need "
                          f"neither); pass master_weights=False or drop {flag}")
     if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-            raise TypeError(f"{name}: seed must be an int, got {type(seed).__name__} {seed!r}")
-        if not 0 <= seed < 2 ** 64:
-            raise ValueError(f"{name}: seed must be in [0, 2**64), got {seed}")
+        _check_seed(name, seed)
         if mode != "stochastic":
             raise ValueError(f"{name}: seed={seed} is the seed of stochastic rounding; pass "
                              "stochastic_rounding=True with it, or drop it")
     return mode
+
+
+def _check_seed(name, seed, where=""):
+    """Stochastic rounding's seed: an int in [0, 2**64) (the constructor's, a group's)."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"{name}: seed must be an int in [0, 2**64){where}, got "
+                        f"{type(seed).__name__} {seed!r}")
+    if not 0 <= seed < 2 ** 64:
+        raise ValueError(f"{name}: seed must be in [0, 2**64){where}, got {seed}")
+
+
+def _warn_drawn_seed_if_distributed(name):
+    """Stochastic rounding without ``seed=`` in a process group of several processes:
+    each draws its seed from its own generator, and replicas of a parameter (data
+    parallel, HSDP) round apart unless every process seeded torch alike. Said, not
+    fixed by a collective here (a constructor cannot know that every process builds the
+    same optimizers)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        warnings.warn(
+            f"{name}(stochastic_rounding=True) without seed= in a process group of "
+            f"{dist.get_world_size()} processes: each process draws the seed from its own "
+            "torch generator, so replicas of a parameter (DistributedDataParallel, HSDP) "
+            "round differently and drift apart unless every process called "
+            "torch.manual_seed with the same value. Pass the same seed= on every process.",
+            UserWarning, stacklevel=4)
 
 
 def _draw_seed():
@@ -323,6 +352,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                                         kahan_summation,
                                         master_weights and not self._MASTERS_BY_DTYPE, seed)
         if self.stochastic_rounding:
+            if seed is None:
+                _warn_drawn_seed_if_distributed(type(self).__name__)
             defaults = dict(defaults, seed=_draw_seed() if seed is None else int(seed))
         super().__init__(params, _host_hyperparameters(defaults))
         self.set_grad_none = set_grad_none
@@ -442,6 +473,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         if group.get("maximize", False):
             raise ValueError(f"{type(self).__name__} does not support maximize=True{where}: "
                              "negate the loss instead")
+        if "seed" in group and self._rounding == "stochastic":
+            _check_seed(type(self).__name__, group["seed"], where)
 
     def _check_step_options(self, gi, group):
         """What the launches read of a group's options, checked for every group before any
@@ -662,6 +695,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                                 f"{_describe(v)}, expected a floating-point tensor of shape "
                                 f"{tuple(p.shape)}. Nothing was loaded.")
                         self._check_saved_shape(v, k, index, p)
+                        self._check_saved_mesh(v, k, index, p)
                         values[k] = v
                     elif isinstance(v, torch.Tensor) and v.is_floating_point():
                         if v.dim() > 0:
@@ -683,6 +717,17 @@ class FusedOptimizer(torch.optim.Optimizer):
                 f"has shape {tuple(value.shape)} but the parameter has shape "
                 f"{tuple(p.shape)}; the checkpoint belongs to another model or another "
                 "parameter order. Nothing was loaded.")
+
+    def _check_saved_mesh(self, value, key, index, p):
+        """A DTensor state of a DTensor parameter: on the parameter's mesh (its placements
+        may differ: the load redistributes it as the parameter)."""
+        if is_dtensor(value) and is_dtensor(p) and value.device_mesh != p.device_mesh:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: state {key!r} of parameter {index} "
+                f"is a DTensor on {value.device_mesh} but the parameter is on "
+                f"{p.device_mesh}; load the state through torch.distributed.checkpoint's "
+                "get_state_dict / set_state_dict for this model, or pass full tensors. "
+                "Nothing was loaded.")
 
     def _check_saved_scalar(self, value, key, what):
         """A saved one-element value (a step count: finite and not negative)."""
@@ -728,7 +773,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         tensor saved unsharded is split as ``p`` is)."""
         if is_dtensor(p) and value.shape == p.shape and value.dim() > 0:
             if is_dtensor(value):
-                return value.detach().to(device=p.device, dtype=dtype, copy=True)
+                value = value.detach().to(device=p.device, dtype=dtype, copy=True)
+                if tuple(value.placements) != tuple(p.placements):
+                    # (the check refused another mesh) laid out as the parameter again
+                    value = value.redistribute(p.device_mesh, p.placements)
+                return value
             from torch.distributed.tensor import distribute_tensor
             return distribute_tensor(value.detach().to(device=p.device, dtype=dtype),
                                      p.device_mesh, p.placements)
@@ -772,6 +821,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if "master_param" not in st:
                     master = (p.detach().to(torch.float32, copy=True) if is_dtensor(p)
                               else restride_like(p.detach(), p, dtype=torch.float32))
+                    comp = dict.pop(st, "kahan_comp", None)  # a Kahan optimizer's checkpoint:
+                    if comp is not None:                     # the weight it stood for
+                        master.add_(comp.to(torch.float32))
                     dict.__setitem__(st, "master_param", master)
                 targets.append(local(st["master_param"]))
                 copies.append(local(p))
@@ -907,10 +959,18 @@ class FusedOptimizer(torch.optim.Optimizer):
             if key not in st:
                 dict.__setitem__(st, key, torch.zeros((), dtype=torch.float32,
                                                       device=target.device))
-        if self._rounding == "kahan" and target.dtype == torch.bfloat16 \
-                and "kahan_comp" not in st:
-            dict.__setitem__(st, "kahan_comp",
-                             self._zero_state(p, target, self._state_dtype("kahan_comp")))
+        kahan = self._rounding == "kahan" and target.dtype == torch.bfloat16
+        if kahan and "kahan_comp" not in st:
+            comp = self._zero_state(p, target, self._state_dtype("kahan_comp"))
+            master = st.get("master_param")
+            if master is not None and not self._keeps_master(p):
+                # a masters optimizer's checkpoint: what the bf16 weight drops of its master
+                comp.copy_(master - p.detach().to(torch.float32))
+            dict.__setitem__(st, "kahan_comp", comp)
+        if not self._keeps_master(p):
+            dict.pop(st, "master_param", None)  # loaded from a masters optimizer: not used
+        if not kahan:
+            dict.pop(st, "kahan_comp", None)  # loaded from a Kahan optimizer: not used
         return st
 
     # -- bf16 parameters without masters: stochastic rounding, Kahan summation ---------------
