@@ -81,7 +81,9 @@ def main(argv=None):
         train_dataset, val_dataset, args, channels_last=args.channels_last)
 
     def train_step(loss):
-        optimizer.zero_grad()
+        # set_to_none=True writes nothing (zero_grad() with O2's master weights zeroes the
+        # gradients in place, as Apex's did)
+        optimizer.zero_grad(set_to_none=True)
         with amp.scale_loss(loss, optimizer) as scaled_loss:
             scaled_loss.backward()
         optimizer.step()
