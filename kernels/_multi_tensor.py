@@ -917,14 +917,17 @@ class SweepCache:
     """What a caller keeps between steps: the key its tensors had, the prepared sweep, and
     the CPU path's scratch buffers (kept across rebuilds).
 
-    ``get(key)`` returns the prepared sweep when ``key`` is the one it was built for."""
-    __slots__ = ("key", "prepared", "builds", "scratch")
+    ``get(key)`` returns the prepared sweep when ``key`` is the one it was built for.
+    ``states`` (the caller's): ``(tensors, addresses)`` of the state the sweep holds, for
+    a caller whose key does not cover them."""
+    __slots__ = ("key", "prepared", "builds", "scratch", "states")
 
     def __init__(self):
         self.key = None
         self.prepared = None
         self.builds = 0
         self.scratch = Scratch()
+        self.states = None
 
     def get(self, key):
         if self.prepared is not None and key == self.key:

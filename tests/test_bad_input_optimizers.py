@@ -460,3 +460,103 @@ def test_fp32_fp16_bf16_parameters_in_one_group_match_the_oracle(name, path):
         assert opt.state[p]["step"].item() == ref_state["step"][i].item() == 3
         for key in STATE_KEYS[name]:
             assert opt.state[p][key].dtype == torch.float32
+
+
+# -- state and groups changed between steps behind the optimizer's back ---------------------------
+def _run_with(make, steps=4, between=None):
+    """``steps`` steps of a fresh optimizer over two parameters with fixed gradients;
+    ``between(opt, params)`` runs before the third step. Returns (params, state)."""
+    torch.manual_seed(0)
+    params = [torch.randn(8, requires_grad=True), torch.randn(3, 2, requires_grad=True)]
+    opt = make(params)
+    for k in range(steps):
+        for i, p in enumerate(params):
+            p.grad = torch.full(p.shape, 0.1 * (k + 1) * (i + 1))
+        if k == 2 and between is not None:
+            between(opt, params)
+            _ = [torch.randn(16) for _ in range(64)]  # (reuse what a swap freed)
+        opt.step()
+    return [p.detach().clone() for p in params], opt.state
+
+
+MAKERS = {"adam": lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.01),
+          "sgd": lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9),
+          "adagrad": lambda ps: FusedAdagrad(ps, lr=0.1),
+          "lamb": lambda ps: FusedLAMB(ps, lr=1e-2),
+          "novograd": lambda ps: FusedNovoGrad(ps, lr=1e-2)}
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_state_storage_swapped_in_place_is_followed(name, path):
+    # An offloading helper's `v.data = v.data.to(device)` on every state tensor: the
+    # kept sweep read and wrote the old storage (freed; on the Triton path garbage, NaN or
+    # a corrupted heap; on the CPU path step counts that stopped advancing).
+    def offload_and_back(opt, params):
+        for st in opt.state.values():
+            for v in st.values():
+                if torch.is_tensor(v):
+                    v.data = v.data.to("cpu", copy=True)
+
+    ref, ref_state = _run_with(MAKERS[name])
+    got, state = _run_with(MAKERS[name], between=offload_and_back)
+    for a, b in zip(got, ref):
+        assert_bits_equal(a, b, f"{name} parameters after a state swap")
+    for (p, st), (_, ref_st) in zip(state.items(), ref_state.items()):
+        for key, v in st.items():
+            if torch.is_tensor(v):
+                assert_bits_equal(v, ref_st[key], f"{name} state {key!r}")
+
+
+@pytest.mark.parametrize("name,key,value", [
+    ("adam", "betas", (torch.tensor(0.8), torch.tensor(0.99))),
+    ("adam", "weight_decay", torch.tensor(0.05)),
+    ("sgd", "dampening", torch.tensor(0.1)),
+    ("lamb", "betas", (torch.tensor(0.8), torch.tensor(0.99))),
+    ("novograd", "betas", (torch.tensor(0.8), torch.tensor(0.99)))])
+def test_tensor_hyperparameters_set_after_construction_step_as_floats(name, key, value, path):
+    # They reached the Triton launches as pointers and failed there, after the groups
+    # before them had stepped.
+    def set_on_second_group(value):
+        def between(opt, params):
+            opt.param_groups[1][key] = value
+        return between
+
+    def make(ps):
+        opt = MAKERS[name]([ps[0]])
+        opt.add_param_group({"params": [ps[1]]})
+        return opt
+
+    as_float = type(value)(float(v) for v in value) if isinstance(value, tuple) else float(value)
+    ref, _ = _run_with(make, between=set_on_second_group(as_float))
+    got, _ = _run_with(make, between=set_on_second_group(value))
+    for a, b in zip(got, ref):
+        assert_bits_equal(a, b, f"{name} with {key} set as tensors")
+
+
+def test_a_parameter_added_in_place_to_a_second_group_is_refused_unchanged(path):
+    a, b, c = (torch.randn(n, requires_grad=True) for n in (4, 5, 3))
+    opt = FusedAdam([{"params": [a]}, {"params": [b, c]}], lr=0.1)
+    for p in (a, b, c):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.param_groups[1]["params"].append(a)
+    before = [t.detach().clone() for t in (a, b, c)]
+    states = [{k: v.clone() for k, v in opt.state[p].items()} for p in (a, b, c)]
+    with pytest.raises(ValueError, match=r"some parameters appear in more than one parameter "
+                                         r"group \(a tensor of shape \(4,\) is in groups 0 and 1\)"):
+        opt.step()
+    for x, y in zip(before, (a, b, c)):
+        assert_bits_equal(x, y.detach(), "parameters after the refused step")
+    for st, p in zip(states, (a, b, c)):
+        for k, v in st.items():
+            assert_bits_equal(v, opt.state[p][k], f"state {k!r} after the refused step")
+
+
+def test_lr_set_to_none_is_refused_by_name():
+    p = torch.randn(4, requires_grad=True)
+    opt = FusedAdam([p], lr=0.1)
+    p.grad = torch.ones_like(p)
+    opt.param_groups[0]["lr"] = None
+    with pytest.raises(TypeError, match=r"param_groups\[0\]\['lr'\] is None"):
+        opt.step()
+    assert not opt.state[p]

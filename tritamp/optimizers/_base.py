@@ -485,15 +485,33 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._check_group_options(group, f" (param_groups[{gi}])")
         params = group["params"]
         device = params[0].device if params else None
+        if group.get("lr", 0) is None:
+            raise TypeError(f"{type(self).__name__}: param_groups[{gi}]['lr'] is None; set a "
+                            "learning rate (a float, or a one-element tensor)")
+        read = []
         for key, value in group.items():
-            if key == "params" or not isinstance(value, torch.Tensor):
+            if key == "params":
                 continue
-            if value.numel() != 1 or (device is not None and value.device != device):
-                raise ValueError(
-                    f"{type(self).__name__}: param_groups[{gi}]['{key}'] is a tensor of shape "
-                    f"{tuple(value.shape)} on {value.device}; a hyperparameter given as a "
-                    f"tensor must have one element and be on the parameters' device "
-                    f"({device}): use a float, or torch.tensor(value, device='{device}')")
+            if isinstance(value, torch.Tensor):
+                tensors = (value,)
+            elif isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor)
+                                                          for v in value):
+                tensors = [v for v in value if isinstance(v, torch.Tensor)]
+            else:
+                continue
+            for t in tensors:
+                if t.numel() != 1 or (device is not None and t.device != device):
+                    raise ValueError(
+                        f"{type(self).__name__}: param_groups[{gi}]['{key}'] holds a tensor "
+                        f"of shape {tuple(t.shape)} on {t.device}; a hyperparameter given as "
+                        f"a tensor must have one element and be on the parameters' device "
+                        f"({device}): use a float, or torch.tensor(value, device='{device}')")
+            if key != "lr":
+                read.append(key)
+        # Tensors set on a group after it was built (betas, weight_decay, ...): read once
+        # to the host here, as the constructor reads them (only lr is read on the device).
+        for key, value in _host_hyperparameters({key: group[key] for key in read}).items():
+            group[key] = value
 
     def _check_param_dtypes(self, params, group_index):
         for i, p in enumerate(params):
@@ -526,6 +544,22 @@ class FusedOptimizer(torch.optim.Optimizer):
                     f"(positions {first} and {i}, shape {tuple(p.shape)}); one step would "
                     "update it twice, and on a GPU two programs of its multi-tensor kernel "
                     "would race on it: list each parameter once")
+
+    def _check_in_one_group(self, params, group_index):
+        """A parameter in two groups (a group's list changed in place) is refused, as
+        torch's add_param_group refuses it: each group's step would update it, with its
+        own step count."""
+        here = {id(p) for p in params}
+        for gi, group in enumerate(self.param_groups):
+            if gi == group_index or group["params"] is params:
+                continue
+            for i, p in enumerate(group["params"]):
+                if id(p) in here:
+                    raise ValueError(
+                        f"{type(self).__name__}: some parameters appear in more than one "
+                        f"parameter group (a tensor of shape {tuple(p.shape)} is in groups "
+                        f"{min(gi, group_index)} and {max(gi, group_index)}); each group's "
+                        "step would update it: keep each parameter in one group")
 
     # -- zero_grad / state --------------------------------------------------------------------
     def zero_grad(self, set_to_none=None):
@@ -807,6 +841,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     map(operator.is_, cache[3].shards, locals_of(params)))):
             return cache[3]
         self._check_listed_once(params, gi)  # (a list changed in place: before any write)
+        self._check_in_one_group(params, gi)
         targets, copies, models = [], [], []
         model_of = pairs.model_of
         sharded = any_dtensor(params)
@@ -887,6 +922,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         cache = self._plans.get(gi)
         if cache is None:
             cache = self._plans[gi] = SweepCache()
+        elif cache.states is not None and list(map(_data_ptr, cache.states[0])) != cache.states[1]:
+            # A state tensor's storage was swapped in place (state["exp_avg"].data = ...,
+            # as offloading helpers do): the kept sweep would read and write the old one
+            # (freed memory on a GPU). Prepared again, and checked.
+            cache.prepared = None
         found = cache.get(key)
         if found is not None:
             if write_grads:
@@ -921,6 +961,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                                                         params))
         if write_grads:
             check_grads_writable(prepared)
+        held = [v for st in states for v in st.values() if isinstance(v, torch.Tensor)]
+        cache.states = (held, list(map(_data_ptr, held)))
         return cache.put(key, prepared)
 
     @staticmethod
