@@ -502,14 +502,16 @@ class FusedOptimizer(torch.optim.Optimizer):
             for t in tensors:
                 if t.numel() != 1 or (device is not None and t.device != device):
                     raise ValueError(
-                        f"{type(self).__name__}: param_groups[{gi}]['{key}'] holds a tensor "
+                        f"{type(self).__name__}: param_groups[{gi}]['{key}'] "
+                        f"{'is' if t is value else 'holds'} a tensor "
                         f"of shape {tuple(t.shape)} on {t.device}; a hyperparameter given as "
                         f"a tensor must have one element and be on the parameters' device "
                         f"({device}): use a float, or torch.tensor(value, device='{device}')")
-            if key != "lr":
+            if key not in ("lr", "step"):
                 read.append(key)
         # Tensors set on a group after it was built (betas, weight_decay, ...): read once
-        # to the host here, as the constructor reads them (only lr is read on the device).
+        # to the host here, as the constructor reads them (lr is read on the device; a
+        # group's step count, FusedMixedPrecisionLamb's, stays a device tensor).
         for key, value in _host_hyperparameters({key: group[key] for key in read}).items():
             group[key] = value
 
