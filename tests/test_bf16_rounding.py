@@ -622,13 +622,20 @@ def _zero_lr_step(model, opt):
     opt.step()
 
 
+def _loaded_into(model, opt, **kw):
+    """A copy of ``model`` with a FusedAdam(**kw) that loaded ``opt``'s state dict and took
+    one step with lr=0."""
+    model2 = copy.deepcopy(model)
+    opt2 = O.FusedAdam(model2.parameters(), **kw)
+    opt2.load_state_dict(opt.state_dict())
+    _zero_lr_step(model2, opt2)
+    return model2, opt2
+
+
 def test_a_masters_checkpoint_loads_into_kahan_as_its_compensation(path):
     model, opt = _trained_bf16(master_weights=True)
     masters = [opt.state[p]["master_param"].clone() for p in model.parameters()]
-    model2 = copy.deepcopy(model)
-    opt2 = O.FusedAdam(model2.parameters(), lr=0.0, kahan_summation=True)
-    opt2.load_state_dict(opt.state_dict())
-    _zero_lr_step(model2, opt2)
+    model2, opt2 = _loaded_into(model, opt, kahan_summation=True)
     for p, master in zip(model2.parameters(), masters):
         st = opt2.state[p]
         # the stale master is gone (it was kept, saved again, and a later load into a
@@ -646,10 +653,7 @@ def test_a_kahan_checkpoint_loads_into_masters_as_weight_plus_compensation(path)
     model, opt = _trained_bf16(kahan_summation=True)
     stood_for = [p.detach().float() + opt.state[p]["kahan_comp"].float()
                  for p in model.parameters()]
-    model2 = copy.deepcopy(model)
-    opt2 = O.FusedAdam(model2.parameters(), lr=0.0, master_weights=True)
-    opt2.load_state_dict(opt.state_dict())
-    _zero_lr_step(model2, opt2)
+    model2, opt2 = _loaded_into(model, opt, master_weights=True)
     for p, value in zip(model2.parameters(), stood_for):
         st = opt2.state[p]
         assert "kahan_comp" not in st
@@ -660,10 +664,7 @@ def test_unused_rounding_state_is_dropped():
     # a Kahan checkpoint into a stochastic-rounding optimizer: the compensation is not
     # used there, so it is not kept (and not saved again for a later Kahan load)
     model, opt = _trained_bf16(kahan_summation=True)
-    model2 = copy.deepcopy(model)
-    opt2 = O.FusedAdam(model2.parameters(), lr=0.0, stochastic_rounding=True, seed=1)
-    opt2.load_state_dict(opt.state_dict())
-    _zero_lr_step(model2, opt2)
+    _, opt2 = _loaded_into(model, opt, stochastic_rounding=True, seed=1)
     assert all(set(st) == {"exp_avg", "exp_avg_sq", "step"} for st in opt2.state.values())
 
 
