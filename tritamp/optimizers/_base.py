@@ -512,8 +512,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         # Tensors set on a group after it was built (betas, weight_decay, ...): read once
         # to the host here, as the constructor reads them (lr is read on the device; a
         # group's step count, FusedMixedPrecisionLamb's, stays a device tensor).
-        for key, value in _host_hyperparameters({key: group[key] for key in read}).items():
-            group[key] = value
+        if read:
+            for key, value in _host_hyperparameters({k: group[k] for k in read}).items():
+                group[key] = value
 
     def _check_param_dtypes(self, params, group_index):
         for i, p in enumerate(params):
