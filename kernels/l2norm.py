@@ -159,15 +159,21 @@ def segment_consts(sqrt, max_norm, flag_first):
     return consts, tuple(consts.values())
 
 
-def reduce_by_rows(values, rows, n, norm_reduce, op):
+def reduced_by_row(values, rows, n, norm_reduce, op):
     """``norm_reduce`` (see lamb_launch / novograd_launch) over ``values[..., j]``, the
     norm of row ``rows[j]`` of lists of ``n`` rows: laid out one entry per row, 0 for the
     rows not among ``rows`` (a process whose shard of them is empty), so that every
-    process reduces the same layout. Returns the reduced values in ``values``' order."""
+    process reduces the same layout. Returns that layout, reduced (the other rows hold
+    the other processes' norms)."""
     full = values.new_zeros(values.shape[:-1] + (n,))
     full[..., rows] = values
     norm_reduce(full, op)
-    return full[..., rows]
+    return full
+
+
+def reduce_by_rows(values, rows, n, norm_reduce, op):
+    """:func:`reduced_by_row`, in ``values``' order."""
+    return reduced_by_row(values, rows, n, norm_reduce, op)[..., rows]
 
 
 def segment_pairs(pairs, device):

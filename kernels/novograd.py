@@ -57,7 +57,7 @@ from ._cpu_optim import advance_counts, amp_flags, take_grad_writes, write_stage
 from .rounding import (ROUNDING_COLUMNS, check_rounding_rows, load_compensated_ref, load_param,
                        row_rounding_ref, step_key, store_rounded_ref, store_updated)
 from .l2norm import (SEGMENT_BLOCK, SegmentLayout, SquareSums, bias_correction_terms,
-                     scalar_views)
+                     reduced_by_row, scalar_views)
 from .lamb import (_CpuLists, bias_correction_f32, cpu_lists, first_moment, fp32_grads,
                    fp32_params, fp32_scalar, gated, unscaled_grads, write_params)
 
@@ -371,9 +371,7 @@ def novograd_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, reg_inside
         sums = anchor.new_empty(prepared.n_tensors)
         args = (prepared.tensors, prepared.partials, sums, float(beta2), 1.0 - beta2, skip)
         blend(args, 1)
-        full = sums.new_zeros(prepared.n)  # one entry per row, 0 for the empty ones
-        full[prepared.blend_rows()] = sums
-        norm_reduce(full, op)
+        full = reduced_by_row(sums, prepared.blend_rows(), prepared.n, norm_reduce, op)
         sums.copy_(full[prepared.blend_rows()])
         blend(args, 2)
         blend_empties(full)
