@@ -425,18 +425,92 @@ class _FloorNorm(torch.nn.Module):
         return _FloorFunction.apply(x, self.weight, self.bias, self._grads)
 
 
+class _LaunchPlan:
+    """What :class:`_LaunchFloorFunction` needs, prepared once: the norm launchers' kept
+    settings for one [rows, width] shape, and keys of its own for the kept launches."""
+
+    def __init__(self, rows, width, rms, device):
+        from tritamp.kernels import layer_norm as ln
+        self.ln, self.rms, self.rows, self.width = ln, rms, rows, width
+        self.fwd, _ = ln._fwd_plan(width, device, None, rms, True, not rms)
+        self.bwd = ln._bwd_plan(width, rows, device, None, rms, True, not rms, False)
+        if self.bwd.splits != 1 or not self.bwd.one_pass:
+            raise ValueError("the launch floor takes one-pass rows with one reduction pass")
+        self.keys = [("launch floor", rms, k) for k in ("fwd", "bwd", "reduce")]
+
+
+class _LaunchFloorFunction(torch.autograd.Function):
+    """A norm's allocations and Triton launches and nothing else: the forward allocates
+    the output and the statistics and launches the forward kernel; the backward allocates
+    the input's and the parameters' gradients and the partial rows, and launches the
+    backward kernel and its reduction; every setting and launch key comes prepared
+    (:class:`_LaunchPlan`), nothing is checked or looked up. What a norm written as a
+    Python Function that launches Triton kernels pays before any check: the launch-floor
+    column."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan):
+        m, n = plan.rows, plan.width
+        y = torch.empty_like(x)
+        rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+        mean = rstd if plan.rms else torch.empty(m, dtype=torch.float32, device=x.device)
+        b = x if bias is None else bias
+        plan.ln._FWD.launch_keyed((m,), (x, y, weight, b, mean, rstd, n, n, 1e-5),
+                                  plan.fwd, plan.keys[0])
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.plan = plan
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        plan = ctx.plan
+        m, n, bwd = plan.rows, plan.width, plan.bwd
+        dx = torch.empty_like(x)
+        dw = torch.empty_like(weight)
+        dw_part = torch.empty(bwd.programs * n, dtype=torch.float32, device=x.device)
+        if bias is None:
+            b, db, db_part = x, dw, dw_part
+        else:
+            b, db = bias, torch.empty_like(bias)
+            db_part = torch.empty(bwd.programs * n, dtype=torch.float32, device=x.device)
+        plan.ln._BWD.launch_keyed((bwd.programs,), (
+            dy, x, weight, b, mean, rstd, dx, dw_part, db_part, rstd, n, m, n,
+            bwd.rows_per_program, 0.0), bwd.constexprs, plan.keys[1])
+        plan.ln._REDUCE.launch_keyed((bwd.col_blocks, 1), (
+            dw_part, db_part, dw, db, bwd.programs, n, bwd.programs), bwd.reduce,
+            plan.keys[2])
+        return dx, dw, None if bias is None else db, None
+
+
+class _LaunchFloorNorm(torch.nn.Module):
+    def __init__(self, width, bias):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(width, dtype=torch.bfloat16))
+        self.bias = (torch.nn.Parameter(torch.zeros(width, dtype=torch.bfloat16)) if bias
+                     else None)
+        self.plan = None
+
+    def forward(self, x):
+        if self.plan is None:  # (first call: inside the recorder, on the GPU code path)
+            self.plan = _LaunchPlan(NORM_ROWS, NORM_WIDTH, self.bias is None, x.device)
+        return _LaunchFloorFunction.apply(x, self.weight, self.bias, self.plan)
+
+
 def _norm_cases():
-    """(name, ours, torch's, floor): FusedLayerNorm / FusedRMSNorm on the GPU code path,
-    torch's nn.LayerNorm / nn.RMSNorm on the CPU, both on one bf16 row of 1024 (Python,
-    dispatch, autograd and the gradient accumulation with almost no arithmetic: torch's
-    CPU kernels run on one row; on a GPU its kernels would run asynchronously), and the
-    floor: a module calling :class:`_FloorFunction` with the same parameters."""
+    """(name, ours, torch's, floor, launch floor): FusedLayerNorm / FusedRMSNorm on the
+    GPU code path, torch's nn.LayerNorm / nn.RMSNorm on the CPU, both on one bf16 row of
+    1024 (Python, dispatch, autograd and the gradient accumulation with almost no
+    arithmetic: torch's CPU kernels run on one row; on a GPU its kernels would run
+    asynchronously), the floor: a module calling :class:`_FloorFunction` with the same
+    parameters, and the launch floor: one calling :class:`_LaunchFloorFunction`."""
     from tritamp.normalization import FusedLayerNorm, FusedRMSNorm
     torch.manual_seed(0)
     x = torch.randn(NORM_ROWS, NORM_WIDTH, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(NORM_ROWS, NORM_WIDTH, dtype=torch.bfloat16)
     x1, dy1 = x.detach().clone().requires_grad_(), dy.clone()
     x2 = x.detach().clone().requires_grad_()
+    x3 = x.detach().clone().requires_grad_()
     cases = []
     for name, ours_cls, torch_cls, bias in (
             ("LayerNorm", FusedLayerNorm, torch.nn.LayerNorm, True),
@@ -444,13 +518,15 @@ def _norm_cases():
         ours = ours_cls(NORM_WIDTH).to(torch.bfloat16)
         theirs = torch_cls(NORM_WIDTH).to(torch.bfloat16)
         floor = _FloorNorm(NORM_WIDTH, bias)
+        launch_floor = _LaunchFloorNorm(NORM_WIDTH, bias)
         cases.append((f"{name} forward", lambda m=ours: m(x), lambda m=theirs: m(x1),
-                      lambda m=floor: m(x2)))
+                      lambda m=floor: m(x2), lambda m=launch_floor: m(x3)))
         cases.append((f"{name} forward+backward", lambda m=ours: m(x).backward(dy),
                       lambda m=theirs: m(x1).backward(dy1),
-                      lambda m=floor: m(x2).backward(dy)))
+                      lambda m=floor: m(x2).backward(dy),
+                      lambda m=launch_floor: m(x3).backward(dy)))
         cases.append((f"{name} forward, no_grad", _no_grad(ours, x), _no_grad(theirs, x1),
-                      _no_grad(floor, x2)))
+                      _no_grad(floor, x2), _no_grad(launch_floor, x3)))
     return cases
 
 
@@ -475,38 +551,43 @@ def _time_interleaved(cases, times, rounds, calls_per_round):
 
 
 def run_norms(rounds, calls_per_round=200, warmup=20):
-    """Median us per call of every norm case, of torch's and of the floor, rounds
-    interleaved; the launches one call records."""
+    """Median us per call of every norm case, of torch's, of the floor and of the launch
+    floor, rounds interleaved; the launches one call of ours and of the launch floor
+    records."""
     from tritamp.kernels.recorder import record_launches
     cases = _norm_cases()
-    times = {name: ([], [], []) for name, *_ in cases}
-    launches = {}
+    times = {name: ([], [], [], []) for name, *_ in cases}
+    launches, floor_launches = {}, {}
     with record_launches() as rec:
-        for name, ours, theirs, floor in cases:
-            for _ in range(warmup):
-                ours()
-            rec.launches.clear()
-            ours()
-            launches[name] = [launch.name for launch in rec.launches]
+        for name, ours, theirs, floor, launch_floor in cases:
+            for fn, found in ((ours, launches), (launch_floor, floor_launches)):
+                for _ in range(warmup):
+                    fn()
+                rec.launches.clear()
+                fn()
+                found[name] = [launch.name for launch in rec.launches]
             for _ in range(warmup):
                 theirs()
                 floor()
-        # ours, torch's and the floor interleaved, case by case
+        # ours, torch's and the floors interleaved, case by case
         _time_interleaved(cases, times, rounds, calls_per_round)
     rows = []
     for name, *_ in cases:
-        ours_us, torch_us, floor_us = (statistics.median(t) for t in times[name])
+        ours_us, torch_us, floor_us, launch_floor_us = (statistics.median(t)
+                                                        for t in times[name])
         kind = name.split(" ", 1)[1]
         rows.append(dict(case=name, ours_us=ours_us, torch_us=torch_us,
                          ratio=ours_us / torch_us, floor_us=floor_us,
-                         target_us=NORM_TARGET_US.get(kind), launches=launches[name]))
+                         launch_floor_us=launch_floor_us,
+                         target_us=NORM_TARGET_US.get(kind), launches=launches[name],
+                         launch_floor_launches=floor_launches[name]))
     return rows
 
 
 def norm_table(rows):
     lines = ["| call | tritamp (us) | torch (us) | ratio | Python Function floor (us) | "
-             "target (us) | launches |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+             "launch floor (us) | target (us) | launches |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         if r["target_us"] is None:
             target = "-"
@@ -514,7 +595,8 @@ def norm_table(rows):
             met = "met" if r["ours_us"] <= r["target_us"] else "not met"
             target = f"{r['target_us']:.0f} ({met})"
         lines.append(f"| {r['case']} | {r['ours_us']:.1f} | {r['torch_us']:.1f} | "
-                     f"{r['ratio']:.2f} | {r['floor_us']:.1f} | {target} | "
+                     f"{r['ratio']:.2f} | {r['floor_us']:.1f} | "
+                     f"{r['launch_floor_us']:.1f} | {target} | "
                      f"{len(r['launches'])}: {', '.join(r['launches'])} |")
     return "\n".join(lines)
 

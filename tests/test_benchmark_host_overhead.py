@@ -60,7 +60,7 @@ def test_norm_host_cost_rows(tmp_path):
     """--norms-only: FusedLayerNorm / FusedRMSNorm forward, forward+backward and forward
     under no_grad on the GPU code path beside torch's modules; the launches a call records
     do not vary (the forward kernel; then the backward kernel and one reduction pass for
-    one row)."""
+    one row), and the launch floor records the same launches."""
     stdout, report = _run_one_section("--norms-only", tmp_path)
     rows = {r["case"]: r for r in report["norms"]}
     assert set(rows) == {f"{n} {k}" for n in ("LayerNorm", "RMSNorm")
@@ -68,13 +68,15 @@ def test_norm_host_cost_rows(tmp_path):
     assert rows["LayerNorm forward, no_grad"]["target_us"] is None
     for name, r in rows.items():
         assert r["ours_us"] > 0 and r["torch_us"] > 0 and r["floor_us"] > 0
+        assert r["launch_floor_us"] > 0
+        assert r["launch_floor_launches"] == r["launches"]
         if name.endswith("forward+backward"):
             assert r["launches"] == ["_layer_norm_fwd_kernel", "_layer_norm_bwd_kernel",
                                      "_layer_norm_bwd_reduce_kernel"]
         else:
             assert r["launches"] == ["_layer_norm_fwd_kernel"]
     assert "| LayerNorm forward |" in stdout
-    assert "Python Function floor (us)" in stdout
+    assert "Python Function floor (us) | launch floor (us)" in stdout
 
 
 def test_larc_host_cost_rows(tmp_path):
