@@ -861,13 +861,21 @@ class StagedPrepared:
 
 
 def layout_key(tensors, op="tritamp", name="gradient"):
-    """(addresses, strides) of ``tensors`` (None entries allowed): the cheap key under
-    which a caller keeps a prepared sweep. For a ``.grad``, torch itself keeps dtype,
-    shape and device equal to its parameter's, so these two say what can change.
+    """(addresses, layout) of ``tensors`` (None entries allowed): the cheap key under
+    which a caller keeps a prepared sweep. ``layout`` is the tensors' strides, element
+    counts and dtypes: with its address, what a kept sweep read or wrote of a tensor.
+    Each can change at the same address: a parameter narrowed through ``.data``
+    (``p.data = p.data[:k]``, an embedding cut down) keeps its address and strides, and
+    a gradient of another dtype (``grad_dtype=None``) may land in a freed one's block.
+    (A dense tensor's strides and element count give its shape; the rest of a shape, a
+    non-dense view made with ``as_strided`` over the same address, strides and count, is
+    not in the key.)
     A sparse tensor (no address) raises :func:`sparse_error`, naming ``name`` and its
     index (``op`` says who refuses it)."""
     try:
-        return tuple(map(_data_ptr, tensors)), tuple(map(_stride, tensors))
+        return tuple(map(_data_ptr, tensors)), (tuple(map(_stride, tensors)),
+                                                tuple(map(_numel, tensors)),
+                                                tuple(map(_dtype_of, tensors)))
     except TypeError:  # a None among them
         pass
     except RuntimeError:  # a tensor without storage: sparse, said below
@@ -876,7 +884,9 @@ def layout_key(tensors, op="tritamp", name="gradient"):
         if t is not None and t.layout != torch.strided:
             raise sparse_error(op, f"{name} {i}", t)
     return (tuple([0 if t is None else t.data_ptr() for t in tensors]),
-            tuple([None if t is None else t.stride() for t in tensors]))
+            (tuple([None if t is None else t.stride() for t in tensors]),
+             tuple([0 if t is None else t.numel() for t in tensors]),
+             tuple([None if t is None else t.dtype for t in tensors])))
 
 
 def borrowed(tensors):
@@ -946,10 +956,9 @@ def list_layout(tensors, op="tritamp"):
     """``(addresses, layout, triton)`` of a list of tensors: their addresses; what a
     sweep prepared over them depends on besides (strides, shapes, dtypes, device, and
     whether the Triton path runs it); that path. The key of :class:`KeptByLayout`."""
-    addresses, strides = layout_key(tensors, op=op)
+    addresses, layout = layout_key(tensors, op=op)
     triton = use_triton(tensors[0])
-    return addresses, (strides, tuple(map(_size, tensors)),
-                       tuple(t.dtype for t in tensors), tensors[0].device, triton), triton
+    return addresses, (layout, tuple(map(_size, tensors)), tensors[0].device, triton), triton
 
 
 class KeptByLayout:

@@ -26,7 +26,7 @@ Layouts, per row:
   is written.
 
 Keep the result of :func:`check_unscale_prepare` while the tensors stay the same (same
-addresses and strides) and call :func:`check_unscale_launch` on it: the steady state
+addresses, strides, sizes and dtypes) and call :func:`check_unscale_launch` on it: the steady state
 uploads and re-derives nothing.
 
 On a CPU without the interpreter, :func:`check_unscale_cpu` runs the same sweep (over the

@@ -1,8 +1,8 @@
 """The multi-tensor engine's public face: what the rest of tritamp (amp, the optimizers,
 fp16_utils) and the tests build on, without reaching into the kernels' private modules.
 
-- Keys and caches of prepared sweeps: :func:`layout_key` (addresses and strides of a
-  tensor list; refuses a sparse tensor by name), :class:`SweepCache` (one kept sweep per
+- Keys and caches of prepared sweeps: :func:`layout_key` (addresses, and strides, element
+  counts and dtypes, of a tensor list; refuses a sparse tensor by name), :class:`SweepCache` (one kept sweep per
   key), :func:`borrowed` (views a kept sweep may hold without keeping the tensors alive).
 - Layout helpers: :func:`is_dense` (non-overlapping and dense), :func:`same_layout`,
   :func:`restride_like` (a copy laid out as a parameter).

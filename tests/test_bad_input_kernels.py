@@ -327,7 +327,9 @@ def test_layout_key_names_a_sparse_gradient():
     with pytest.raises(RuntimeError, match=rf"amp {SPARSE_MSG}") as err:
         layout_key([torch.randn(2), None, _sparse_grad()], op="amp")
     assert "gradient 2 is a sparse_coo tensor" in str(err.value)
-    assert layout_key([torch.randn(2), None])[1] == ((1,), None)  # dense lists unchanged
+    # dense lists: strides, element counts and dtypes (None kept in place)
+    assert layout_key([torch.randn(2), None])[1] == (((1,), None), (2, 0),
+                                                     (torch.float32, None))
 
 
 class _EmbeddingNet(nn.Module):

@@ -560,3 +560,71 @@ def test_lr_set_to_none_is_refused_by_name():
     with pytest.raises(TypeError, match=r"param_groups\[0\]\['lr'\] is None"):
         opt.step()
     assert not opt.state[p]
+
+
+# -- a kept plan meets tensors changed at the same address ------------------------------------
+@pytest.mark.parametrize("name", sorted(MAKERS))
+@pytest.mark.parametrize("grad_too", [True, False], ids=["grad-narrowed", "grad-kept"])
+def test_parameter_narrowed_through_data_at_its_address_is_refused_unchanged(name, grad_too,
+                                                                           path):
+    # p.data = p.data[:2] keeps the address and strides: the kept plan swept the old 24
+    # elements (the rows no longer in p written; on the CPU path with the gradient kept,
+    # a (2, 6) parameter stepped against a (4, 6) gradient).
+    base = torch.randn(4, 6)
+    p = torch.nn.Parameter(base.clone())
+    opt = MAKERS[name]([p])
+    for _ in range(2):
+        p.grad = torch.full((4, 6), 0.1)
+        opt.step()
+    storage = p.detach().clone()
+    p.data = p.data[:2]
+    if grad_too:
+        p.grad.data = p.grad.data[:2]
+    state = {k: v.clone() for k, v in opt.state[p].items()}
+    with pytest.raises(ValueError, match=r"shape \(2, 6\)"):
+        opt.step()
+    assert_bits_equal(storage, torch.as_strided(p.detach(), (4, 6), (6, 1)),
+                      "the parameter's storage, rows outside it included")
+    for k, v in state.items():
+        assert_bits_equal(v, opt.state[p][k], f"state {k!r} after the refused step")
+
+
+def test_gradient_of_another_dtype_at_the_old_gradients_address(path):
+    # With grad_dtype lifted, a bf16 gradient put where last step's fp16 one lay (a
+    # gradient pool, or the allocator's reuse) has the same address and strides: the kept
+    # plan read its bits as fp16.
+    p = torch.nn.Parameter(torch.zeros(8, 8))
+    p.grad_dtype = None
+    opt = FusedSGD([p], lr=1.0)
+    pool = torch.empty(8 * 8 * 2, dtype=torch.uint8)
+    for dtype in (torch.float16, torch.bfloat16):
+        g = pool.view(dtype).view(8, 8)
+        g.fill_(0.5)
+        p.grad = g
+        opt.step()
+    assert torch.equal(p.detach(), torch.full((8, 8), -1.0))
+
+
+@pytest.mark.parametrize("opt_name", ["adam", "lamb"])
+def test_master_replaced_in_the_state_is_the_one_stepped(opt_name, path):
+    # state[p]["master_param"] = t: the step kept updating the old master and writing p
+    # from it; the new one stayed untouched (and was what state_dict saved).
+    p = torch.nn.Parameter(torch.full((4, 4), 1.0, dtype=torch.bfloat16))
+    make = {"adam": lambda: FusedAdam([p], lr=1.0, master_weights=True),
+            "lamb": lambda: FusedLAMB([p], lr=1.0, master_weights=True)}[opt_name]
+    opt = make()
+    p.grad = torch.ones(4, 4, dtype=torch.bfloat16)
+    opt.step()
+    new = torch.full((4, 4), 100.0)
+    opt.state[p]["master_param"] = new
+    p.grad = torch.ones(4, 4, dtype=torch.bfloat16)
+    opt.step()
+    assert opt.state[p]["master_param"] is new
+    assert (new < 100.0).all()  # stepped
+    assert torch.equal(p.detach(), new.to(torch.bfloat16))
+    # a master of another shape is refused by name, nothing written
+    opt.state[p]["master_param"] = torch.zeros(3)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match=r"shape \(3,\)"):
+        opt.step()
+    assert_bits_equal(before, p.detach(), "the parameter after the refused step")

@@ -29,8 +29,6 @@ from tritamp.sharding import is_dtensor, locals_of
 
 _grad_of = operator.attrgetter("grad")
 _shape_of = operator.attrgetter("shape")
-_dtype_of = operator.attrgetter("dtype")
-_numel_of = torch.Tensor.numel
 _is_none = functools.partial(operator.is_, None)
 _is_not_none = functools.partial(operator.is_not, None)
 _no_grads = itertools.repeat(None)
@@ -87,7 +85,8 @@ class AmpStash:
     def _check_unscale(self, purpose, srcs, scale, found, dsts=None, adds=None, write=True,
                        key=None, rebind_on=None, addresses=None):
         """check_unscale over a sweep prepared once and kept while the tensors keep their
-        addresses and strides (the steady state of a training loop rebuilds nothing).
+        addresses, strides, sizes and dtypes (the steady state of a training loop
+        rebuilds nothing).
 
         ``key`` (optional) says what the lists were gathered from, per parameter; by
         default the key holds every tensor's address, strides, shape and dtype (the
@@ -105,8 +104,7 @@ class AmpStash:
         if key is None:
             tensors = (*srcs, *(dsts or ()), *(adds or ()))
             # layout_key refuses a sparse gradient by name (it has no address to key on)
-            key = (layout_key(tensors, op="amp"), tuple(map(_shape_of, tensors)),
-                   tuple(map(_dtype_of, tensors)))
+            key = (layout_key(tensors, op="amp"), tuple(map(_shape_of, tensors)))
             if write and dsts is not None and rebind_on is None:
                 # An unscale into destinations (plus addends: a second backward into the
                 # same step): when only addresses changed (on a CPU, and on a GPU whose
@@ -122,7 +120,7 @@ class AmpStash:
                     add_at = addresses[2 * n:]
                     aliases += (tuple(map(operator.eq, add_at, dst_at)),
                                 tuple(map(operator.eq, add_at, src_at)))
-                rebind_on = (key[0][1], key[1], key[2], aliases)
+                rebind_on = (key[0][1], key[1], aliases)
                 key = (addresses,)
         if rebind_on is None:
             key = (key, None, len(srcs), dsts is None, adds is None, write)
@@ -263,9 +261,10 @@ class AmpStash:
             grads.extend(map(_grad_of, self.plain_params))
             if self.sharded:
                 grads = locals_of(grads)
-            # Keyed per parameter (None kept in place): a position always holds the same
-            # parameter's gradient, so its shape and dtype are fixed and only the address
-            # and strides can change. (A sparse gradient is refused by name here.)
+            # Keyed per parameter (None kept in place) by each gradient's address,
+            # strides, size and dtype: a parameter recast or narrowed through .data may
+            # get a gradient of another dtype or size at the old one's address. (A
+            # sparse gradient is refused by name here.)
             key = layout_key(grads, op="amp")
             self._count_key = key  # (the key only: holding the gradients keeps them alive)
             own = not self.masters
@@ -279,13 +278,8 @@ class AmpStash:
                     # are unscaled in place in the pass that checks them, as Apex's exit
                     # did, so .grad holds the true gradient from here on (clipping or
                     # reading model.parameters() sees it); the step reads them unscaled.
-                    # A sweep that writes is keyed by the gradients' dtypes and sizes too
-                    # (with the strides, what it writes): a parameter recast through .data
-                    # may get a gradient of another dtype or size at the old one's address.
                     self._check_unscale("unscale_own", grads, scaler.scale, check,
-                                        key=key, addresses=addresses, rebind_on=(
-                                            key[1], tuple(map(_dtype_of, grads)),
-                                            tuple(map(_numel_of, grads))))
+                                        key=key, addresses=addresses, rebind_on=key[1])
                     self._pending(None)
                     return
                 self._check_unscale("check", grads, None, check, write=False, key=key,

@@ -838,7 +838,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         cache = self._links_cache.get(gi)
         params = group["params"]
         pairs = self.step_handoff.masters
-        gen = (self._generation, pairs.version)
+        # (the state's epoch: a master replaced in the state, state[p]["master_param"] =
+        # t, is the one the step updates from then on)
+        gen = (self._generation, pairs.version, self.state.epoch.value)
         if cache is not None and cache[0] is params and cache[1] == len(params) \
                 and cache[2] == gen and (not cache[3].sharded or all(
                     map(operator.is_, cache[3].shards, locals_of(params)))):
@@ -904,10 +906,11 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _group_plan(self, gi, group, grad_scale, write_grads=False, fresh=None):
         """The prepared sweep of group ``gi`` for this step's gradients, or None when no
-        parameter of the group has a gradient. Cache key: the gradients' addresses and
-        strides, one entry per parameter (torch itself keeps a ``.grad``'s dtype, shape
-        and device equal to its parameter's), the addresses of what the step writes, the
-        optimizer's generation and its state's epoch. ``write_grads``: the sweep must be
+        parameter of the group has a gradient. Cache key: the gradients' addresses,
+        strides, sizes and dtypes, one entry per parameter, the same of what the step
+        writes (a parameter narrowed or recast through ``.data`` keeps its address; a
+        gradient of another dtype can land at a freed one's address), the optimizer's
+        generation and its state's epoch. ``write_grads``: the sweep must be
         able to write the unscaled gradients back (checked, refused otherwise).
         ``fresh`` (a list) receives the parameters whose state this call creates, for
         the caller to drop if the step is refused."""
@@ -917,10 +920,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         links = self._group_links(gi, group)
         grads, origin = self._group_grads(links, grad_scale)
         # a sparse gradient is refused here, named (group, index) in torch's words
-        ptrs, strides = layout_key(grads, op=type(self).__name__,
-                                   name=f"param_groups[{gi}] gradient")
-        rest = (strides, origin, tuple(map(_data_ptr, links.written)), self._generation,
-                self.state.epoch.value, self._plan_depends_on(group))
+        ptrs, layout = layout_key(grads, op=type(self).__name__,
+                                  name=f"param_groups[{gi}] gradient")
+        rest = (layout, origin, layout_key(links.written, op=type(self).__name__,
+                                           name=f"param_groups[{gi}] parameter"),
+                self._generation, self.state.epoch.value, self._plan_depends_on(group))
         key = (ptrs, rest)
         cache = self._plans.get(gi)
         if cache is None:
