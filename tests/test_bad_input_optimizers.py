@@ -628,3 +628,55 @@ def test_master_replaced_in_the_state_is_the_one_stepped(opt_name, path):
     with pytest.raises(ValueError, match=r"shape \(3,\)"):
         opt.step()
     assert_bits_equal(before, p.detach(), "the parameter after the refused step")
+
+
+# -- tensors a step writes that share memory ----------------------------------------------
+SHARE = r"share memory; one step would update the shared elements twice"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_overlapping_parameter_views_are_refused_unchanged(name, dtype, path):
+    # Two views of one tensor, base[:6] and base[2:]: on the CPU path a half parameter's
+    # fp32 copy written back last won (the shared elements got one update of two); on a
+    # GPU two programs would race on them.
+    base = torch.randn(8).to(dtype)
+    a, b = torch.nn.Parameter(base[:6]), torch.nn.Parameter(base[2:])
+    opt = MAKERS[name]([a, b])
+    a.grad, b.grad = torch.ones(6, dtype=dtype), torch.ones(6, dtype=dtype)
+    keep = base.clone()
+    with pytest.raises(ValueError, match=r"parameter 0 \(shape \(6,\)\) and parameter 1 "
+                                         r"\(shape \(6,\)\) " + SHARE):
+        opt.step()
+    assert_bits_equal(keep, base, "the parameters' memory after the refused step")
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_adjacent_views_of_one_buffer_step_as_separate_tensors(name, path):
+    # views that tile one flat buffer without overlapping (a flattened-parameter layout)
+    flat = torch.randn(14)
+    views = [torch.nn.Parameter(flat[:8].view(2, 4)), torch.nn.Parameter(flat[8:])]
+    alone = [torch.nn.Parameter(v.detach().clone()) for v in views]
+    opts = MAKERS[name](views), MAKERS[name](alone)
+    for _ in range(2):
+        for ps, opt in zip((views, alone), opts):
+            for p in ps:
+                p.grad = torch.full(p.shape, 0.5)
+            opt.step()
+    for v, p in zip(views, alone):
+        assert_bits_equal(p.detach(), v.detach(), f"{name}: a view of the flat buffer")
+
+
+def test_one_state_tensor_under_two_keys_is_refused_unchanged(path):
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = FusedAdam([p], lr=0.1)
+    p.grad = torch.ones(4)
+    opt.step()
+    opt.state[p]["exp_avg_sq"] = opt.state[p]["exp_avg"]
+    before = p.detach().clone(), opt.state[p]["exp_avg"].clone()
+    with pytest.raises(ValueError, match=r"state\['exp_avg'\] of parameter 0 \(shape \(4,\)\) "
+                                         r"and state\['exp_avg_sq'\] of parameter 0 "
+                                         r"\(shape \(4,\)\) " + SHARE):
+        opt.step()
+    assert_bits_equal(before[0], p.detach(), "the parameter after the refused step")
+    assert_bits_equal(before[1], opt.state[p]["exp_avg"], "the moment after the refused step")

@@ -564,6 +564,45 @@ class FusedOptimizer(torch.optim.Optimizer):
                         f"{min(gi, group_index)} and {max(gi, group_index)}); each group's "
                         "step would update it: keep each parameter in one group")
 
+    def _check_no_overlap(self, gi, rows, targets, copies, states):
+        """Nothing a group's step writes shares memory with anything else it writes:
+        parameters that are overlapping views of one tensor, or two state entries that
+        are one tensor (``state["exp_avg_sq"] = state["exp_avg"]``). One multi-tensor
+        pass would update the shared elements once per view in an order of its own (on
+        the CPU path a half parameter's fp32 copy written back last wins; on a GPU two
+        programs race). Checked when a plan is prepared: the memory spans of the dense
+        tensors, sorted by address."""
+        spans = []
+        for r, i in enumerate(rows):
+            if copies[r] is None:
+                named = [(targets[r], f"parameter {i}")]
+            elif targets[r] is local(self.param_groups[gi]["params"][i]):  # amp's master
+                named = [(targets[r], f"parameter {i}"),
+                         (copies[r], f"the half model copy of parameter {i}")]
+            else:  # (master_weights: the target is state["master_param"], named once)
+                named = [(targets[r], f"the fp32 master of parameter {i}"),
+                         (copies[r], f"parameter {i}")]
+            named += [(v, f"state[{k!r}] of parameter {i}") for k, v in states[r].items()
+                      if isinstance(v, torch.Tensor) and k != "master_param"]
+            for t, what in named:
+                nbytes = t.numel() * t.element_size()
+                if nbytes:
+                    start = t.data_ptr()
+                    spans.append((start, start + nbytes, what, t))
+        spans.sort(key=operator.itemgetter(0))
+        reach = None  # the span reaching furthest so far
+        for span in spans:
+            if reach is not None and span[0] < reach[1]:
+                raise ValueError(
+                    f"{type(self).__name__}: in parameter group {gi}, {reach[2]} (shape "
+                    f"{tuple(reach[3].shape)}) and {span[2]} (shape {tuple(span[3].shape)}) "
+                    "share memory; one step would update the shared elements twice, in an "
+                    "order of its own, and on a GPU two programs of its multi-tensor kernel "
+                    "would race on them: give each its own memory (parameters that are "
+                    "views of one tensor: p.data = p.data.clone() for each)")
+            if reach is None or span[1] > reach[1]:
+                reach = span
+
     # -- zero_grad / state --------------------------------------------------------------------
     def zero_grad(self, set_to_none=None):
         """Apex's default (``set_grad_none``) unless told; ``set_to_none=False`` zeroes the
@@ -961,6 +1000,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         states = [self._state_for(params[i], targets[i], group) for i in rows]
         if links.sharded:  # DTensor state (sharded as its parameter): its local shards
             states = [{k: local(v) for k, v in st.items()} for st in states]
+        self._check_no_overlap(gi, rows, rows_targets, [copies[i] for i in rows], states)
         # Borrowed gradients: the kept plan must not keep this step's gradients alive.
         prepared = self._prepare(group, rows_targets, borrowed([grads[i] for i in rows]),
                                  [copies[i] for i in rows], states,
