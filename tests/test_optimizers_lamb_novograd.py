@@ -17,7 +17,7 @@ from conftest import TOL
 from tritamp.kernels.l2norm import multi_tensor_l2norm
 from tritamp.kernels.lamb import lamb_step, lamb_step_ref
 from tritamp.kernels.novograd import novograd_step, novograd_step_ref
-from tritamp.optimizers.fused_lamb import FusedLAMB
+from tritamp.optimizers.fused_lamb import FusedLAMB, FusedMixedPrecisionLamb
 from tritamp.optimizers.fused_novograd import FusedNovoGrad
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -552,6 +552,23 @@ def test_novograd_invalid_hyperparameters(kw):
 def test_amsgrad_refused_like_apex(cls):
     with pytest.raises(RuntimeError, match="does not support the AMSGrad variant"):
         cls(_params(), amsgrad=True)
+
+
+@pytest.mark.parametrize("cls", [FusedLAMB, FusedMixedPrecisionLamb, FusedNovoGrad])
+def test_amsgrad_in_a_group_is_refused(cls):
+    # LAMB's two optimizers took amsgrad=True on a group and ran plain LAMB
+    with pytest.raises(ValueError, match=r"does not support the AMSGrad variant \(amsgrad=True "
+                                         r"\(parameter group 1\)\)"):
+        cls(_params()).add_param_group({"params": _params(), "amsgrad": True})
+    opt = cls(_params())
+    opt.param_groups[0]["amsgrad"] = True
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+    with pytest.raises(ValueError, match=r"amsgrad=True \(param_groups\[0\]\)"):
+        opt.step()
+    for b, p in zip(before, opt.param_groups[0]["params"]):
+        assert torch.equal(b, p.detach())
 
 
 @pytest.mark.parametrize("cls", [FusedLAMB, FusedNovoGrad])

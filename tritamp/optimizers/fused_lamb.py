@@ -85,6 +85,12 @@ class FusedLAMB(FusedOptimizer):
                         stochastic_rounding=stochastic_rounding,
                         kahan_summation=kahan_summation, seed=seed)
 
+    def _check_group_options(self, group, where=""):
+        super()._check_group_options(group, where)
+        if group.get("amsgrad", False):
+            raise ValueError(f"{type(self).__name__} does not support the AMSGrad variant "
+                             f"(amsgrad=True{where})")
+
     def _lamb_init(self, params, defaults, *, adam_w_mode, use_nvlamb, set_grad_none,
                    master_weights, capturable=False, stochastic_rounding=False,
                    kahan_summation=False, seed=None):
