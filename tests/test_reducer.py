@@ -50,4 +50,15 @@ def test_parameters_without_gradients_are_left_alone(ranks):
 
 def test_reducer_needs_torch_distributed():
     with pytest.raises(RuntimeError, match="init_process_group"):
-        Reducer(torch.nn.Linear(2, 2))
+        Reducer(torch.nn.Linear(2, 2))  # (its broadcast)
+    # a list is only collected, as in Apex: reduce() is what communicates
+    grads = [torch.ones(2), [torch.ones(3)]]
+    reducer = Reducer(grads)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        reducer.reduce()
+    assert all(torch.equal(g, torch.ones(2)) for g in reducer.grads[:1])
+
+
+def test_reduce_op_is_torchs_as_apex_exported_it():
+    from tritamp.parallel import ReduceOp
+    assert ReduceOp is torch.distributed.ReduceOp

@@ -569,3 +569,45 @@ def test_eps_is_checked_as_torchs_batch_norm(device):
     sync.eps = ref.eps = -1.0
     with pytest.raises(ValueError, match="must be non-negative, but got -1.0"):
         sync(x)
+
+
+def test_strided_weight_and_bias_as_torchs_batchnorm(device):
+    """A weight and bias that are strided views (torch's BatchNorm takes them): the same
+    output, running statistics and gradients, the gradients reaching the views' base."""
+    base_s, base_r = (torch.rand(8, device=device) + 0.5 for _ in range(2))
+    base_r.copy_(base_s)
+    base_s.requires_grad_(), base_r.requires_grad_()
+    sync, ref = SyncBatchNorm(4).to(device), nn.BatchNorm2d(4).to(device)
+    del sync.weight, sync.bias, ref.weight, ref.bias
+    sync.weight, sync.bias = base_s[::2], base_s[1::2]
+    ref.weight, ref.bias = base_r[::2], base_r[1::2]
+    x = _data((3, 4, 5, 5), torch.float32, device)
+    xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    dy = _data((3, 4, 5, 5), torch.float32, device, mean=0.0, seed=7)
+    ys, yr = sync(xs), ref(xr)
+    torch.testing.assert_close(ys, yr, **TOL[torch.float32])
+    ys.backward(dy)
+    yr.backward(dy)
+    torch.testing.assert_close(xs.grad, xr.grad, **TOL[torch.float32])
+    torch.testing.assert_close(base_s.grad, base_r.grad, **TOL[torch.float32])
+    torch.testing.assert_close(sync.running_mean, ref.running_mean, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("name", ["weight", "bias", "running_mean", "running_var"])
+def test_a_wrong_sized_parameter_or_buffer_is_refused_before_anything_changes(name):
+    # (the kernels refused a wrong-sized weight only after the running statistics had been
+    # updated)
+    sync = SyncBatchNorm(3)
+    setattr(sync, name, (nn.Parameter if name in ("weight", "bias") else lambda t: t)(
+        torch.ones(4)))
+    before = {k: v.clone() for k, v in sync.state_dict().items()}
+    with pytest.raises(RuntimeError, match=rf"^{name} should contain 3 elements not 4$"):
+        sync(torch.randn(4, 3, 2, 2))
+    for k, v in sync.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_two_d_input_of_the_wrong_width_says_what_it_reads():
+    with pytest.raises(ValueError, match=r"input of shape \(8, 3\) has 3 channels in dimension "
+                                         r"1 \(2-D input is \(N, C\)\)"):
+        SyncBatchNorm(4)(torch.randn(8, 3))

@@ -47,7 +47,8 @@ class Reducer:
     (every rank starts from the same weights) and ``reduce()`` averages the gradients of
     its parameters (those that have one) over the default group. ``Reducer(grads)``, with
     any nesting of lists of tensors, averages exactly those tensors; the caller keeps
-    the parameters in sync. One flat all-reduce per (device, dtype).
+    the parameters in sync (it may be built before ``init_process_group``: only
+    ``reduce()`` communicates, as in Apex). One flat all-reduce per (device, dtype).
 
     Example (Apex's ``main_reducer.py``)::
 
@@ -58,8 +59,8 @@ class Reducer:
     """
 
     def __init__(self, module_or_grads_list):
-        _require_dist()
         if isinstance(module_or_grads_list, Module):
+            _require_dist()  # (the broadcast; a list is only collected, as Apex's)
             self.module = module_or_grads_list
             self.grads = None
             with torch.no_grad():
@@ -72,6 +73,7 @@ class Reducer:
 
     def reduce(self):
         """Average the gradients over all ranks, in place."""
+        _require_dist()
         if self.module is not None:
             grads = [p.grad.data for p in self.module.parameters() if p.grad is not None]
         else:

@@ -231,11 +231,20 @@ class SyncBatchNorm(_BatchNorm):
         last = self.channel_last or input.dim() == 2
         dim = input.dim() - 1 if last else 1
         if input.shape[dim] != self.num_features:
-            hint = (" (channel_last=True reads channels from the last dimension)" if last
+            hint = (" (2-D input is (N, C))" if input.dim() == 2 and not self.channel_last
+                    else " (channel_last=True reads channels from the last dimension)" if last
                     else " (for (N, ..., C) input pass channel_last=True)")
             raise ValueError(f"SyncBatchNorm({self.num_features}): input of shape "
                              f"{tuple(input.shape)} has {input.shape[dim]} channels in "
                              f"dimension {dim}{hint}")
+        # The parameters and buffers, before anything is written (torch's words): a
+        # wrong-sized one was refused by the kernels only after the running statistics
+        # had been updated.
+        for name in ("weight", "bias", "running_mean", "running_var"):
+            t = getattr(self, name)
+            if t is not None and t.numel() != self.num_features:
+                raise RuntimeError(f"{name} should contain {self.num_features} elements not "
+                                   f"{t.numel()}")
         if z is not None and (z.shape != input.shape or z.dtype != input.dtype
                               or z.device != input.device):
             raise ValueError(f"SyncBatchNorm: z must match the input ({tuple(input.shape)}, "
@@ -270,8 +279,15 @@ class SyncBatchNorm(_BatchNorm):
         # (an empty batch, on every rank: no statistics, and syncbn_finalize leaves the
         # running ones as they are; num_batches_tracked counts it, as torch does)
         track = self.training and self.track_running_stats
+        weight, bias = self.weight, self.bias
+        # (a strided view, as torch's BatchNorm takes: the kernels read a dense vector;
+        # autograd carries the gradient back to the view)
+        if weight is not None and not weight.is_contiguous():
+            weight = weight.contiguous()
+        if bias is not None and not bias.is_contiguous():
+            bias = bias.contiguous()
         return SyncBatchnormFunction.apply(
-            input, z, self.weight, self.bias,
+            input, z, weight, bias,
             self.running_mean if (track or not bn_training) else None,
             self.running_var if (track or not bn_training) else None,
             self.num_batches_tracked if track else None,
