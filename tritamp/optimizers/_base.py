@@ -576,7 +576,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for r, i in enumerate(rows):
             if copies[r] is None:
                 named = [(targets[r], f"parameter {i}")]
-            elif targets[r] is local(self.param_groups[gi]["params"][i]):  # amp's master
+            elif targets[r] is self.param_groups[gi]["params"][i]:  # amp's master
                 named = [(targets[r], f"parameter {i}"),
                          (copies[r], f"the half model copy of parameter {i}")]
             else:  # (master_weights: the target is state["master_param"], named once)
