@@ -483,12 +483,11 @@ class _LaunchFloorFunction(torch.autograd.Function):
         return dx, dw, None if bias is None else db, None
 
 
-class _LaunchFloorNorm(torch.nn.Module):
+class _LaunchFloorNorm(_FloorNorm):
+    """The floor module's parameters, calling :class:`_LaunchFloorFunction`."""
+
     def __init__(self, width, bias):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(width, dtype=torch.bfloat16))
-        self.bias = (torch.nn.Parameter(torch.zeros(width, dtype=torch.bfloat16)) if bias
-                     else None)
+        super().__init__(width, bias)
         self.plan = None
 
     def forward(self, x):
