@@ -8,6 +8,8 @@ Mixed dtypes are held to the ``*_ref`` oracles with conftest's ``assert_close_to
 fp32 value); LAMB and NovoGrad take their per-tensor norms from torch in the oracle, a
 few fp32 ulps from the kernel's, so their fp32 rows get ``rtol=1e-5``.
 """
+import copy
+
 import pytest
 import torch
 
@@ -680,3 +682,71 @@ def test_one_state_tensor_under_two_keys_is_refused_unchanged(path):
         opt.step()
     assert_bits_equal(before[0], p.detach(), "the parameter after the refused step")
     assert_bits_equal(before[1], opt.state[p]["exp_avg"], "the moment after the refused step")
+
+
+# -- a group's list or a parameter's dtype changed behind a kept plan's back --------------------
+def _torch_twin(name, ps):
+    return {"adam": lambda: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
+            "sgd": lambda: torch.optim.SGD(ps, lr=0.1, momentum=0.9)}[name]()
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd"])
+def test_a_parameter_swapped_into_a_groups_list_in_place_is_the_one_stepped(name, path):
+    # params[1] = c (same length): the kept links went on stepping b (on its last
+    # gradient) and never c
+    def run(make):
+        a, b, c = (torch.nn.Parameter(torch.full((3,), v)) for v in (1.0, 2.0, 3.0))
+        opt = make([a, b])
+        for k in range(3):
+            if k == 1:
+                opt.param_groups[0]["params"][1] = c
+                b.grad = None
+            for p in opt.param_groups[0]["params"]:
+                p.grad = torch.full((3,), 0.5 * (k + 1))
+            opt.step()
+        return [t.detach() for t in (a, b, c)]
+
+    got = run(MAKERS[name])
+    want = run(lambda ps: _torch_twin(name, ps))
+    for g, w, what in zip(got, want, ("a", "b (removed)", "c (swapped in)")):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7, msg=what)
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_a_parameter_swapped_for_a_duplicate_in_place_is_refused(name, path):
+    ps, opt = trained(name)
+    opt.param_groups[0]["params"][1] = ps[0]
+    ps[0].grad = torch.ones_like(ps[0])
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=r"lists the same parameter twice \(positions 0 and 1"):
+        opt.step()
+    assert_unchanged(before, opt)
+
+
+@pytest.mark.parametrize("start,after", [(torch.float32, torch.float16),
+                                         (torch.float16, torch.float32)])
+def test_master_weights_follow_a_parameter_recast_through_data(start, after, path):
+    # model.half() / model.float() after a step assign param.data: the kept links kept the
+    # old decision (an fp16 parameter stepped without a master; an fp32 one from an orphaned
+    # master, copied into it)
+    def grad(k, dtype):
+        return torch.randn(64, generator=torch.Generator().manual_seed(k)).to(dtype)
+
+    model = torch.nn.Linear(64, 1, bias=False).to(start)
+    opt = FusedAdam([model.weight], lr=1e-3, master_weights=True)
+    model.weight.grad = grad(0, start).view(1, 64)
+    opt.step()
+    saved, weight = copy.deepcopy(opt.state_dict()), model.weight.detach().clone()
+    model.to(after)
+    twin = torch.nn.Linear(64, 1, bias=False).to(start)
+    with torch.no_grad():
+        twin.weight.copy_(weight)
+    twin.to(after)
+    fresh = FusedAdam([twin.weight], lr=1e-3, master_weights=True)
+    fresh.load_state_dict(saved)
+    for k in range(1, 4):
+        for m, o in ((model, opt), (twin, fresh)):
+            m.weight.grad = grad(k, after).view(1, 64)
+            o.step()
+    assert_bits_equal(twin.weight.detach(), model.weight.detach(), "the recast parameter")
+    assert ("master_param" in opt.state[model.weight]) == (after == torch.float16)

@@ -683,3 +683,48 @@ def test_seed_and_flags_are_checked_wherever_they_come_in():
         for bad in ("no", 0.5, 2):
             with pytest.raises(TypeError, match=f"{flag} must be True or False"):
                 O.FusedAdam(_bf16_params(), **{flag: bad})
+
+
+def test_a_seed_changed_on_a_group_is_the_one_rounded_with(path):
+    # The kept plan held the rounding keys made from the old seed while state_dict()
+    # saved the new one: a resumed run diverged.
+    def grad(k):
+        return torch.randn(512, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+
+    def make(seed):
+        p = nn.Parameter(torch.randn(512, generator=torch.Generator().manual_seed(0))
+                         .to(torch.bfloat16))
+        return p, O.FusedAdam([p], lr=1e-3, stochastic_rounding=True, seed=seed)
+
+    p, opt = make(7)
+    p.grad = grad(0)
+    opt.step()
+    saved, weight = copy.deepcopy(opt.state_dict()), p.detach().clone()
+    opt.param_groups[0]["seed"] = 12345
+    p.grad = grad(1)
+    opt.step()
+    q, fresh = make(12345)
+    with torch.no_grad():
+        q.copy_(weight)
+    saved["param_groups"][0]["seed"] = 12345
+    fresh.load_state_dict(saved)
+    q.grad = grad(1)
+    fresh.step()
+    assert_bits_equal(q.detach(), p.detach(), "a step after the group's seed changed")
+
+
+def test_no_bf16_parameter_after_a_recast_is_refused(path):
+    # the "no bf16 parameter" refusal was kept from the first step: model.float() after it
+    # stepped on
+    model = nn.Linear(8, 8).to(torch.bfloat16)
+    opt = O.FusedAdam(model.parameters(), lr=1e-3, stochastic_rounding=True, seed=1)
+    model(torch.randn(2, 8).bfloat16()).float().sum().backward()
+    opt.step()
+    model.float()
+    opt.zero_grad()
+    model(torch.randn(2, 8)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"acts on bf16 parameters, but this optimizer has none"):
+        opt.step()
+    for b, p in zip(before, model.parameters()):
+        assert_bits_equal(b, p.detach(), "a parameter after the refused step")

@@ -585,9 +585,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             named += [(v, f"state[{k!r}] of parameter {i}") for k, v in states[r].items()
                       if isinstance(v, torch.Tensor) and k != "master_param"]
             for t, what in named:
-                nbytes = t.numel() * t.element_size()
-                if nbytes:
-                    start = t.data_ptr()
+                nbytes, start = t.numel() * t.element_size(), t.data_ptr()
+                if nbytes and start:  # (no memory: empty, or meta, which the sweep refuses)
                     spans.append((start, start + nbytes, what, t))
         spans.sort(key=operator.itemgetter(0))
         reach = None  # the span reaching furthest so far
@@ -880,8 +879,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         # (the state's epoch: a master replaced in the state, state[p]["master_param"] =
         # t, is the one the step updates from then on)
         gen = (self._generation, pairs.version, self.state.epoch.value)
-        if cache is not None and cache[0] is params and cache[1] == len(params) \
-                and cache[2] == gen and (not cache[3].sharded or all(
+        # (the list's elements, not only its length: one swapped in place, with
+        # params[i] = p, is another parameter)
+        if cache is not None and cache[2] == gen and cache[1] == len(params) \
+                and all(map(operator.is_, cache[3].params, params)) \
+                and (not cache[3].sharded or all(
                     map(operator.is_, cache[3].shards, locals_of(params)))):
             return cache[3]
         self._check_listed_once(params, gi)  # (a list changed in place: before any write)
@@ -956,14 +958,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         if not isinstance(self.state, _TrackedStates):  # replaced wholesale by the user
             self._track_state()
             self._bump()
-        links = self._group_links(gi, group)
-        grads, origin = self._group_grads(links, grad_scale)
-        # a sparse gradient is refused here, named (group, index) in torch's words
-        ptrs, layout = layout_key(grads, op=type(self).__name__,
-                                  name=f"param_groups[{gi}] gradient")
-        rest = (layout, origin, layout_key(links.written, op=type(self).__name__,
-                                           name=f"param_groups[{gi}] parameter"),
-                self._generation, self.state.epoch.value, self._plan_depends_on(group))
+        kept_links = self._links_cache.get(gi) if hasattr(self, "_links_cache") else None
+        links, grads, ptrs, rest = self._plan_key(gi, group, grad_scale)
         key = (ptrs, rest)
         cache = self._plans.get(gi)
         if cache is None:
@@ -986,6 +982,16 @@ class FusedOptimizer(torch.optim.Optimizer):
             # (the Triton path writes their addresses into its tables).
             cache.key = key
             return found
+        if self._links_cache.get(gi) is kept_links:
+            # A plan is prepared over links kept from before: they are made again (a
+            # parameter recast through .data changes whether it keeps a master; the
+            # rounding check reads them), and the key with them.
+            self._links_cache.pop(gi, None)
+            if self._rounding is not None:
+                self._rounding_checked = None
+                self._check_rounding()
+            links, grads, ptrs, rest = self._plan_key(gi, group, grad_scale)
+            key = (ptrs, rest)
         rows = [i for i, g in enumerate(grads) if g is not None]
         if not rows:
             return cache.put(key, None)
@@ -1011,6 +1017,21 @@ class FusedOptimizer(torch.optim.Optimizer):
         held = [v for st in states for v in st.values() if isinstance(v, torch.Tensor)]
         cache.states = (held, list(map(_data_ptr, held)))
         return cache.put(key, prepared)
+
+    def _plan_key(self, gi, group, grad_scale):
+        """(links, gradients, the gradients' addresses, the rest of the key) of group
+        ``gi``'s plan for this step (see :meth:`_group_plan`)."""
+        links = self._group_links(gi, group)
+        grads, origin = self._group_grads(links, grad_scale)
+        name = type(self).__name__
+        # a sparse gradient is refused here, named (group, index) in torch's words
+        ptrs, layout = layout_key(grads, op=name, name=f"param_groups[{gi}] gradient")
+        rest = (layout, origin, layout_key(links.written, op=name,
+                                           name=f"param_groups[{gi}] parameter"),
+                self._generation, self.state.epoch.value, self._plan_depends_on(group),
+                # (stochastic rounding's keys are made from the group's seed)
+                group.get("seed") if self._rounding == "stochastic" else None)
+        return links, grads, ptrs, rest
 
     @staticmethod
     def _rebind(prepared, grads, ptrs):
