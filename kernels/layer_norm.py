@@ -62,8 +62,15 @@ def _layer_norm_fwd_kernel(
             xc = x
         else:
             mean = tl.div_rn(tl.sum(x, axis=0), n)
-            # Centre before squaring: E[x^2] - E[x]^2 cancels catastrophically.
-            xc = tl.where(mask, x - mean, 0.0)
+            # Centre before squaring: E[x^2] - E[x]^2 cancels catastrophically. The mean
+            # is refined once by the mean of the deviations from it (the rounding of the
+            # sum made it a few ulps off: on a constant row x - mean was noise, which rstd
+            # near 1 / sqrt(eps) scaled to O(1)); the refined mean of a constant row is
+            # its value, exactly.
+            d = tl.where(mask, x - mean, 0.0)
+            corr = tl.div_rn(tl.sum(d, axis=0), n)
+            mean = mean + corr
+            xc = tl.where(mask, d - corr, 0.0)
             tl.store(mean_ptr + row, mean)
         var = tl.div_rn(tl.sum(xc * xc, axis=0), n)
         rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
@@ -76,26 +83,38 @@ def _layer_norm_fwd_kernel(
         store_cast(y_row + cols, y, mask, EMULATE_BF16_ROUNDING)
     else:
         mean = 0.0
+        acc1 = tl.zeros([BLOCK], dtype=tl.float32)
         if not IS_RMS:
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for start in range(0, N, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
                 acc += load_f32(x_row + cols, cols < N, EMULATE_BF16_ROUNDING)
             mean = tl.div_rn(tl.sum(acc, axis=0), n)
-            tl.store(mean_ptr + row, mean)
         acc2 = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, N, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < N
             xc = tl.where(mask, load_f32(x_row + cols, mask, EMULATE_BF16_ROUNDING) - mean, 0.0)
+            if not IS_RMS:
+                acc1 += xc
             acc2 += xc * xc
-        var = tl.div_rn(tl.sum(acc2, axis=0), n)
+        corr = 0.0
+        if IS_RMS:
+            var = tl.div_rn(tl.sum(acc2, axis=0), n)
+        else:
+            # the one-pass branch's refined mean; the variance about it is the mean square
+            # deviation less the square of the correction (not below 0)
+            corr = tl.div_rn(tl.sum(acc1, axis=0), n)
+            var = tl.maximum(tl.div_rn(tl.sum(acc2, axis=0), n) - corr * corr, 0.0)
+            tl.store(mean_ptr + row, mean + corr)
         rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
         tl.store(rstd_ptr + row, rstd)
         for start in range(0, N, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < N
-            y = (load_f32(x_row + cols, mask, EMULATE_BF16_ROUNDING) - mean) * rstd
+            # (x - mean) - corr as the one-pass branch: the refined mean in two parts,
+            # finer than their rounded sum
+            y = (load_f32(x_row + cols, mask, EMULATE_BF16_ROUNDING) - mean - corr) * rstd
             if HAS_WEIGHT:
                 y = y * load_f32(w_ptr + cols, mask, EMULATE_BF16_ROUNDING)
             if HAS_BIAS:

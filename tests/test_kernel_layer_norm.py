@@ -300,3 +300,22 @@ def test_weight_gradients_through_a_split_reduction(chunked, rms, memory_efficie
         assert db is None
     else:
         torch.testing.assert_close(db, rdb, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("max_block", [None, 64], ids=["one-pass", "chunked"])
+@pytest.mark.parametrize("eps", [1e-12, 1e-5])
+def test_constant_and_near_constant_fp32_rows(max_block, eps):
+    # The mean as sum / n was a few ulps off a constant row's value: x - mean was noise,
+    # which rstd near 1 / sqrt(eps) scaled to O(1) (1000.1 with eps=1e-12 gave outputs of
+    # +-1 where the bias is exact). The refined mean is the row's value.
+    n = 300
+    w, b = _params(n, True, False)
+    x = torch.tensor([1000.1, 0.1, -3.0e4, 7.0]).repeat_interleave(n).view(4, n)
+    y, mean, rstd = layer_norm_fwd(x, n, w, b, eps, False, max_block=max_block)
+    assert torch.equal(mean, x[:, 0])
+    assert torch.equal(y, b.expand(4, n))
+    # one element off the constant: the fp64 result within fp32's rounding
+    x[:, 5] += torch.tensor([0.01, 1e-6, 0.5, 1e-3])
+    y, _, _ = layer_norm_fwd(x, n, w, b, eps, False, max_block=max_block)
+    truth = F.layer_norm(x.double(), (n,), w.double(), b.double(), eps)
+    torch.testing.assert_close(y.double(), truth, rtol=1e-5, atol=2e-5)

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conftest import TOL
 import tritamp
 from tritamp import amp
 from tritamp.normalization import (FusedLayerNorm, FusedLayerNormAffineFunction, FusedRMSNorm,
@@ -265,12 +266,17 @@ def test_zero_width_rows_give_torchs_empty_output(path):
         assert x.grad.shape == (3, 0) and m.weight.grad.shape == (0,)
 
 
-def test_rms_norm_eps_none_is_torchs_machine_epsilon(path):
-    """FusedRMSNorm(eps=None), torch.nn.RMSNorm's default: the input dtype's epsilon."""
-    x = torch.randn(4, 8).bfloat16()
-    ours = FusedRMSNorm(8, eps=None)(x)
-    want = F.rms_norm(x.double(), (8,), eps=torch.finfo(torch.bfloat16).eps).bfloat16()
-    torch.testing.assert_close(ours, want, rtol=1.6e-2, atol=1e-2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_eps_none_is_torchs_machine_epsilon(path, dtype):
+    """FusedRMSNorm(eps=None), torch.nn.RMSNorm's default: the machine epsilon of the
+    dtype torch computes in, fp32 for half input (the half dtype's own, 0.0078 for bf16,
+    shrank rows of small activations by up to 80x)."""
+    x = (0.01 * torch.randn(4, 8)).to(dtype)
+    ours = FusedRMSNorm(8, eps=None).to(dtype)(x)
+    want = torch.nn.RMSNorm(8, eps=None).to(dtype)(x)
+    torch.testing.assert_close(ours, want)
+    truth = F.rms_norm(x.double(), (8,), eps=torch.finfo(torch.float32).eps)
+    torch.testing.assert_close(ours.double(), truth, **TOL[dtype])
 
 
 def test_autocast_leaves_float64_input_alone(path):

@@ -128,6 +128,7 @@ _is_grad_enabled = torch.is_grad_enabled
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def _normalized_numel(input, normalized_shape, weight, bias):
@@ -171,8 +172,10 @@ def _norm(input, weight, bias, normalized_shape, eps, memory_efficient, rms, mix
     if weight is not None and weight.dtype not in _FLOATS:
         raise TypeError(f"fused norms take float32, bfloat16, float16 or float64 weights; "
                         f"got {weight.dtype}")
-    if eps is None:  # (torch.nn.RMSNorm's default: the input dtype's machine epsilon)
-        eps = torch.finfo(dtype).eps
+    if eps is None:
+        # torch.nn.RMSNorm's default: the machine epsilon of the dtype it computes in,
+        # fp32 for half input (its kernels' opmath type), not the half dtype's own
+        eps = torch.finfo(torch.float32 if dtype in _HALF else dtype).eps
     device_type = input.device.type
     if torch.is_autocast_enabled(device_type) and dtype is not torch.float64:
         # (autocast's casts leave float64 alone)
