@@ -11,6 +11,7 @@ import torch.nn as nn
 from conftest import assert_bits_equal
 from tritamp import amp
 from tritamp.fp16_utils import FP16_Optimizer
+from tritamp.testing import reset_amp
 
 APEX_CLOSURE = "Currently, Amp does not support closure use with optimizers."
 
@@ -255,3 +256,126 @@ def test_fp16_optimizer_is_refused_with_apexs_error(as_list):
                        "tritamp.fp16_utils.FP16_Optimizer"):
         amp.initialize(model, [fp16] if as_list else fp16, opt_level="O1", verbosity=0)
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+# -- training-loop patterns (an audit of amp against Apex's logic) -----------------------
+
+class _TwoBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x, use_b):
+        return self.a(x) + (self.b(x) if use_b else 0)
+
+
+@pytest.mark.parametrize("make", ["sgd", "fused_sgd", "fused_adam"])
+def test_o2_parameter_the_backward_misses_after_zero_grad_is_left_alone(make, path):
+    # Apex set every half gradient to None before the backward (prepare_backward_with_
+    # master_weights): the zeros zero_grad() left moved an unused branch through momentum
+    # or Adam's moments (by 0.14 / 0.07).
+    from tritamp.optimizers import FusedAdam, FusedSGD
+    net = _TwoBranch()
+    opt = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+           "fused_sgd": lambda p: FusedSGD(p, lr=0.1, momentum=0.9),
+           "fused_adam": lambda p: FusedAdam(p, lr=0.1)}[make](net.parameters())
+    net, opt = amp.initialize(net, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(8, 4)
+    for step in range(2):
+        with amp.scale_loss(net(x, step == 0).square().mean(), opt) as s:
+            s.backward()
+        if step == 1:
+            assert net.b.weight.grad is None
+            before = [t.detach().clone() for t in (net.b.weight, net.b.bias)]
+        opt.step()
+        opt.zero_grad()
+    for b, t in zip(before, (net.b.weight, net.b.bias)):
+        assert_bits_equal(b, t.detach(), "the branch the backward did not reach")
+
+
+@pytest.mark.parametrize("loss_scale", ["dynamic", 128.0])
+def test_load_state_dict_between_scale_loss_and_step_keeps_the_gradients_scale(loss_scale,
+                                                                             path):
+    # At O2 with a fused optimizer the gradients wait, scaled, for the step, which read
+    # their scale from a slot the load overwrote (a 64x too large update).
+    from tritamp.optimizers import FusedSGD
+
+    def run(load):
+        reset_amp()
+        torch.manual_seed(0)
+        m = nn.Linear(4, 2)
+        m, opt = amp.initialize(m, FusedSGD(m.parameters(), lr=0.1), opt_level="O2",
+                                half_dtype=torch.bfloat16, loss_scale=loss_scale,
+                                verbosity=0)
+        x = torch.randn(8, 4)
+        for i in range(2):  # (a load between micro-batches, and one before the step)
+            with amp.scale_loss(m(x + i).square().mean(), opt) as s:
+                s.backward()
+            if load:
+                amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0 * (i + 1),
+                                                      "unskipped": 0}})
+        opt.step()
+        return [p.detach().clone() for p in amp.master_params(opt)]
+
+    for a, b in zip(run(False), run(True)):
+        assert_bits_equal(a, b, "the masters after the step")
+
+
+def test_a_closure_whose_own_backward_overflows_is_refused_and_nothing_moves(path):
+    # torch's closure pattern with scale_loss inside: the step applied the inf gradients
+    # (Apex too, then refused the next step); refused when the closure returns now, the
+    # step counted as skipped, and a retry starts clean.
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    x, y = _batch()
+    factor = [float("inf")]
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x).float(), y) * factor[0]
+        with amp.scale_loss(loss, opt) as s:
+            s.backward()
+        return loss
+
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=APEX_CLOSURE):
+        opt.step(closure)
+    assert amp.last_step_skipped(opt)
+    for a, b in zip(before, model.parameters()):
+        assert_bits_equal(a, b.detach(), "weights after the refused step")
+    factor[0] = 1.0
+    opt.step(closure)
+    assert not amp.last_step_skipped(opt)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_o1_zero_grad_after_an_overflow_keeps_the_step_skipped(path):
+    # Apex patched only the master-weights zero_grad: its skip survived a zero_grad at O1.
+    # The step ran on the zeros (momentum moved the weights); a new backward still decides.
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    x, y = _batch()
+    for factor in (1.0, float("inf")):
+        with amp.scale_loss(nn.functional.mse_loss(model(x).float(), y) * factor, opt) as s:
+            s.backward()
+        if factor != 1.0:
+            opt.zero_grad()
+            before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+    assert amp.last_step_skipped(opt)
+    for a, b in zip(before, model.parameters()):
+        assert_bits_equal(a, b.detach(), "weights after the skipped step")
+    # overflow, zero_grad, then a clean backward: that backward's step runs
+    with amp.scale_loss(nn.functional.mse_loss(model(x).float(), y) * float("inf"), opt) as s:
+        s.backward()
+    opt.zero_grad()
+    with amp.scale_loss(nn.functional.mse_loss(model(x).float(), y), opt) as s:
+        s.backward()
+    opt.step()
+    assert not amp.last_step_skipped(opt)

@@ -74,6 +74,12 @@ class AmpStash:
         # (gradients, their version counters) as zero_grad(set_to_none=False) left them
         # zeroed, or None
         self.zeroed = None
+        # found_inf is an overflow carried over a zero_grad (no masters): it skips a step
+        # taken before the next backward, and is dropped when one begins
+        self.carried = False
+        # zeroed half model gradients the backward does not reach reach the masters as
+        # zeros (fp16_utils' FP16_Optimizer), not None (amp's O2)
+        self.masters_take_zeroed = False
         self._sweeps = {}          # cached check/unscale sweeps, by purpose
         self.param_names = {}      # id(parameter) -> name, for the overflow warning
         self._count_key = None     # the layout key of the gradients this exit checked
@@ -198,7 +204,8 @@ class AmpStash:
     def detach_from(self, scaler):
         """Own copies of the scaler slots before the scaler reuses them."""
         if self.scaler is scaler:
-            self.found_inf = self.found_inf.clone()
+            if self.found_inf is not None:
+                self.found_inf = self.found_inf.clone()
             if self.grad_scale is not None:
                 self.grad_scale = self.grad_scale.clone()
             self.scaler = None
@@ -229,6 +236,9 @@ class AmpStash:
 
     # -- around backward -------------------------------------------------------------
     def prepare_backward(self):
+        if self.carried:  # the overflowed gradients were zeroed: this backward's decide
+            self.found_inf = None
+            self.carried = False
         self.unscale_pending()
         zeroed, self.zeroed = self.zeroed, None
         if zeroed is not None and _untouched(zeroed, self.plain_params, self.model_params):
@@ -237,6 +247,12 @@ class AmpStash:
             # read-only, never unscaled into fp32 copies, no stash to add back). Written
             # since (a backward outside scale_loss), they are stashed below and added back
             # unscaled, as any earlier gradient, as Apex's stash does.
+            if self.masters and not self.masters_take_zeroed:
+                # ... except the half model gradients: Apex set every one to None before
+                # the backward, so a parameter the backward does not reach has none, and
+                # neither its master (the step leaves both alone; a zero gradient would
+                # move them through momentum, weight decay or Adam's moments)
+                _clear_grads(self.model_params)
             return
         _clear_grads(self.model_params)  # fresh half gradients; the masters' accumulate
         self.plain_stash = list(map(_grad_of, self.plain_params))
@@ -284,7 +300,7 @@ class AmpStash:
                     return
                 self._check_unscale("check", grads, None, check, write=False, key=key,
                                     rebind_on=key[1], addresses=addresses)
-            self._pending(carried)
+            self._pending(carried, scaler)
             return
         self._count_key = None
         master_fresh = []  # (index, half gradient) of masters without a gradient yet
@@ -335,13 +351,17 @@ class AmpStash:
             self._check_unscale("accumulate", list(acc_srcs), scale, found,
                                 dsts=list(acc_dsts), adds=list(acc_adds))
         if not self.pending:
-            self._pending(carried if lazy else None)
+            self._pending(carried if lazy else None, scaler)
 
-    def _pending(self, grad_scale):
+    def _pending(self, grad_scale, scaler=None):
         """PENDING: for gradients left scaled, the step reads the scale they carry on the
-        device (and the overflow flag, once :meth:`take_overflow` has given it)."""
+        device (and the overflow flag, once :meth:`take_overflow` has given it). The scale
+        is the scaler's slot: the stash is its alias, so that the scaler hands it a copy
+        before anything rewrites the slot (a load_state_dict)."""
         self.pending = True
         self.grad_scale = grad_scale
+        if grad_scale is not None and scaler is not None and self.scaler is None:
+            self._alias(scaler)
 
     def take_overflow(self, scaler):
         """The step's overflow flag, taken once every gradient of the backward was checked:
@@ -394,6 +414,9 @@ class AmpStash:
         scaler.note_ledger(ledger)
 
     def _alias(self, scaler):
+        if self.scaler is scaler:
+            return
+        self._drop_alias()
         self.scaler = scaler
         scaler._aliases.append(self)
 
@@ -446,6 +469,7 @@ class AmpStash:
         self.zeroed = None
         self.pending = False
         self.found_inf = None
+        self.carried = False
         self.grad_scale = None
         self._drop_alias()
 
@@ -483,14 +507,21 @@ def amp_step(old_step):
                                "from a backward with delay_unscale=True. Run the last backward of "
                                "the accumulation with amp.scale_loss(..., delay_unscale=False) "
                                "before optimizer.step().")
-        if closure is not None and (stash.found_inf is not None or stash.grad_scale is not None):
-            # A skip may be pending: decided on the host (one sync), as Apex's patched skip
-            # was, before the closure runs a backward of its own. (Without masters the
-            # gradients were unscaled at scale_loss's exit: none is left scaled.)
-            if stash.grad_scale is not None or bool(stash.found_inf):
-                raise RuntimeError("Currently, Amp does not support closure use with "
-                                   "optimizers.")
-            stash.found_inf = None
+        if closure is not None:
+            if stash.found_inf is not None or stash.grad_scale is not None:
+                # A skip may be pending: decided on the host (one sync), as Apex's patched
+                # skip was, before the closure runs a backward of its own. (Without masters
+                # the gradients were unscaled at scale_loss's exit: none is left scaled.)
+                if stash.grad_scale is not None or bool(stash.found_inf):
+                    raise RuntimeError("Currently, Amp does not support closure use with "
+                                       "optimizers.")
+                stash.found_inf = None
+            # A closure that runs scale_loss itself: its overflow is decided when it returns
+            # (one host read), before the optimizer uses the gradients (torch's optimizers
+            # call the closure before they update anything): refused then, nothing
+            # stepped, the scale already reduced. Apex applied that step and refused the
+            # next.
+            args, kwargs = _with_checked_closure(stash, closure, args, kwargs)
         if stash.found_inf is None and stash.grad_scale is None:
             # Nothing to skip on and nothing left scaled: a static scale (never checked),
             # or no scale_loss since the last step (static 1.0 without masters).
@@ -540,6 +571,27 @@ def amp_step(old_step):
     return step
 
 
+def _with_checked_closure(stash, closure, args, kwargs):
+    """``(args, kwargs)`` of a step with ``closure`` replaced by one that refuses an
+    overflow its own ``scale_loss`` found."""
+    def checked():
+        loss = closure()
+        if stash.found_inf is not None and bool(stash.found_inf):
+            # the step counts as skipped; its gradients are dropped with the pending flag,
+            # so that a retry starts clean
+            stash.last_step.record(stash.found_inf, stash.scaler)
+            stash.finish_step()
+            raise RuntimeError("Currently, Amp does not support closure use with optimizers. "
+                               "(The closure's backward overflowed: the step would apply "
+                               "inf/NaN gradients. The loss scale was reduced; nothing was "
+                               "stepped.)")
+        return loss
+
+    if args:
+        return (checked, *args[1:]), kwargs
+    return args, dict(kwargs, closure=checked)
+
+
 def _new_zero_grad(old_zero_grad):
     def zero_grad(self, set_to_none=None):
         stash = self._amp_stash
@@ -558,7 +610,17 @@ def _new_zero_grad(old_zero_grad):
             _clear_grads(stash.model_params)
         else:
             zero_grads_([p.grad for p in stash.model_params if p.grad is not None])
+        # Without masters Apex left a pending skip in place (only the master-weights
+        # zero_grad was patched): a step right after a zero_grad that followed an
+        # overflowing scale_loss is skipped (not taken on the zeros: momentum would move
+        # the weights). The flag is copied on the device (the scaler reuses its slot). The
+        # next backward drops it (the gradients it was about are gone; Apex's skip
+        # outlived it and skipped that backward's clean step too).
+        carried = (stash.found_inf.clone() if not stash.master_weights
+                   and stash.found_inf is not None else None)
         stash.finish_step()
+        if carried is not None:
+            stash.found_inf, stash.carried = carried, True
         # What the optimizer's own zero_grad did decides: gradients still present are zeros.
         # (their version counters: checked before the zeros are trusted)
         if any(map(_is_not_none, map(_grad_of, stash.plain_params))) or (

@@ -335,7 +335,16 @@ class LossScaler:
             self._static_scale = scale
         elif within_bounds:
             scale = min(max(scale, self.min_loss_scale), self.max_loss_scale)
+        self._hand_copies()  # (gradients left scaled by a static scale carry its slot)
         self._state[K.SCALE] = scale
+
+    def _hand_copies(self):
+        """Optimizers whose pending step reads this scaler's slots (the overflow flag, the
+        scale their gradients carry) take their own copies: the slots are about to be
+        reused or rewritten."""
+        for stash in self._aliases:
+            stash.detach_from(self)
+        self._aliases.clear()
 
     @property
     def _max_loss_scale(self):
@@ -369,9 +378,7 @@ class LossScaler:
         """Zero the overflow slot before the gradients of a new backward are checked.
 
         Optimizers still pending on the old slots get their own copies first."""
-        for stash in self._aliases:
-            stash.detach_from(self)
-        self._aliases.clear()
+        self._hand_copies()
         self._slot = K.other_found_slot(self._slot)
         if not self._next_clean:  # no update since the last check zeroed this slot
             # (two checks without an update: a last step's flag there would be lost)
@@ -581,7 +588,12 @@ class LossScaler:
         self._load_checked(self.check_state_dict(sd))
 
     def _load_checked(self, values):
-        """Write values returned by :meth:`check_state_dict` (cannot fail)."""
+        """Write values returned by :meth:`check_state_dict` (cannot fail). Optimizers whose
+        gradients wait, still scaled, for their step (or whose step waits on this
+        backward's overflow flag) take copies of the slots first: a step after the load
+        unscales by the scale the gradients carry, not the loaded one."""
+        self._hand_copies()
+        self._detach_records(lambda slot, update: True)
         scale = values["loss_scale"]
         host = self._state.cpu().tolist()
         host[K.SCALE] = scale

@@ -86,6 +86,9 @@ class FP16_Optimizer:
 
         self.optimizer = init_optimizer
         stash = AmpStash(init_optimizer, master_weights=True)
+        # Apex's FP16_Optimizer copied zero_grad's zeros to the masters (an unused branch
+        # still steps, with momentum and weight decay); amp's O2 dropped them
+        stash.masters_take_zeroed = True
         for i, group in enumerate(init_optimizer.param_groups):
             self.maybe_print("FP16_Optimizer processing param group {}:".format(i))
             for p in group["params"]:
