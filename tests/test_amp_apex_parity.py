@@ -322,15 +322,20 @@ def test_load_state_dict_between_scale_loss_and_step_keeps_the_gradients_scale(l
         assert_bits_equal(a, b, "the masters after the step")
 
 
-def test_a_closure_whose_own_backward_overflows_is_refused_and_nothing_moves(path):
-    # torch's closure pattern with scale_loss inside: the step applied the inf gradients
-    # (Apex too, then refused the next step); refused when the closure returns now, the
-    # step counted as skipped, and a retry starts clean.
+def _o1_sgd_with_momentum():
+    """(model, optimizer, x, y): O1 bf16 with a dynamic scale, torch's SGD with momentum."""
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16,
                                 loss_scale="dynamic", verbosity=0)
-    x, y = _batch()
+    return (model, opt, *_batch())
+
+
+def test_a_closure_whose_own_backward_overflows_is_refused_and_nothing_moves(path):
+    # torch's closure pattern with scale_loss inside: the step applied the inf gradients
+    # (Apex too, then refused the next step); refused when the closure returns now, the
+    # step counted as skipped, and a retry starts clean.
+    model, opt, x, y = _o1_sgd_with_momentum()
     factor = [float("inf")]
 
     def closure():
@@ -356,11 +361,7 @@ def test_a_closure_whose_own_backward_overflows_is_refused_and_nothing_moves(pat
 def test_o1_zero_grad_after_an_overflow_keeps_the_step_skipped(path):
     # Apex patched only the master-weights zero_grad: its skip survived a zero_grad at O1.
     # The step ran on the zeros (momentum moved the weights); a new backward still decides.
-    model = _net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16,
-                                loss_scale="dynamic", verbosity=0)
-    x, y = _batch()
+    model, opt, x, y = _o1_sgd_with_momentum()
     for factor in (1.0, float("inf")):
         with amp.scale_loss(nn.functional.mse_loss(model(x).float(), y) * factor, opt) as s:
             s.backward()
