@@ -828,3 +828,48 @@ def test_convert_network_keeps_a_shared_buffer_shared():
     assert a.table is b.table is shared and shared.dtype == torch.bfloat16
     a.table.add_(1)
     assert torch.equal(b.table, torch.arange(1.0, 5.0, dtype=torch.bfloat16))
+
+
+def _overflowed(make_opt=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)):
+    """An FP16_Optimizer whose last backward overflowed (bf16 model, dynamic scale)."""
+    model, opt = _fp16_setup(torch.bfloat16, make_opt, dynamic_loss_scale=True)
+    (x, y), = _batches(1)
+    opt.zero_grad()
+    opt.backward(nn.functional.mse_loss(model(x.bfloat16()).float(), y) * float("inf"))
+    return model, opt, x, y
+
+
+def test_step_with_a_closure_after_an_overflowing_backward_is_skipped_as_apex():
+    # Apex's step returned on self.overflow before the closure; the closure ran and the
+    # step was taken.
+    model, opt, x, y = _overflowed()
+    before = [p.detach().clone() for p in model.parameters()]
+    calls = []
+
+    def closure():
+        calls.append(1)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x.bfloat16()).float(), y)
+        opt.backward(loss)
+        return loss
+
+    assert opt.step(closure) is None
+    assert calls == []
+    for a, b in zip(before, model.parameters()):
+        assert torch.equal(a, b.detach())
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_setting_overflow_decides_the_next_step_as_apex(value):
+    # Apex's step read the attribute: True skipped the step (it ran), False let it run.
+    model, opt = _fp16_setup(torch.bfloat16, lambda p: torch.optim.SGD(p, lr=0.1),
+                             dynamic_loss_scale=True)
+    (x, y), = _batches(1)
+    opt.zero_grad()
+    opt.backward(nn.functional.mse_loss(model(x.bfloat16()).float(), y))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.overflow = value
+    assert opt.overflow is value
+    opt.step()
+    moved = not all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+    assert moved is not value

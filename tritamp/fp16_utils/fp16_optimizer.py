@@ -229,6 +229,14 @@ class FP16_Optimizer:
 
     def _step_with_closure(self, closure):
         stash = self._stash
+        if self.overflow:
+            # A backward() before this call overflowed: skipped, the closure not run, as
+            # Apex's step returned before it
+            logger.warning("OVERFLOW! Skipping step. Attempted loss scale: %s, reducing to %s",
+                           float(self.loss_scaler.used_scale), float(self.loss_scaler.scale))
+            stash.last_step.record(self._overflow_flag)
+            stash.finish_step()
+            return None
 
         def wrapped_closure():
             if self.first_closure_call_this_step:
@@ -295,7 +303,12 @@ class FP16_Optimizer:
 
     @overflow.setter
     def overflow(self, value):
+        """Apex's attribute, which its step read: True skips the next step, False lets it
+        run (the flag the step reads on the device is replaced)."""
         self._overflow_flag = torch.tensor(1.0 if value else 0.0, device=self._device())
+        stash = self._stash
+        stash._drop_alias()
+        stash.found_inf = self._overflow_flag.clone()
 
     def _get_loss_scale(self):
         return self.loss_scaler.loss_scale()
