@@ -582,9 +582,8 @@ def _with_checked_closure(stash, closure, args, kwargs):
             stash.last_step.record(stash.found_inf, stash.scaler)
             stash.finish_step()
             raise RuntimeError("Currently, Amp does not support closure use with optimizers. "
-                               "(The closure's backward overflowed: the step would apply "
-                               "inf/NaN gradients. The loss scale was reduced; nothing was "
-                               "stepped.)")
+                               "(The closure's backward overflowed: the step stopped before "
+                               "using its inf/NaN gradients, and the loss scale was reduced.)")
         return loss
 
     if args:
