@@ -74,9 +74,6 @@ class AmpStash:
         # (gradients, their version counters) as zero_grad(set_to_none=False) left them
         # zeroed, or None
         self.zeroed = None
-        # found_inf is an overflow carried over a zero_grad (no masters): it skips a step
-        # taken before the next backward, and is dropped when one begins
-        self.carried = False
         # zeroed half model gradients the backward does not reach reach the masters as
         # zeros (fp16_utils' FP16_Optimizer), not None (amp's O2)
         self.masters_take_zeroed = False
@@ -236,9 +233,11 @@ class AmpStash:
 
     # -- around backward -------------------------------------------------------------
     def prepare_backward(self):
-        if self.carried:  # the overflowed gradients were zeroed: this backward's decide
+        if not self.pending:
+            # an overflow flag without a scale_loss since the last step was carried over a
+            # zero_grad (no masters): the gradients it was about are gone, this backward's
+            # decide
             self.found_inf = None
-            self.carried = False
         self.unscale_pending()
         zeroed, self.zeroed = self.zeroed, None
         if zeroed is not None and _untouched(zeroed, self.plain_params, self.model_params):
@@ -469,7 +468,6 @@ class AmpStash:
         self.zeroed = None
         self.pending = False
         self.found_inf = None
-        self.carried = False
         self.grad_scale = None
         self._drop_alias()
 
@@ -618,8 +616,7 @@ def _new_zero_grad(old_zero_grad):
         carried = (stash.found_inf.clone() if not stash.master_weights
                    and stash.found_inf is not None else None)
         stash.finish_step()
-        if carried is not None:
-            stash.found_inf, stash.carried = carried, True
+        stash.found_inf = carried  # (not PENDING: the next backward drops it)
         # What the optimizer's own zero_grad did decides: gradients still present are zeros.
         # (their version counters: checked before the zeros are trusted)
         if any(map(_is_not_none, map(_grad_of, stash.plain_params))) or (

@@ -876,16 +876,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         cache = self._links_cache.get(gi)
         params = group["params"]
         pairs = self.step_handoff.masters
-        # (the state's epoch: a master replaced in the state, state[p]["master_param"] =
-        # t, is the one the step updates from then on)
-        gen = (self._generation, pairs.version, self.state.epoch.value)
+        gen = (self._generation, pairs.version)
         # (the list's elements, not only its length: one swapped in place, with
-        # params[i] = p, is another parameter)
-        if cache is not None and cache[2] == gen and cache[1] == len(params) \
-                and all(map(operator.is_, cache[3].params, params)) \
-                and (not cache[3].sharded or all(
-                    map(operator.is_, cache[3].shards, locals_of(params)))):
-            return cache[3]
+        # params[i] = p, is another parameter. A master replaced in the state changes
+        # the plan's key, and a plan prepared makes its links again: _group_plan)
+        if cache is not None and cache[0] == gen and len(cache[1].params) == len(params) \
+                and all(map(operator.is_, cache[1].params, params)) \
+                and (not cache[1].sharded or all(
+                    map(operator.is_, cache[1].shards, locals_of(params)))):
+            return cache[1]
         self._check_listed_once(params, gi)  # (a list changed in place: before any write)
         self._check_in_one_group(params, gi)
         targets, copies, models = [], [], []
@@ -914,7 +913,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 copies.append(None)
                 models.append(None)
         links = _GroupLinks(params, targets, copies, models, sharded)
-        self._links_cache[gi] = (params, len(params), gen, links)
+        self._links_cache[gi] = (gen, links)
         return links
 
     def _keeps_master(self, p):
