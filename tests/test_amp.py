@@ -4,6 +4,7 @@ O1's casting (autocast, ``register_*_function``, the decorators, ``disable_casts
 Training, checkpoints and gradient handling are in ``test_amp_levels.py``; the loss
 scaler (overflow, logging, golden trajectory) in ``test_amp_scaler.py``.
 """
+import collections
 import types
 
 import pytest
@@ -130,6 +131,77 @@ def test_cast_model_outputs(level):
     model, _ = amp.initialize(model, sgd(model), opt_level=level,
                               cast_model_outputs=torch.float16, verbosity=0)
     assert model(conv_batch()[0]).dtype == torch.float16
+
+
+class _ModelOutput(collections.OrderedDict):
+    """A mapping with attribute access, as model-output classes are."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class _MappingNet(nn.Module):
+    def __init__(self, out_cls):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.out_cls = out_cls
+
+    def forward(self, x):
+        y = self.lin(x)
+        return self.out_cls(logits=y, logprob=y.double().log_softmax(-1),
+                            index=y.argmax(-1))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_mapping_outputs_keep_their_class_and_float64(level):
+    """O1 widens the half outputs autocast made and leaves the others (a float64 output
+    stays float64, as Apex's O1 left every output); O0/O2/O3 cast the model and every
+    floating output (Apex's caster, its O0 casting to fp32); a mapping comes back as its
+    own class either way."""
+    model = _MappingNet(_ModelOutput)
+    model, _ = amp.initialize(model, sgd(model), opt_level=level,
+                              half_dtype=torch.bfloat16, verbosity=0)
+    out = model(torch.randn(2, 4))
+    assert type(out) is _ModelOutput
+    assert out.logits.dtype == torch.float32 and out.index.dtype == torch.int64
+    expected = torch.float64 if level == "O1" else torch.float32
+    assert out.logprob.dtype == expected
+
+
+def test_o1_cast_model_outputs_casts_every_floating_output():
+    model = _MappingNet(collections.defaultdict)
+    model.out_cls = lambda **kw: collections.defaultdict(list, kw)
+    model, _ = amp.initialize(model, sgd(model), opt_level="O1", half_dtype=torch.bfloat16,
+                              cast_model_outputs=torch.bfloat16, verbosity=0)
+    out = model(torch.randn(2, 4))
+    assert type(out) is collections.defaultdict and out.default_factory is list
+    assert out["logits"].dtype == out["logprob"].dtype == torch.bfloat16
+    assert out["index"].dtype == torch.int64
+
+
+class _KeptOutputNet(nn.Module):
+    """Returns a mapping with nothing half in it, and keeps it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.kept = None
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.kept = _ModelOutput(index=y.argmax(-1), logprob=y.double())
+        return self.kept
+
+
+def test_o1_output_with_nothing_to_cast_is_the_same_object():
+    model = _KeptOutputNet()
+    model, _ = amp.initialize(model, sgd(model), opt_level="O1", half_dtype=torch.bfloat16,
+                              verbosity=0)
+    out = model(torch.randn(2, 4))
+    assert out is model.kept and out.logprob.dtype == torch.float64
 
 
 @pytest.mark.parametrize("half", HALVES, ids=["fp16", "bf16"])

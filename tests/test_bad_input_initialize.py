@@ -369,6 +369,42 @@ def test_float64_param_outside_the_model_accepted_without_masters():
     assert opt.param_groups[0]["params"][-1] is extra and extra.dtype == torch.float64
 
 
+@pytest.mark.parametrize("level,kwargs", [
+    ("O1", dict(loss_scale="dynamic")), ("O1", dict(loss_scale=128.0)),
+    ("O3", dict(loss_scale="dynamic")),
+    ("O2", dict(master_weights=False, half_dtype=torch.bfloat16, loss_scale=128.0))])
+def test_float64_param_refused_where_gradients_are_unscaled(earlier_initialize, level, kwargs):
+    """Its gradient would be unscaled and checked in float32: refused before anything
+    changes (it raised from inside scale_loss, after the backward)."""
+    model = net()
+    opt = trained_sgd(model, extra=[nn.Parameter(torch.ones(2, dtype=torch.float64))])
+    assert_refused(model, opt, TypeError,
+                   r"torch\.float32 or a half dtype .*with loss_scale=.*; received "
+                   r"torch\.float64 at optimizers\[0\]\.param_groups\[0\]\['params'\]\[6\]\. "
+                   r".*convert it to float32", opt_level=level, **kwargs)
+
+
+@pytest.mark.parametrize("level,kwargs,match", [
+    ("O2", dict(half_dtype=torch.bfloat16), r"master_weights=True"),
+    ("O1", dict(loss_scale="dynamic"), r"loss_scale='dynamic'")])
+def test_add_param_group_refuses_float64_after_initialize(level, kwargs, match):
+    """At O2 the group got a (less precise) fp32 master; at O1 with a dynamic scale the
+    next scale_loss raised after its backward. Refused before the group is added."""
+    model = net()
+    model, opt = amp.initialize(model, trained_sgd(model), opt_level=level, verbosity=0,
+                                **kwargs)
+    groups, params = list(opt.param_groups), list(amp.master_params(opt))
+    extra = nn.Parameter(torch.ones(3, dtype=torch.float64))
+    with pytest.raises(TypeError, match=match + r".*received torch\.float64 at the new "
+                       r"param_groups\[1\]\['params'\]\[0\]"):
+        opt.add_param_group({"params": [extra]})
+    assert opt.param_groups == groups and list(amp.master_params(opt)) == params
+    assert master_of(extra) is None
+    frozen = nn.Parameter(torch.ones(3, dtype=torch.float64), requires_grad=False)
+    opt.add_param_group({"params": [frozen]})  # nothing trains it: accepted as before
+    assert opt.param_groups[-1]["params"] == [frozen]
+
+
 # --------------------------------------------------------------------------------------
 # initialize twice
 # --------------------------------------------------------------------------------------

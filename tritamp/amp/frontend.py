@@ -10,7 +10,7 @@ from tritamp.sharding import any_dtensor, overflow_group
 
 from .model import (check_models, check_params_fp32, convert_network, patch_forward,
                      planned_param_dtypes, register_fp32_state_dict)
-from .optimizer import process_optimizer
+from .optimizer import check_param_dtype, process_optimizer
 from .overflow import param_names
 from .state import _amp_state, maybe_print
 from .properties import (HALF_DTYPES, Properties, check_dtype_arg, check_half_dtype,
@@ -135,16 +135,9 @@ def _check_optimizers(optimizers, models, props):
                                     "optimizer, e.g. [p for p in model.parameters() if "
                                     "p.is_floating_point()].")
                 dtype = planned.get(p, p.dtype)
-                if props.master_weights and p.requires_grad \
-                        and dtype not in (torch.float32, *HALF_DTYPES):
-                    cast_note = "" if dtype == p.dtype else \
-                        f" (a {p.dtype} model parameter cast to cast_model_type={cast})"
-                    raise TypeError(
-                        f"Optimizer's parameters must be torch.float32 or a half dtype "
-                        f"(torch.float16, torch.bfloat16) with master_weights=True; received "
-                        f"{dtype} at {where}{cast_note}. Master weights are fp32, so a "
-                        f"{dtype} parameter would train through a less precise copy: convert "
-                        "it to float32, or pass master_weights=False.")
+                cast_note = "" if dtype == p.dtype else \
+                    f" (a {p.dtype} model parameter cast to cast_model_type={cast})"
+                check_param_dtype(p, dtype, props, where, cast_note)
 
 
 def _options_lines(props):
@@ -264,11 +257,13 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                           else None)
             register_fp32_state_dict(model)
         elif props.patch_torch_functions:
-            # O1: autocast around the forward; outputs leave the region in fp32 (or
-            # cast_model_outputs), so a loss computed outside runs in fp32 as Apex's
-            # patched loss functions did.
+            # O1: autocast around the forward; half outputs leave the region in fp32, so
+            # a loss computed outside runs in fp32 as Apex's patched loss functions did
+            # (other outputs as they are; every floating one cast to cast_model_outputs
+            # when it is given, as Apex's caster).
             patch_forward(model, autocast_dtype=props.half_dtype,
-                          output_dtype=cast_model_outputs or torch.float32)
+                          output_dtype=cast_model_outputs or torch.float32,
+                          widen_outputs=cast_model_outputs is None)
         elif cast_model_outputs is not None:
             patch_forward(model, output_dtype=cast_model_outputs)
         model._tritamp_initialized = True

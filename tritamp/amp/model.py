@@ -2,6 +2,7 @@
 
 Public to tritamp's packages (``tritamp.fp16_utils`` casts with the same functions)."""
 import collections.abc as abc
+import copy
 import functools
 
 import numpy as np
@@ -108,6 +109,17 @@ def to_type(dtype, t):
     return t.to(dtype)
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def widen_type(dtype, t):
+    """:func:`to_type` for O1's outputs: a half tensor (what autocast made) to ``dtype``,
+    other tensors as they are (a float64 output stays float64, as Apex's O1 left it)."""
+    if isinstance(t, torch.Tensor):
+        return t.to(dtype) if t.dtype in _HALF else t
+    return t.to(dtype)
+
+
 def _is_plain_tensor(value):
     return type(value) is torch.Tensor or type(value) is torch.nn.Parameter
 
@@ -121,12 +133,32 @@ def applier(value, fn):
     if hasattr(value, "to") and not isinstance(value, torch.nn.Module):
         return fn(value)  # custom batch classes
     if isinstance(value, abc.Mapping):
-        return {k: applier(v, fn) for k, v in value.items()}
+        return _mapping_applied(value, {k: applier(v, fn) for k, v in value.items()})
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
         return type(value)(*(applier(v, fn) for v in value))
     if isinstance(value, (list, tuple)):
         return type(value)(applier(v, fn) for v in value)
     return value
+
+
+def _mapping_applied(value, items):
+    """``value`` (a Mapping) with ``items`` (its values applied): the same object when
+    nothing changed, a copy of its own type for a mutable one (an ``OrderedDict``
+    subclass such as a model-output class keeps its attributes), a plain dict
+    otherwise (Apex's applier made a dict of every Mapping)."""
+    if type(value) is dict:
+        return items
+    if all(items[k] is v for k, v in value.items()):
+        return value
+    if isinstance(value, abc.MutableMapping):
+        try:
+            out = copy.copy(value)
+            for k, v in items.items():
+                out[k] = v
+            return out
+        except Exception:  # a mapping that cannot be copied: Apex's plain dict
+            pass
+    return items
 
 
 def _device_type(args, kwargs, model):
@@ -138,11 +170,14 @@ def _device_type(args, kwargs, model):
     return "cpu"
 
 
-def patch_forward(model, input_dtype=None, output_dtype=None, autocast_dtype=None):
-    """Wrap ``model.forward``: cast floating inputs, run under autocast, cast outputs."""
+def patch_forward(model, input_dtype=None, output_dtype=None, autocast_dtype=None,
+                  widen_outputs=False):
+    """Wrap ``model.forward``: cast floating inputs, run under autocast, cast outputs
+    (with ``widen_outputs`` only half ones: :func:`widen_type`)."""
     old_forward = model.forward
     input_caster = functools.partial(to_type, input_dtype) if input_dtype is not None else None
-    output_caster = functools.partial(to_type, output_dtype) if output_dtype is not None else None
+    output_caster = (None if output_dtype is None else
+                     functools.partial(widen_type if widen_outputs else to_type, output_dtype))
 
     @functools.wraps(old_forward)
     def new_forward(*args, **kwargs):

@@ -650,6 +650,30 @@ def _untouched(recorded, *param_lists):
             and _version_list(now) == versions)
 
 
+def check_param_dtype(p, dtype, props, where, cast_note=""):
+    """Refuse, by ``where``, a trainable optimizer parameter of ``dtype`` that amp cannot
+    step as it is: with master weights anything but fp32 or a half dtype (its fp32 master
+    would be less precise); without them a float64 one when gradients are unscaled (a
+    dynamic scale, or a static one other than 1.0), which the check computes in fp32.
+    Apex refused every parameter but fp32 and fp16."""
+    if not p.requires_grad or dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return
+    if props.master_weights:
+        raise TypeError(
+            f"Optimizer's parameters must be torch.float32 or a half dtype "
+            f"(torch.float16, torch.bfloat16) with master_weights=True; received "
+            f"{dtype} at {where}{cast_note}. Master weights are fp32, so a "
+            f"{dtype} parameter would train through a less precise copy: convert "
+            "it to float32, or pass master_weights=False.")
+    if props.loss_scale != 1.0:
+        raise TypeError(
+            f"Optimizer's parameters must be torch.float32 or a half dtype "
+            f"(torch.float16, torch.bfloat16) with loss_scale={props.loss_scale!r}; received "
+            f"{dtype} at {where}{cast_note}. Its gradient would be unscaled and checked for "
+            "overflow in float32: convert it to float32, or keep it in an optimizer that "
+            "amp does not manage.")
+
+
 def _new_add_param_group(old_add_param_group):
     def add_param_group(self, param_group):
         if not isinstance(param_group, dict):
@@ -663,6 +687,12 @@ def _new_add_param_group(old_add_param_group):
                             "list instead.")
         else:
             param_group["params"] = list(params)
+        props = self._amp_stash.initialized_by
+        index = len(self.param_groups)
+        for j, p in enumerate(param_group["params"]):
+            if isinstance(p, torch.Tensor) and p.is_floating_point():
+                check_param_dtype(p, p.dtype, props,
+                                  f"the new param_groups[{index}]['params'][{j}]")
         self._amp_stash.adopt_group(param_group, self)
         old_add_param_group(param_group)
     return add_param_group
