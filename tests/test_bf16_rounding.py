@@ -327,6 +327,28 @@ def _train(name, steps, kw, resume_at=None, overflow_at=None):
     return net, opt
 
 
+def test_sgd_without_momentum_resumes_its_stochastic_rounding_bitwise(path):
+    """Without momentum FusedSGD's state is the step count alone (the rounding bits are
+    drawn from it): its own checkpoint loads (it was refused as lacking a momentum
+    buffer) and the resumed run is the uninterrupted one, bit for bit."""
+    def run(resume_at=None):
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.randn(6, 5).to(torch.bfloat16))
+        opt = O.FusedSGD([p], lr=0.1, stochastic_rounding=True, seed=3)
+        g = torch.Generator().manual_seed(1)
+        for s in range(4):
+            if s == resume_at:
+                saved = copy.deepcopy(opt.state_dict())
+                assert set(saved["state"][0]) == {"step"}
+                p = nn.Parameter(p.detach().clone())
+                opt = O.FusedSGD([p], lr=0.1, stochastic_rounding=True, seed=3)
+                opt.load_state_dict(saved)
+            p.grad = torch.randn(6, 5, generator=g).to(torch.bfloat16)
+            opt.step()
+        return p
+    assert_bits_equal(run().detach(), run(resume_at=2).detach(), "resumed")
+
+
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("kw", MODES, ids=MODE_IDS)
 def test_resume_is_bitwise_equal_to_an_uninterrupted_run(path, name, kw):

@@ -170,6 +170,35 @@ def test_torch_checkpoint_continues_in_tritamp(case):
     assert_same(ps, theirs_ps, exact=False)
 
 
+def test_master_that_went_through_torch_is_not_loaded():
+    """torch.optim keeps a master_param it does not know, cast to the bf16 parameter's
+    dtype, and never updates it: loaded back as the master, its first step wrote the
+    weights from before torch's steps. It is not loaded (a warning says so): the step is
+    the one of a checkpoint without it, the master starting from the loaded weights."""
+    ps = params(dtypes=[torch.bfloat16] * len(SHAPES))
+    opt = FusedAdam(ps, lr=1e-2, master_weights=True)
+    run(ps, opt, 0, 2)
+    theirs = torch.optim.AdamW(ps, lr=1e-2)
+    theirs.load_state_dict(saved(opt.state_dict()))
+    run(ps, theirs, 2, 5)  # torch moves the weights; its master_param stays as loaded
+    sd = saved(theirs.state_dict())
+    assert all(st["master_param"].dtype == torch.bfloat16 for st in sd["state"].values())
+    without = copy.deepcopy(sd)
+    for st in without["state"].values():
+        del st["master_param"]
+    a, b = twin(ps), twin(ps)
+    opt_a = FusedAdam(a, lr=1e-2, master_weights=True)
+    with pytest.warns(UserWarning, match=r"'master_param' of parameter\(s\) 0 "
+                                         r"\(torch\.bfloat16\), 1 .* is not fp32"):
+        opt_a.load_state_dict(sd)
+    opt_b = FusedAdam(b, lr=1e-2, master_weights=True)
+    opt_b.load_state_dict(without)
+    run(a, opt_a, 7, 2)
+    run(b, opt_b, 7, 2)
+    assert_same(a, b)
+    assert all(st["master_param"].dtype == torch.float32 for st in opt_a.state.values())
+
+
 def test_torch_adam_l2_checkpoint_is_refused_by_an_adamw_mode_fused_adam():
     theirs_ps = params()
     theirs = torch.optim.Adam(theirs_ps, lr=1e-2, weight_decay=0.1)
@@ -182,6 +211,25 @@ def test_torch_adam_l2_checkpoint_is_refused_by_an_adamw_mode_fused_adam():
                                          r".*adam_w_mode=False"):
         opt.load_state_dict(saved(theirs.state_dict()))
     assert_unchanged(before, opt)
+
+
+def test_torch_adagrad_checkpoint_with_weight_decay_is_refused_by_a_w_mode_fused_adagrad():
+    """torch.optim.Adagrad's weight decay is an L2 penalty (its only rule): continued with
+    decoupled decay the run went elsewhere, silently."""
+    theirs_ps = params()
+    theirs = torch.optim.Adagrad(theirs_ps, lr=0.1, weight_decay=0.5)
+    run(theirs_ps, theirs, 0, 2)
+    opt = FusedAdagrad(twin(theirs_ps), lr=0.1, weight_decay=0.5, adagrad_w_mode=True)
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=r"as an L2 penalty \(torch\.optim\.Adagrad's only "
+                                         r"rule\).*adagrad_w_mode=False\)"):
+        opt.load_state_dict(saved(theirs.state_dict()))
+    assert_unchanged(before, opt)
+    # without weight decay the two rules are one: it loads
+    plain = torch.optim.Adagrad(theirs_ps, lr=0.1)
+    run(theirs_ps, plain, 2, 1)
+    FusedAdagrad(twin(theirs_ps), lr=0.1, adagrad_w_mode=True).load_state_dict(
+        saved(plain.state_dict()))
 
 
 def test_old_torch_sgd_checkpoint_with_none_momentum_buffers_loads():
@@ -425,6 +473,10 @@ def test_bad_state_dict_is_refused_and_changes_nothing(case):
     (lambda ps: FusedAdagrad(ps), _without("sum", 1),
      r"state of parameter 1 has 'step' but no 'sum'"),
     (lambda ps: FusedAdagrad(ps), _group("lr_decay", 0.1), r"lr_decay"),
+    (lambda ps: FusedAdagrad(ps, weight_decay=0.1, adagrad_w_mode=True),
+     _group("adagrad_w_mode", False),
+     r"weight_decay=0\.1 as an L2 penalty \(adagrad_w_mode=False\), but this FusedAdagrad "
+     r"has adagrad_w_mode=True: construct FusedAdagrad\(\.\.\., adagrad_w_mode=False\)"),
     (lambda ps: FusedNovoGrad(ps), _without("exp_avg", 2),
      r"state of parameter 2 has 'step', 'exp_avg_sq' but no 'exp_avg'"),
     (lambda ps: FusedNovoGrad(ps), _set("exp_avg_sq", 0, torch.zeros(2)),
@@ -432,7 +484,7 @@ def test_bad_state_dict_is_refused_and_changes_nothing(case):
     (lambda ps: FusedNovoGrad(ps), _group("norm_type", 1), r"norm_type"),
     (lambda ps: FusedLAMB(ps), _without("exp_avg_sq", 0),
      r"state of parameter 0 has 'exp_avg', 'step' but no 'exp_avg_sq'"),
-], ids=["sgd", "adagrad", "adagrad-lr-decay", "novograd", "novograd-moment-shape",
+], ids=["sgd", "adagrad", "adagrad-lr-decay", "adagrad-w-mode", "novograd", "novograd-moment-shape",
         "novograd-norm-type", "lamb"])
 def test_every_optimizer_refuses_a_bad_state_and_changes_nothing(make, edit, match):
     ps = params()
@@ -442,6 +494,21 @@ def test_every_optimizer_refuses_a_bad_state_and_changes_nothing(make, edit, mat
     edit(sd)
     before = snapshot(opt)
     with pytest.raises((ValueError, TypeError), match=match):
+        opt.load_state_dict(sd)
+    assert_unchanged(before, opt)
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedAdagrad, FusedSGD, FusedLAMB, FusedNovoGrad])
+def test_a_bad_stochastic_rounding_seed_is_refused_at_load(cls):
+    """FusedAdagrad took a negative seed from a state dict and stepped with it."""
+    ps = params(dtypes=[torch.bfloat16] * len(SHAPES))
+    opt = cls(ps, lr=1e-2, stochastic_rounding=True, seed=1)
+    run(ps, opt, 0, 2)
+    sd = saved(opt.state_dict())
+    sd["param_groups"][0]["seed"] = -7
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=rf"{cls.__name__}: seed must be in \[0, 2\*\*64\) "
+                                         r"\(parameter group 0 of the state dict\), got -7"):
         opt.load_state_dict(sd)
     assert_unchanged(before, opt)
 

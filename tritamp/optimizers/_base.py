@@ -639,6 +639,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         start as on a first step). The others come all together or not at all."""
         return tuple(self._STATE_LIKE), tuple(self._STATE_SCALARS), ()
 
+    def _unneeded_keys(self, saved_group):
+        """Keys of :meth:`_saved_keys` a saved state may lack under the hyperparameters of
+        ``saved_group`` (the ones it loads): what those settings never make."""
+        return ()
+
     def load_state_dict(self, state_dict):
         """torch's ``load_state_dict``, and:
 
@@ -723,6 +728,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         keys = like + scalars
         saved_state = state_dict["state"]
         loaded = []
+        stale = []  # parameters whose saved master is not fp32 (see below)
         first = 0
         for gi, (group, saved) in enumerate(zip(groups, saved_groups)):
             where = f" (parameter group {gi} of the state dict)"
@@ -749,7 +755,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if present:
                     for k, v in fill.get(pos, {}).items():
                         st.setdefault(k, v)
-                    missing = [k for k in keys if k not in st and k not in optional]
+                    unneeded = self._unneeded_keys(saved)
+                    missing = [k for k in keys
+                               if k not in st and k not in optional and k not in unneeded]
                     if missing:
                         raise ValueError(
                             f"{name}.load_state_dict: the state of parameter {index} has "
@@ -771,6 +779,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                                 f"{tuple(p.shape)}. Nothing was loaded.")
                         self._check_saved_shape(v, k, index, p)
                         self._check_saved_mesh(v, k, index, p)
+                        if k == "master_param" and v.dtype != torch.float32:
+                            # not a master this optimizer saved (they are fp32): one that
+                            # went through another optimizer, which cast it to the
+                            # parameter's dtype and never updated it. Dropped: the master
+                            # starts from the loaded weights at the next step.
+                            dropped.append(k)
+                            stale.append((index, v.dtype))
+                            continue
                         values[k] = v
                     elif isinstance(v, torch.Tensor) and v.is_floating_point():
                         if v.dim() > 0:
@@ -778,6 +794,16 @@ class FusedOptimizer(torch.optim.Optimizer):
                         values[k] = v
                 loaded.append((p, values, dropped))
             first += len(group["params"])
+        if stale:
+            shown = ", ".join(f"{i} ({d})" for i, d in stale[:4])
+            more = f" and {len(stale) - 4} more" if len(stale) > 4 else ""
+            warnings.warn(
+                f"{name}.load_state_dict: the saved 'master_param' of parameter(s) {shown}"
+                f"{more} is not fp32, so it is not a master this optimizer saved: the "
+                "checkpoint went through another optimizer (torch.optim keeps state it does "
+                "not know, cast to the parameter's dtype, and never updates it). It was not "
+                "loaded: each master starts from its parameter's loaded weights at the next "
+                "step.", UserWarning, stacklevel=3)
         return loaded
 
     def _check_saved_shape(self, value, key, index, p):

@@ -57,6 +57,34 @@ class FusedAdagrad(FusedOptimizer):
 
     def _check_group_options(self, group, where=""):
         self._check_group(group, where)
+        super()._check_group_options(group, where)  # (the stochastic-rounding seed)
+
+    # adagrad_w_mode, written into state_dict()'s groups
+    _SAVED_ONLY_GROUP_KEYS = FusedOptimizer._SAVED_ONLY_GROUP_KEYS + ("adagrad_w_mode",)
+
+    def state_dict(self):
+        """torch.optim.Adagrad's layout; each group also says ``adagrad_w_mode``, so a
+        FusedAdagrad of the other weight-decay rule refuses it (torch.optim.Adagrad has
+        the L2 rule alone and ignores the key)."""
+        sd = super().state_dict()
+        for group in sd["param_groups"]:
+            group["adagrad_w_mode"] = bool(self.adagrad_w_mode)
+        return sd
+
+    def _check_saved_group(self, saved, gi):
+        mode = saved.get("adagrad_w_mode")
+        if mode is None and "maximize" in saved:
+            mode, source = False, "an L2 penalty (torch.optim.Adagrad's only rule)"
+        else:
+            source = (f"{'decoupled weight decay' if mode else 'an L2 penalty'} "
+                      f"(adagrad_w_mode={bool(mode)})")
+        if mode is not None and bool(mode) != bool(self.adagrad_w_mode) \
+                and saved.get("weight_decay", 0.0) != 0:
+            raise ValueError(
+                f"FusedAdagrad.load_state_dict: parameter group {gi} of the state dict "
+                f"applied weight_decay={saved['weight_decay']} as {source}, but this "
+                f"FusedAdagrad has adagrad_w_mode={bool(self.adagrad_w_mode)}: construct "
+                f"FusedAdagrad(..., adagrad_w_mode={bool(mode)}). Nothing was loaded.")
 
     # (the step checks every group's options, _check_group_options, before it plans or
     # launches any: nothing to check again here)

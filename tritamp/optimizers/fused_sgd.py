@@ -46,6 +46,11 @@ class FusedSGD(FusedOptimizer):
         # torch.optim.SGD's and Apex's states hold the buffer alone: it has been used
         return ("momentum_buffer",), ("step",), ("step",)
 
+    def _unneeded_keys(self, saved_group):
+        # without momentum a state holds no buffer; under stochastic rounding it still
+        # holds the step count the bits are drawn from
+        return ("momentum_buffer",) if saved_group.get("momentum", 0) == 0 else ()
+
     def __setstate__(self, state):
         super().__setstate__(state)
         for group in self.param_groups:
