@@ -176,5 +176,97 @@ def test_a_model_compiled_after_initialize_trains_like_the_eager_one(level, half
 def test_the_op_refuses_a_handle_without_a_live_optimizer():
     token = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(RuntimeError, match="no optimizer has handle 123456789"):
-        torch.ops.tritamp.optimizer_step(123456789, token)
+        torch.ops.tritamp.optimizer_step(123456789, token, [])
     assert int(token) == 0  # nothing was run
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_syncbatchnorm_compiles_from_a_cold_start_and_matches_eager(layout):
+    """Dynamo traces SyncBatchnormFunction as one subgraph whose saved tensors may not be
+    views: the first compiled training call raised InternalTorchDynamoError (a saved view
+    of the input, and the CPU path's count, a view of an intermediate)."""
+    from tritamp.parallel import SyncBatchNorm
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 6, 3), SyncBatchNorm(6), nn.ReLU())
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    x = torch.randn(2, 3, 7, 7).to(memory_format=fmt)
+    outs = []
+    for compile_it in (True, False):
+        torch._dynamo.reset()
+        model = make().to(memory_format=fmt)
+        run = torch.compile(model, fullgraph=True, backend="aot_eager") if compile_it else model
+        xi = x.clone().requires_grad_()
+        y = run(xi)
+        y.square().sum().backward()
+        outs.append([y.detach(), xi.grad] + [p.grad for p in model.parameters()]
+                    + [b.clone() for b in model[1].buffers()])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _clip_then_step_run(opt_cls, compile_it, level=None, edit=None):
+    torch.manual_seed(0)
+    model = nn.Linear(6, 5)
+    opt = opt_cls(model.parameters(), lr=0.1)
+    if level is not None:
+        model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
+                                    loss_scale="dynamic", verbosity=0)
+
+    def train_step():
+        params = amp.master_params(opt) if level is not None else model.parameters()
+        if edit is None:
+            torch.nn.utils.clip_grad_norm_(params, 1e-3)
+        else:
+            edit(model)
+        opt.step()
+    fn = torch.compile(train_step, fullgraph=True, backend="aot_eager") if compile_it \
+        else train_step
+    loss = model(torch.randn(4, 6)).square().sum()
+    if level is None:
+        loss.backward()
+    else:
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+    return model, opt, fn
+
+
+@pytest.mark.parametrize("opt_cls", [FusedSGD, FusedAdam])
+def test_gradients_clipped_in_the_compiled_region_of_the_step_are_the_ones_stepped(opt_cls):
+    """A compiled region hands its writes to .grad when it returns, after the step's op:
+    the step read the unclipped gradients (a 6.4 update instead of 1e-4)."""
+    results = []
+    for compile_it in (False, True):
+        torch._dynamo.reset()
+        model, opt, fn = _clip_then_step_run(opt_cls, compile_it)
+        fn()
+        results.append([p.detach().clone() for p in model.parameters()]
+                       + [p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _grad_to_none(model):
+    model.bias.grad = None
+
+
+@pytest.mark.parametrize("level,edit", [("O1", None), (None, _grad_to_none)],
+                         ids=["amp-O1-clip", "grad-set-to-none"])
+def test_a_compiled_step_after_changes_it_cannot_see_refuses(level, edit):
+    """Under amp the region also defers amp's own state (the unscale amp.master_params
+    did); a gradient set to None reaches .grad only after the step: refused, nothing
+    stepped, nothing written."""
+    from conftest import assert_bits_equal
+    model, opt, fn = _clip_then_step_run(FusedSGD, True, level, edit)
+    stepped = list(model.parameters()) + [p for g in opt.param_groups for p in g["params"]]
+    before = [p.detach().clone() for p in stepped]
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"changed earlier in the same compiled region.*"
+                                           r"Nothing was stepped"):
+        fn()
+    for i, (a, b) in enumerate(zip(before, [p.detach() for p in stepped])):
+        assert_bits_equal(a, b, f"tensor {i}")
+    for g, p in zip(grads, model.parameters()):
+        assert (g is None) == (p.grad is None) and (g is None or torch.equal(g, p.grad))
+    assert all(not st for st in opt.state.values())

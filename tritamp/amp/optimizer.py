@@ -695,6 +695,7 @@ def _new_add_param_group(old_add_param_group):
                                   f"the new param_groups[{index}]['params'][{j}]")
         self._amp_stash.adopt_group(param_group, self)
         old_add_param_group(param_group)
+        compiled.refresh(self)
     return add_param_group
 
 

@@ -417,6 +417,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             group[key] = value
         self._capturable_lr(group)
         self._bump()
+        compiled.refresh(self)  # (the parameters a compiled step reads the gradients of)
 
     # -- hyperparameter checks ------------------------------------------------------------
     # torch.optim's messages; a hyperparameter given as a one-element tensor is read on

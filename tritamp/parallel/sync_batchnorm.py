@@ -19,6 +19,8 @@ from tritamp.kernels.syncbn import (syncbn_backward_input_prechecked,
                                     syncbn_finalize, syncbn_forward, syncbn_stats)
 
 
+_is_compiling = torch.compiler.is_compiling
+
 class _Layout:
     """How an input maps onto the kernels' canonical views, and back.
 
@@ -129,7 +131,16 @@ class SyncBatchnormFunction(torch.autograd.Function):
         y = layout.empty(input)
         syncbn_forward(x, mean, invstd, weight, bias, zv, fuse_relu, out=layout.view(y))
         # z only for the fused ReLU's mask: without it the backward never reads z
-        ctx.save_for_backward(x, zv if fuse_relu else None, weight, bias, mean, invstd, count)
+        ctx.traced = _is_compiling()
+        if ctx.traced:
+            # Dynamo traces this Function as one subgraph, whose saved tensors may not be
+            # views (of the input or of an intermediate): the input itself, viewed again
+            # in the backward, and a copy of the count (a view on the CPU path)
+            ctx.save_for_backward(input, z if fuse_relu else None, weight, bias, mean, invstd,
+                                  None if count is None else count.clone())
+        else:
+            ctx.save_for_backward(x, zv if fuse_relu else None, weight, bias, mean, invstd,
+                                  count)
         ctx.layout = layout
         ctx.batch_stats = batch_stats
         ctx.group = process_group
@@ -143,6 +154,9 @@ class SyncBatchnormFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         x, zv, weight, bias, mean, invstd, count = ctx.saved_tensors
         layout = ctx.layout
+        if ctx.traced:
+            x = layout.view(x)
+            zv = None if zv is None else layout.view(zv)
         dy = layout.view(grad_output)
         need_x, need_z, need_w, need_b = ctx.needs_input_grad[:4]
         need_z = need_z and ctx.has_z
