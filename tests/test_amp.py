@@ -767,3 +767,38 @@ def test_disable_casts_before_initialize():
             assert not torch.is_autocast_enabled("cpu")
             assert lin(x).dtype == torch.float32
         assert torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize("fused", ["FusedSGD", "FusedAdam"])
+def test_o2_a_list_of_masters_kept_from_set_up_clips_what_the_step_uses(fused):
+    """At O2 a fused optimizer reads the scaled half gradients itself and the masters get
+    no gradient unless amp.master_params runs after the backward: a list of them taken at
+    set-up clipped nothing (norm 0) and the step used the unclipped gradients. Read
+    before the first backward, master_params makes the exits unscale into the masters'
+    gradients (Apex's behaviour)."""
+    import tritamp.optimizers as O
+    x = torch.randn(8, 4)
+
+    def train(kept):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        model, opt = amp.initialize(model, getattr(O, fused)(model.parameters(), lr=0.5),
+                                    opt_level="O2", half_dtype=torch.bfloat16,
+                                    loss_scale=128.0, verbosity=0)
+        masters = list(amp.master_params(opt)) if kept else None
+        norms = []
+        for _ in range(3):
+            opt.zero_grad()
+            with amp.scale_loss(model(x).float().pow(2).sum(), opt) as scaled:
+                scaled.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(
+                masters if kept else amp.master_params(opt), 0.01))
+            opt.step()
+        return torch.stack(norms), [p.detach().clone() for p in opt.param_groups[0]["params"]]
+
+    fresh_norms, fresh = train(kept=False)
+    kept_norms, kept = train(kept=True)
+    assert (fresh_norms > 0.01).all()
+    assert torch.equal(kept_norms, fresh_norms)
+    for a, b in zip(kept, fresh):
+        assert torch.equal(a, b)

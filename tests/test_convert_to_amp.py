@@ -84,6 +84,37 @@ def test_torch_mode_matches_autocast_and_grad_scaler_step_for_step():
     assert ref_scales == [2.**10, 2.**8, 2.**8, 2.**10, 2.**10]  # the config was honoured
 
 
+def test_torch_mode_takes_a_lower_floor_and_follows_grad_scaler_below_one():
+    """GradScaler's scale has no floor; torch mode's is 1.0 unless min_loss_scale says
+    otherwise, which torch mode refused as an unknown key."""
+    cfg = dict(init_scale=2.0, backoff_factor=0.25, growth_interval=100)
+    blowups = [float("inf"), float("inf"), 1.0]
+    batches = _batches(len(blowups))
+    ref = _net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", **cfg)
+    ref_scales = []
+    for (x, y), blowup in zip(batches, blowups):
+        ref_opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.mse_loss(ref(x), y) * blowup
+        scaler.scale(loss).backward()
+        scaler.step(ref_opt)
+        scaler.update()
+        ref_scales.append(scaler.get_scale())
+    model = _net()
+    model, opt, crit = convert_to_amp(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      nn.MSELoss(), mode="torch", half_dtype=torch.bfloat16,
+                                      min_loss_scale=2.**-24, **cfg)
+    scales = []
+    for (x, y), blowup in zip(batches, blowups):
+        _train(model, opt, crit, [(x, y)], [blowup])
+        scales.append(opt.loss_scale)
+    assert scales == ref_scales == [0.5, 0.125, 0.125]
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_torch_mode_disabled_changes_nothing():
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -34,7 +34,7 @@ _APEX_KEYS = ("enabled", "opt_level", "cast_model_type", "patch_torch_functions"
               "keep_batchnorm_fp32", "master_weights", "loss_scale", "cast_model_outputs",
               "num_losses", "verbosity", "min_loss_scale", "max_loss_scale", "half_dtype"
               ) + _SCALER_KEYS
-_TORCH_KEYS = ("enabled", "verbosity", "half_dtype") + _SCALER_KEYS
+_TORCH_KEYS = ("enabled", "verbosity", "half_dtype", "min_loss_scale") + _SCALER_KEYS
 _NAIVE_KEYS = ("initial_scale", "min_scale", "max_scale", "dynamic_grad_scale", "verbose",
                "clip_grad_norm", "keep_batchnorm_fp32", "half_dtype") + _SCALER_KEYS
 

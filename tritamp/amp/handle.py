@@ -147,9 +147,14 @@ def master_params(optimizer):
     """Yield the parameters ``optimizer`` updates: the fp32 masters where it has them.
 
     Use it for gradient clipping after ``scale_loss`` exits. Gradients that were left
-    scaled for a fused step are unscaled first, so what you clip is unscaled."""
+    scaled for a fused step are unscaled first, so what you clip is unscaled. Read before
+    the first backward (a list of the masters kept from set-up), it makes every
+    ``scale_loss`` exit unscale into the masters' gradients, as Apex's did, so that the
+    kept list clips what the step uses."""
     stash = getattr(optimizer, "_amp_stash", None)
     if stash is not None:
+        if not stash.backward_seen and stash.masters:
+            stash.master_grads_wanted = True
         stash.unscale_pending()
     for group in optimizer.param_groups:
         yield from group["params"]

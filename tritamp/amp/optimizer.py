@@ -77,6 +77,11 @@ class AmpStash:
         # zeroed half model gradients the backward does not reach reach the masters as
         # zeros (fp16_utils' FP16_Optimizer), not None (amp's O2)
         self.masters_take_zeroed = False
+        # amp.master_params was read before the first backward (a list of the masters kept
+        # from set-up, say): every exit then unscales into the masters' fp32 gradients, as
+        # Apex's did, so that clipping such a list clips what the step uses
+        self.master_grads_wanted = False
+        self.backward_seen = False
         self._sweeps = {}          # cached check/unscale sweeps, by purpose
         self.param_names = {}      # id(parameter) -> name, for the overflow warning
         self._count_key = None     # the layout key of the gradients this exit checked
@@ -264,8 +269,10 @@ class AmpStash:
         scale's update at this exit copies it into USED_SCALE before moving SCALE."""
         carried = scaler.used_scale if scaler.dynamic else scaler.scale
         check = scaler.found_inf if scaler.dynamic else None  # a static scale is not checked
+        self.backward_seen = True
         if (not self.pending
-                and (not self.masters or (self.supports_amp_scaling and self.writes_model_copies))
+                and (not self.masters or (self.supports_amp_scaling and self.writes_model_copies
+                                          and not self.master_grads_wanted))
                 and not any(map(_is_not_none, self.plain_stash))
                 and not any(map(_is_not_none, map(_grad_of, self.masters)))):
             # The steady state: every gradient is this backward's own. Without masters they
@@ -334,7 +341,8 @@ class AmpStash:
         # backward's, so one grad_scale describes every one of them; with masters only
         # if the optimizer reads the half gradients and writes the half copies itself.
         lazy = (self.supports_amp_scaling and not acc and not self.pending
-                and bool(self.masters) and self.writes_model_copies)
+                and bool(self.masters) and self.writes_model_copies
+                and not self.master_grads_wanted)
         found, scale = check, scaler.scale
         if lazy:
             self._check_unscale("check_some", srcs + plain_fresh, None, found, write=False)
