@@ -13,7 +13,7 @@ from .model import (check_models, check_params_fp32, convert_network, patch_forw
 from .optimizer import check_param_dtype, process_optimizer
 from .overflow import param_names
 from .state import _amp_state, maybe_print
-from .properties import (HALF_DTYPES, Properties, check_dtype_arg, check_half_dtype,
+from .properties import (Properties, check_dtype_arg, check_half_dtype,
                          check_opt_level, opt_levels)
 from .scaler import LossScaler
 
