@@ -110,7 +110,9 @@ def test_amp_check_is_rebound_and_still_catches_an_overflow(cpu_path, level, swe
     x = torch.randn(5, 8)
     for factor in (1.0, 1.0, float("inf"), 1.0):
         opt.zero_grad(set_to_none=True)
-        before = [m.detach().clone() for m in amp.master_params(opt)]
+        # (the groups, not amp.master_params: read before the first backward, that makes
+        # every exit unscale into the masters' gradients, and no check sweep is kept)
+        before = [m.detach().clone() for g in opt.param_groups for m in g["params"]]
         with amp.scale_loss(model(x).float().square().mean() * factor, opt) as scaled:
             scaled.backward()
         grad = weakref.ref(model[0].weight.grad)
