@@ -734,6 +734,99 @@ def test_decorators_inside_and_outside_autocast(half):
         widest(x.to(half), x)
 
 
+_Scaled = collections.namedtuple("_Scaled", "x scale")
+_Pair = collections.namedtuple("_Pair", "a b")
+
+
+def test_decorated_functions_take_named_tuples_and_mixed_containers():
+    """A list or tuple is cast only when everything in it is a floating tensor (Apex's
+    rule), named tuples rebuilt as such; anything else passes untouched. A named tuple or
+    a PackedSequence (int64 batch sizes) raised inside the cast."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    @amp.half_function
+    def seen(*args):
+        return args
+
+    x = torch.randn(3, 2, 4)
+    packed = pack_padded_sequence(x, [3, 2])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed, pair, ps = seen(_Scaled(x, 2), _Pair(x, x), packed)
+    assert type(mixed) is _Scaled and mixed.x is x and mixed.scale == 2  # untouched
+    assert type(pair) is _Pair and pair.a.dtype == pair.b.dtype == torch.bfloat16
+    assert ps is packed
+
+
+def test_registered_functions_leave_meta_tensors_alone():
+    """Autocast has no state for the meta device: asking raised, for every call of a
+    registered function on meta tensors (deferred initialisation), even outside O1."""
+    ns = types.SimpleNamespace(double=lambda t: t * 2)
+    amp.register_half_function(ns, "double")
+    t = torch.empty(2, 3, device="meta")
+    assert ns.double(t).device.type == "meta" and ns.double(t).dtype == torch.float32
+
+
+def test_a_half_function_body_keeps_autocasts_lists():
+    """Apex's half_function cast the arguments and left the body to O1's lists: an op
+    autocast runs in fp32 (mse_loss on the CPU) and a float_function called inside stay
+    fp32; the body ran with autocast off, all in the half dtype."""
+    @amp.float_function
+    def inner(t):
+        return t.dtype
+
+    @amp.half_function
+    def body(a, b):
+        return a.dtype, torch.nn.functional.mse_loss(a, b).dtype, inner(a), (a @ b).dtype
+
+    x = torch.randn(3, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert body(x, x) == (torch.bfloat16, torch.float32, torch.float32, torch.bfloat16)
+
+
+class _ReportsCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: autocast's per-device decision without a GPU."""
+
+    @property
+    def device(self):
+        return torch.device("cuda")
+
+
+def test_the_casting_device_is_the_floating_arguments_not_the_first_tensors():
+    """A CPU lengths / index tensor given first decided, and switched the cast off for
+    the CUDA activations after it (Apex cast every floating CUDA argument)."""
+    @amp.half_function
+    def dtype_of_x(lengths, x):
+        return x.dtype
+
+    x = torch.randn(2, 2).as_subclass(_ReportsCuda)
+    torch.set_autocast_enabled("cuda", True)
+    try:
+        assert dtype_of_x(torch.tensor([2, 1]), x) == torch.get_autocast_dtype("cuda")
+    finally:
+        torch.set_autocast_enabled("cuda", False)
+
+
+def test_o1_forward_takes_its_autocast_device_from_a_floating_input():
+    """model(cpu_lengths, cuda_x) entered autocast("cpu") and ran the CUDA forward in
+    fp32. Here (no GPU) the region's device shows in torch's warning that CUDA autocast
+    is unavailable, which only a "cuda" region gives."""
+    class M(nn.Module):
+        def forward(self, lengths, x):
+            return x
+
+    model = amp.initialize(M(), opt_level="O1", half_dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(2, 2).as_subclass(_ReportsCuda)
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        model(torch.tensor([2, 1]), x)
+
+
+def test_top_level_exports_match_amp():
+    import tritamp
+    assert set(amp.__all__) <= set(tritamp.__all__)
+    for name in amp.__all__:
+        assert getattr(tritamp, name) is getattr(amp, name)
+
+
 @pytest.mark.parametrize("level", ["O0", "O2", "O3"])
 def test_disable_casts_at_other_levels(level):
     class M(nn.Module):

@@ -88,3 +88,23 @@ def test_dcgan_network_depth_follows_the_image_size(size):
 def test_dcgan_refuses_image_sizes_it_cannot_build(size):
     with pytest.raises(SystemExit, match="power of two"):
         dcgan.Generator(nz=8, ngf=4, nc=3, image_size=size)
+
+
+def test_dcgan_trains_on_an_image_folder_with_apexs_flags(tmp_path, capsys):
+    """Apex's --dataset / --dataroot: an ImageFolder (folder, imagenet, lfw) read through
+    torchvision, resized and centre-cropped to --imageSize."""
+    pytest.importorskip("torchvision")
+    from PIL import Image
+    gen = torch.Generator().manual_seed(0)
+    (tmp_path / "data" / "cls").mkdir(parents=True)
+    for i in range(4):
+        pixels = (torch.rand(20, 24, 3, generator=gen) * 255).to(torch.uint8).numpy()
+        Image.fromarray(pixels).save(tmp_path / "data" / "cls" / f"{i}.png")
+    i = TINY_GAN.index("--dataset-size")
+    args = TINY_GAN[:i] + TINY_GAN[i + 2:]  # (the folder's four images make the epoch)
+    history = dcgan.main(args + ["--dataset", "folder", "--dataroot", str(tmp_path / "data"),
+                                 "--classes", "bedroom", "--opt_level", "O1",
+                                 "--half-dtype", "bf16", "--outf", str(tmp_path / "out"),
+                                 "--no-images"])
+    assert [(r["epoch"], r["iter"]) for r in history] == [(0, 0), (0, 1)]
+    assert all(math.isfinite(v) for row in history for v in row.values())

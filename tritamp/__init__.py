@@ -19,9 +19,10 @@ if _importlib_util.find_spec(__name__ + ".kernels") is None:
 del _importlib_util, _os
 
 from . import amp, fp16_utils, normalization, optimizers, parallel
-from .amp import (disable_casts, float_function, half_function, initialize, load_state_dict,
-                  master_params, promote_function, register_float_function,
-                  register_half_function, register_promote_function, scale_loss, state_dict)
+from .amp import (LossScaler, disable_casts, float_function, half_function, initialize,
+                  last_step_skipped, load_state_dict, master_params, nonfinite_gradients,
+                  promote_function, register_float_function, register_half_function,
+                  register_promote_function, scale_loss, state_dict)
 from .convert import convert_to_amp
 
 __version__ = "0.1.0"
@@ -30,5 +31,5 @@ __all__ = [
     "amp", "optimizers", "normalization", "parallel", "fp16_utils", "initialize", "scale_loss", "state_dict", "load_state_dict", "master_params",
     "disable_casts", "register_half_function", "register_float_function",
     "register_promote_function", "half_function", "float_function", "promote_function",
-    "convert_to_amp", "__version__",
+    "LossScaler", "last_step_skipped", "nonfinite_gradients", "convert_to_amp", "__version__",
 ]

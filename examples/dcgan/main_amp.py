@@ -1,9 +1,10 @@
 """Mixed-precision DCGAN training with tritamp's amp: two models, two optimizers, three
 losses, one loss scaler per loss (``num_losses=3``, ``loss_id`` 0, 1, 2).
 
-Apex's ``examples/dcgan/main_amp.py`` with its import changed, on generated data (no
-download), and a network whose depth follows ``--imageSize`` (any power of two >= 8;
-at 64 it is Apex's network layer for layer). Runs on CPU or GPU:
+Apex's ``examples/dcgan/main_amp.py`` with its import changed, on generated data by
+default (no download; Apex's data sets with ``--dataset`` and ``--dataroot``), and a
+network whose depth follows ``--imageSize`` (any power of two >= 8; at 64 it is Apex's
+network layer for layer). Runs on CPU or GPU:
 
     python examples/dcgan/main_amp.py --opt_level O1
     python examples/dcgan/main_amp.py --opt_level O2 --half-dtype bf16 --imageSize 32 --niter 1
@@ -21,8 +22,14 @@ from tritamp import amp  # was: from apex import amp
 
 def build_parser():
     p = argparse.ArgumentParser(description="tritamp DCGAN (generated data)")
-    p.add_argument("--dataset", default="fake", choices=["fake"],
-                   help="fake: random images generated in memory (this example downloads nothing)")
+    p.add_argument("--dataset", default="fake", choices=list(DATASETS),
+                   help="cifar10 | lsun | mnist | imagenet | folder | lfw (Apex's, through "
+                        "torchvision, from --dataroot; cifar10 and mnist download there) | "
+                        "fake: random images generated in memory (the default: downloads "
+                        "nothing)")
+    p.add_argument("--dataroot", default="./", help="path to dataset")
+    p.add_argument("--classes", default="bedroom",
+                   help="comma separated list of classes for the lsun data set")
     p.add_argument("--dataset-size", type=int, default=1000,
                    help="number of generated images per epoch (torchvision FakeData's default)")
     p.add_argument("--workers", type=int, default=0, help="number of data loading workers")
@@ -101,6 +108,33 @@ class Discriminator(nn.Module):
         return self.main(input).view(-1, 1).squeeze(1)
 
 
+DATASETS = ("fake", "cifar10", "lsun", "mnist", "imagenet", "folder", "lfw")
+
+
+def torchvision_dataset(name, root, image_size, classes):
+    """Apex's data sets (its script's choices), through torchvision: ``(dataset, nc)``.
+    Images are resized, centre-cropped and normalised to [-1, 1], as in Apex."""
+    try:
+        import torchvision.datasets as dset
+        import torchvision.transforms as transforms
+    except ImportError:
+        raise SystemExit(f"--dataset {name} needs torchvision (pip install torchvision, or "
+                         "pip install -e '.[examples]'); --dataset fake needs nothing")
+    if name == "mnist":
+        return dset.MNIST(root=root, download=True, transform=transforms.Compose([
+            transforms.Resize(image_size), transforms.ToTensor(),
+            transforms.Normalize((0.5,), (0.5,))])), 1
+    transform = transforms.Compose([
+        transforms.Resize(image_size), transforms.CenterCrop(image_size),
+        transforms.ToTensor(), transforms.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))])
+    if name in ("imagenet", "folder", "lfw"):
+        return dset.ImageFolder(root=root, transform=transform), 3
+    if name == "lsun":
+        return dset.LSUN(root=root, classes=[c + "_train" for c in classes.split(",")],
+                         transform=transform), 3
+    return dset.CIFAR10(root=root, download=True, transform=transform), 3
+
+
 def fake_dataset(size, image_size, nc, seed):
     """Random images in [-1, 1] (the range of the generator's tanh) with dummy labels."""
     g = torch.Generator().manual_seed(seed)
@@ -134,8 +168,12 @@ def main(argv=None):
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     half_dtype = torch.float16 if opt.half_dtype == "fp16" else torch.bfloat16
-    nc = 3
-    dataset = fake_dataset(opt.dataset_size, opt.imageSize, nc, opt.manualSeed)
+    if opt.dataset == "fake":
+        nc = 3
+        dataset = fake_dataset(opt.dataset_size, opt.imageSize, nc, opt.manualSeed)
+    else:
+        dataset, nc = torchvision_dataset(opt.dataset, opt.dataroot, opt.imageSize,
+                                          opt.classes)
     dataloader = torch.utils.data.DataLoader(dataset, batch_size=opt.batchSize, shuffle=True,
                                              num_workers=opt.workers)
     save_image = _image_writer(opt.no_images)

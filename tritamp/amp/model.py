@@ -162,12 +162,19 @@ def _mapping_applied(value, items):
 
 
 def _device_type(args, kwargs, model):
+    """The device O1's autocast region is for: the first floating input's (an index,
+    mask or lengths tensor on the CPU, given first, does not decide), else the model's
+    parameters', else the first input's."""
+    first = None
     for v in list(args) + list(kwargs.values()):
         if isinstance(v, torch.Tensor):
-            return v.device.type
+            if v.is_floating_point():
+                return v.device.type
+            if first is None:
+                first = v.device.type
     for p in model.parameters():
         return p.device.type
-    return "cpu"
+    return first or "cpu"
 
 
 def patch_forward(model, input_dtype=None, output_dtype=None, autocast_dtype=None,
