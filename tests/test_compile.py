@@ -270,3 +270,27 @@ def test_a_compiled_step_after_changes_it_cannot_see_refuses(level, edit):
     for g, p in zip(grads, model.parameters()):
         assert (g is None) == (p.grad is None) and (g is None or torch.equal(g, p.grad))
     assert all(not st for st in opt.state.values())
+
+
+def test_a_group_added_after_compiling_is_stepped_and_an_edited_list_is_refused_once():
+    """The compiled step reads the gradients of the parameters it was compiled for:
+    add_param_group makes it compile anew; a list edited in place is refused once
+    (nothing stepped), then compiled anew."""
+    torch.manual_seed(0)
+    a, b, c = (nn.Parameter(torch.randn(4)) for _ in range(3))
+    opt = FusedSGD([a], lr=0.1)
+    step = torch.compile(opt.step, fullgraph=True, backend="eager")
+    for p in (a, b, c):
+        p.grad = torch.ones(4)
+    step()
+    opt.add_param_group({"params": [b]})
+    before = b.detach().clone()
+    step()
+    assert torch.equal(b.detach(), before - 0.1)
+    opt.param_groups[1]["params"].append(c)  # edited in place: no add_param_group
+    kept = [p.detach().clone() for p in (a, b, c)]
+    with pytest.raises(RuntimeError, match="parameters changed after its step was compiled"):
+        step()
+    assert all(torch.equal(p.detach(), k) for p, k in zip((a, b, c), kept))
+    step()
+    assert all(torch.equal(p.detach(), k - 0.1) for p, k in zip((a, b, c), kept))
