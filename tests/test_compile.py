@@ -251,8 +251,14 @@ def _grad_to_none(model):
     model.bias.grad = None
 
 
-@pytest.mark.parametrize("level,edit", [("O1", None), (None, _grad_to_none)],
-                         ids=["amp-O1-clip", "grad-set-to-none"])
+def _scale_then_none(model):
+    model.weight.grad.mul_(0.5)  # (a gradient the op could take, then one it cannot)
+    model.bias.grad = None
+
+
+@pytest.mark.parametrize("level,edit", [("O1", None), (None, _grad_to_none),
+                                        (None, _scale_then_none)],
+                         ids=["amp-O1-clip", "grad-set-to-none", "scaled-then-none"])
 def test_a_compiled_step_after_changes_it_cannot_see_refuses(level, edit):
     """Under amp the region also defers amp's own state (the unscale amp.master_params
     did); a gradient set to None reaches .grad only after the step: refused, nothing

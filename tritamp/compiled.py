@@ -98,6 +98,7 @@ def _check_grads(optimizer, grads):
     if all(map(operator.is_, map(_grad_of, holders), grads)):
         return  # (the usual call: the compiled code hands .grad's own tensors)
     amp_driven = getattr(optimizer, "_amp_stash", None) is not None
+    copies = []  # (made after every gradient was checked: a refusal writes nothing)
     for i, (p, g) in enumerate(zip(holders, grads)):
         now = p.grad
         if g is None and now is None:
@@ -109,7 +110,7 @@ def _check_grads(optimizer, grads):
             if not amp_driven:
                 # the region wrote this gradient into a buffer of its own, handed to .grad
                 # when it returns: step on the region's values (a copy on the device)
-                now.copy_(g)
+                copies.append((now, g))
                 continue
         raise RuntimeError(
             f"tritamp::optimizer_step: the gradient of parameter {i} was changed earlier in "
@@ -119,6 +120,8 @@ def _check_grads(optimizer, grads):
             "stepped, and the region's writes were not made. Change the gradients in eager "
             "code or in a compiled region of their own, and compile the step by itself: "
             "torch.compile(optimizer.step).")
+    for now, g in copies:
+        now.copy_(g)
 
 
 def register(optimizer):
