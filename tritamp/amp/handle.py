@@ -5,7 +5,7 @@ import threading
 
 import torch
 
-from .state import _amp_state
+from .state import _amp_state, logger
 
 
 def _as_list(optimizers):
@@ -153,8 +153,15 @@ def master_params(optimizer):
     kept list clips what the step uses."""
     stash = getattr(optimizer, "_amp_stash", None)
     if stash is not None:
-        if not stash.backward_seen and stash.masters:
+        if not stash.backward_seen and stash.masters and not stash.master_grads_wanted:
             stash.master_grads_wanted = True
+            if stash.writes_model_copies:
+                logger.info(
+                    "amp: master_params read before the first backward: scale_loss will "
+                    "unscale into the masters' fp32 gradients (as Apex did), so that a list "
+                    "of them kept from here clips what the step uses. Iterate "
+                    "amp.master_params(optimizer) after scale_loss instead to keep the fused "
+                    "step reading the half gradients in one pass.")
         stash.unscale_pending()
     for group in optimizer.param_groups:
         yield from group["params"]
