@@ -81,6 +81,14 @@ def test_a_gradient_laid_out_unlike_its_parameter_is_refused(reports):
         assert r["unchanged"] and r["no_state"], r
 
 
+@pytest.mark.parametrize("name", ["adam", "adagrad", "sgd"])
+def test_a_partial_parameter_is_refused_before_anything_changes(reports, name):
+    for r in _both(reports, f"refused/partial/{name}"):
+        assert "parameter 0 is a DTensor with placements (Partial(sum),): a Partial " \
+               "placement holds partial sums, not a shard" in (r["message"] or ""), r
+        assert r["unchanged"] and r["no_state"], r
+
+
 def test_state_with_other_placements_loads_sharded_as_the_parameters(reports):
     for r in _both(reports, "load/other_placements"):
         assert r["placements"] == ["(Shard(dim=0),)"] and r["rel"] == 0.0, r

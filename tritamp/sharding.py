@@ -83,13 +83,16 @@ def shard_index(t):
 
 
 def check_shards(params, group_index, op):
-    """Refuse (``ValueError``) a DTensor parameter whose gradient is not laid out as the
-    parameter (a plain tensor, another mesh, other placements such as a Partial one that
-    holds partial sums): the step updates each local shard from the local gradient."""
+    """Refuse (``ValueError``) a DTensor parameter with a Partial placement (its local
+    values are partial sums, not a shard), or whose gradient is not laid out as the
+    parameter (a plain tensor, another mesh, other placements): the step updates each
+    local shard from the local gradient."""
     for i, p in enumerate(params):
         g = p.grad
         if g is None or not is_dtensor(p):
             continue
+        # a Partial parameter: each rank would step its partial sum as if it were a shard
+        _shard_dims(p, f"{op}: param_groups[{group_index}] parameter {i}")
         if not is_dtensor(g) or g.device_mesh != p.device_mesh \
                 or tuple(g.placements) != tuple(p.placements):
             got = (f"placements {tuple(g.placements)}" if is_dtensor(g)

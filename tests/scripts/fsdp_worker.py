@@ -192,6 +192,24 @@ def refused_gradient(rank):
     return _step_refused(model, opt)
 
 
+def refused_partial(name, rank):
+    """A parameter with a Partial placement (partial sums, not a shard): refused before
+    anything changes (the element-wise optimizers stepped each rank's partial sum)."""
+    from torch.distributed.tensor import DTensor, Partial
+    mesh = make().fc1.weight.device_mesh
+    p = nn.Parameter(DTensor.from_local(torch.full((4,), 1.0 + rank), mesh, [Partial()]))
+    p.grad = DTensor.from_local(torch.full((4,), 0.5 * (rank + 1)), mesh, [Partial()])
+    opt = {"adam": FusedAdam, "adagrad": FusedAdagrad, "sgd": FusedSGD}[name]([p], lr=0.1)
+    before = p.to_local().clone()
+    try:
+        opt.step()
+        message = None
+    except ValueError as e:
+        message = str(e)
+    return dict(message=message, unchanged=bool(torch.equal(before, p.to_local())),
+                no_state=len(opt.state) == 0)
+
+
 # -- torch.distributed.checkpoint: save, resume, bitwise -----------------------------------------
 def _save_continue_reload(build, rank, path):
     """Train 3 steps, save with torch.distributed.checkpoint, train 3 more (the straight
@@ -395,6 +413,8 @@ def cases(rank, out):
     yield "clip", lambda: clip(rank)
     yield "refused", lambda: refused(rank)
     yield "refused/gradient", lambda: refused_gradient(rank)
+    for name in ("adam", "adagrad", "sgd"):
+        yield f"refused/partial/{name}", lambda name=name: refused_partial(name, rank)
     yield "load/other_placements", lambda: load_other_placements(rank)
     for name in ("adam", "sgd", "lamb", "novograd"):
         yield f"resume/{name}", lambda name=name: resume(name, rank, out)
