@@ -48,6 +48,25 @@ def test_convert_to_amp_is_exported():
     assert tritamp.convert_to_amp is convert_to_amp
 
 
+def _grad_scaler_run(cfg, batches, blowups, momentum=0.0):
+    """The reference: torch.autocast (bf16) and torch.amp.GradScaler(**cfg) over SGD.
+    Returns the model, the scale and the weights after each step."""
+    ref = _net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=momentum)
+    scaler = torch.amp.GradScaler("cpu", **cfg)
+    scales, weights = [], []
+    for (x, y), blowup in zip(batches, blowups):
+        ref_opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.mse_loss(ref(x), y) * blowup
+        scaler.scale(loss).backward()
+        scaler.step(ref_opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        weights.append([p.detach().clone() for p in ref.parameters()])
+    return ref, scales, weights
+
+
 def test_torch_mode_matches_autocast_and_grad_scaler_step_for_step():
     """ColossalAI's TorchAMP: forward and loss under autocast, torch.amp.GradScaler with
     the config's settings. tritamp's O1 and device-side scaler give the same weights and
@@ -56,19 +75,7 @@ def test_torch_mode_matches_autocast_and_grad_scaler_step_for_step():
     blowups = [1.0, float("inf"), 1.0, 1.0, 1.0]
     batches = _batches(len(blowups))
 
-    ref = _net()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    scaler = torch.amp.GradScaler("cpu", **cfg)
-    ref_scales, ref_weights = [], []
-    for (x, y), blowup in zip(batches, blowups):
-        ref_opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = nn.functional.mse_loss(ref(x), y) * blowup
-        scaler.scale(loss).backward()
-        scaler.step(ref_opt)
-        scaler.update()
-        ref_scales.append(scaler.get_scale())
-        ref_weights.append([p.detach().clone() for p in ref.parameters()])
+    ref, ref_scales, ref_weights = _grad_scaler_run(cfg, batches, blowups, momentum=0.9)
 
     model = _net()
     model, opt, crit = convert_to_amp(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
@@ -90,18 +97,7 @@ def test_torch_mode_takes_a_lower_floor_and_follows_grad_scaler_below_one():
     cfg = dict(init_scale=2.0, backoff_factor=0.25, growth_interval=100)
     blowups = [float("inf"), float("inf"), 1.0]
     batches = _batches(len(blowups))
-    ref = _net()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", **cfg)
-    ref_scales = []
-    for (x, y), blowup in zip(batches, blowups):
-        ref_opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = nn.functional.mse_loss(ref(x), y) * blowup
-        scaler.scale(loss).backward()
-        scaler.step(ref_opt)
-        scaler.update()
-        ref_scales.append(scaler.get_scale())
+    ref, ref_scales, _ = _grad_scaler_run(cfg, batches, blowups)
     model = _net()
     model, opt, crit = convert_to_amp(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                       nn.MSELoss(), mode="torch", half_dtype=torch.bfloat16,
