@@ -276,6 +276,7 @@ def test_a_compiled_step_after_changes_it_cannot_see_refuses(level, edit):
     for g, p in zip(grads, model.parameters()):
         assert (g is None) == (p.grad is None) and (g is None or torch.equal(g, p.grad))
     assert all(not st for st in opt.state.values())
+    assert torch.is_grad_enabled()
 
 
 def test_a_group_added_after_compiling_is_stepped_and_an_edited_list_is_refused_once():
@@ -300,3 +301,23 @@ def test_a_group_added_after_compiling_is_stepped_and_an_edited_list_is_refused_
     assert all(torch.equal(p.detach(), k) for p, k in zip((a, b, c), kept))
     step()
     assert all(torch.equal(p.detach(), k - 0.1) for p, k in zip((a, b, c), kept))
+
+
+@pytest.mark.parametrize("opt_cls", [FusedSGD, FusedLAMB])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_refused_compiled_step_leaves_autograd_on(opt_cls, backend):
+    """The step's graph turned autograd off around the op (the step's no_grad): a
+    refusal raised between the two changes left it off for the caller (every later
+    backward failed)."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = opt_cls(model.parameters(), lr=0.1)
+
+    def train_step():
+        model.bias.grad = None
+        opt.step()
+    fn = torch.compile(train_step, fullgraph=True, backend=backend)
+    model(torch.randn(2, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match="changed earlier in the same compiled region"):
+        fn()
+    assert torch.is_grad_enabled()

@@ -1173,8 +1173,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         ``torch.compile`` the step is one custom op whose implementation is this eager
         step (:mod:`tritamp.compiled`)."""
         if torch.compiler.is_compiling():
-            with torch.no_grad():
-                return compiled.step(self, closure)
+            # (no grad-mode change in the graph: the op's eager step turns autograd off
+            # itself, and a graph that raised between two grad-mode changes would leave
+            # autograd off for the caller)
+            return compiled.step(self, closure)
         # torch's LR schedulers check that optimizer.step() ran (they leave this step
         # unwrapped: see _wrapped_by_lr_sched below)
         self._opt_called = True

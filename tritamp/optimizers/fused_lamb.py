@@ -322,20 +322,22 @@ class FusedMixedPrecisionLamb(FusedLAMB):
                 device=target.device, dtype=torch.float32, copy=True))
         return super()._state_for(p, target, group)
 
-    @torch.no_grad()
     def step(self, closure=None):
         if torch.compiler.is_compiling():  # one custom op runs this eager step
+            # (outside no_grad: a graph that raised between two grad-mode changes would
+            # leave autograd off for the caller; the op's eager step turns it off itself)
             return compiled.step(self, closure)
         # FusedOptimizer's step itself: FusedLAMB.step may be the class's hooked step
         # (torch's step hooks), which this step, hooked in turn, must not run twice
         loss = FusedOptimizer.step(self, closure)
         # Apex's group counts: +1 per step taken, +0 on a skipped one, on the device.
-        steps = [group["step"] for group in self.param_groups]
-        found_inf = self.step_handoff.skipped
-        if found_inf is None:
-            torch._foreach_add_(steps, 1)
-        else:
-            torch._foreach_add_(steps, found_inf.reshape(()).eq(0).to(torch.int32))
+        with torch.no_grad():
+            steps = [group["step"] for group in self.param_groups]
+            found_inf = self.step_handoff.skipped
+            if found_inf is None:
+                torch._foreach_add_(steps, 1)
+            else:
+                torch._foreach_add_(steps, found_inf.reshape(()).eq(0).to(torch.int32))
         return loss
 
     step._wrapped_by_lr_sched = True  # (see FusedOptimizer.step)
