@@ -40,6 +40,16 @@ def _fresh_amp_state():
     reset_amp()
 
 
+@pytest.fixture(autouse=True)
+def _autograd_left_on():
+    """A test that leaves autograd off (a compiled region that raised between its
+    grad-mode changes, say) fails itself, instead of every later backward."""
+    yield
+    if not torch.is_grad_enabled():
+        torch.set_grad_enabled(True)
+        pytest.fail("the test left autograd off (torch.is_grad_enabled() is False)")
+
+
 # One tolerance table keyed by dtype (STYLE.md).
 TOL = {
     torch.float32: dict(rtol=1.3e-6, atol=1e-5),
