@@ -1014,7 +1014,7 @@ def syncbn_stats_ref(x):
 def _merge_ref(rows, shift):
     c = rows.shape[1] // 2
     cnt = rows[:, 2 * c:]
-    n = cnt.sum()
+    n = cnt.sum(0)  # ([1]: a tensor of its own, not a view, as the count is returned)
     rel = rows[0, :c] if shift is None else torch.zeros_like(rows[0, :c])
     means = rows[:, :c] - rel
     mean = (cnt * means).sum(0) / n.clamp(min=1)
@@ -1025,7 +1025,7 @@ def _merge_ref(rows, shift):
 @torch.no_grad()
 def syncbn_combine_ref(rows, shift=None):
     n, mean, m2 = _merge_ref(rows, shift)
-    return torch.cat([mean, m2, n.view(1)])
+    return torch.cat([mean, m2, n])
 
 
 @torch.no_grad()
@@ -1042,7 +1042,7 @@ def syncbn_finalize_ref(rows, eps, running_mean=None, running_var=None, momentum
                                        running_mean.float()))
         running_var.copy_(torch.where(seen, f * var_u + (1 - f) * running_var.float(),
                                       running_var.float()))
-    return mean, invstd, n.view(1)
+    return mean, invstd, n
 
 
 def _affine_ref(x, mean, invstd, weight, bias, z):

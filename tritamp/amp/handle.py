@@ -139,7 +139,7 @@ def disable_casts():
 def _autocast_on(device_type):
     try:
         return torch.is_autocast_enabled(device_type)
-    except RuntimeError:
+    except RuntimeError:  # a device type autocast does not know (meta, ...)
         return False
 
 

@@ -10,6 +10,8 @@ import functools
 
 import torch
 
+from .handle import _autocast_on
+
 
 def _is_float_arg(value):
     """A floating tensor, or a list / tuple (named tuples too) of nothing else: what
@@ -41,13 +43,6 @@ def _cast(value, dtype):
             return type(value)(*items)
         return type(value)(items)
     return value
-
-
-def _autocast_on(device_type):
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except RuntimeError:  # a device type autocast does not know (meta, ...)
-        return False
 
 
 def _active_device(floats):

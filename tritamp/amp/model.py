@@ -10,6 +10,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .handle import casts_disabled
+from .properties import HALF_DTYPES
 from .state import warn_or_err
 
 MASTER_ATTR = "_tritamp_master"  # a half model parameter -> its fp32 master
@@ -109,14 +110,11 @@ def to_type(dtype, t):
     return t.to(dtype)
 
 
-_HALF = (torch.float16, torch.bfloat16)
-
-
 def widen_type(dtype, t):
     """:func:`to_type` for O1's outputs: a half tensor (what autocast made) to ``dtype``,
     other tensors as they are (a float64 output stays float64, as Apex's O1 left it)."""
     if isinstance(t, torch.Tensor):
-        return t.to(dtype) if t.dtype in _HALF else t
+        return t.to(dtype) if t.dtype in HALF_DTYPES else t
     return t.to(dtype)
 
 

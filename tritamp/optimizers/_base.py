@@ -737,6 +737,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._check_group_options(saved, where)
             self._check_saved_group(saved, gi)
             fill = self._saved_group_state(gi, first, group, saved, saved_state)
+            unneeded = self._unneeded_keys(saved)
             for pos, (key, p) in enumerate(zip(saved["params"], group["params"])):
                 index = first + pos
                 st = saved_state.get(key)
@@ -756,7 +757,6 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if present:
                     for k, v in fill.get(pos, {}).items():
                         st.setdefault(k, v)
-                    unneeded = self._unneeded_keys(saved)
                     missing = [k for k in keys
                                if k not in st and k not in optional and k not in unneeded]
                     if missing:

@@ -21,6 +21,7 @@ from tritamp.kernels.syncbn import (syncbn_backward_input_prechecked,
 
 _is_compiling = torch.compiler.is_compiling
 
+
 class _Layout:
     """How an input maps onto the kernels' canonical views, and back.
 
@@ -134,10 +135,9 @@ class SyncBatchnormFunction(torch.autograd.Function):
         ctx.traced = _is_compiling()
         if ctx.traced:
             # Dynamo traces this Function as one subgraph, whose saved tensors may not be
-            # views (of the input or of an intermediate): the input itself, viewed again
-            # in the backward, and a copy of the count (a view on the CPU path)
+            # views of its inputs: the input itself, viewed again in the backward
             ctx.save_for_backward(input, z if fuse_relu else None, weight, bias, mean, invstd,
-                                  None if count is None else count.clone())
+                                  count)
         else:
             ctx.save_for_backward(x, zv if fuse_relu else None, weight, bias, mean, invstd,
                                   count)
