@@ -63,9 +63,9 @@ from torch import nn  # noqa: E402
 from tritamp.kernels import registry  # noqa: E402  (the op registry: samples, budgets)
 
 if __package__:
-    from .sass import loop_barriers  # noqa: E402  (reading SASS listings)
+    from .sass import barriers, loop_barriers  # noqa: E402  (reading SASS listings)
 else:  # run as a script (python benchmarks/compile_report.py): benchmarks/ is on the path
-    from sass import loop_barriers  # noqa: E402
+    from sass import barriers, loop_barriers  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "out", "compile_report.json")
@@ -431,6 +431,7 @@ def _compile_index(i):
     out["masked_loads"] = widths["masked_load"]
     out["masked_stores"] = widths["masked_store"]
     out["loops"], out["loop_barriers"] = loop_barriers(sass)
+    out["barriers"] = barriers(sass)
     out["widest_load"] = max(widths["load"], default=None)
     out["widest_store"] = max(widths["store"], default=None)
     return out

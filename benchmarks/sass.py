@@ -5,11 +5,19 @@ when imported): tests import this module in their own process.
 """
 import re
 
-__all__ = ["loop_barriers"]
+__all__ = ["barriers", "loop_barriers"]
 
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.*)")
 _BRANCH = re.compile(r"\bBRA\b.*`\((\.L_x_\d+)\)")
+
+
+def barriers(sass):
+    """The ``BAR.SYNC`` instructions of ``sass`` (nvdisasm's listing), wherever they are:
+    in a kernel that reduces across a row held by several warps, each reduction but the
+    first waits on one to reuse the exchange buffer and one for its partial sums."""
+    return sum("BAR.SYNC" in m.group(1) for m in map(_INSTRUCTION.search, sass.splitlines())
+               if m)
 
 
 def loop_barriers(sass):

@@ -37,6 +37,12 @@ _MAX_BLOCK_CPU = 4096  # the interpreter's block (and chunk)
 
 
 @triton.jit
+def _add_pairs(a0, a1, b0, b1):
+    """The combine of a joint sum of two tensors (``tl.reduce`` over a pair)."""
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def _layer_norm_fwd_kernel(
     x_ptr,          # [M, N] input rows: row stride x_stride, unit column stride
     y_ptr,          # [M, N] output, contiguous, in the output dtype
@@ -67,12 +73,19 @@ def _layer_norm_fwd_kernel(
             # sum made it a few ulps off: on a constant row x - mean was noise, which rstd
             # near 1 / sqrt(eps) scaled to O(1)); the refined mean of a constant row is
             # its value, exactly.
+            # The deviations' sum and sum of squares come from one joint reduction (one
+            # exchange between warps, not two); the variance about the refined mean is
+            # their mean square less the square of the correction (not below 0), as in
+            # the chunked branch.
             d = tl.where(mask, x - mean, 0.0)
-            corr = tl.div_rn(tl.sum(d, axis=0), n)
+            d_sum, dd_sum = tl.reduce((d, d * d), 0, _add_pairs)
+            corr = tl.div_rn(d_sum, n)
+            var = tl.maximum(tl.div_rn(dd_sum, n) - corr * corr, 0.0)
             mean = mean + corr
             xc = tl.where(mask, d - corr, 0.0)
             tl.store(mean_ptr + row, mean)
-        var = tl.div_rn(tl.sum(xc * xc, axis=0), n)
+        if IS_RMS:
+            var = tl.div_rn(tl.sum(xc * xc, axis=0), n)
         rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
         tl.store(rstd_ptr + row, rstd)
         y = xc * rstd

@@ -58,6 +58,36 @@ def test_wide_rows_take_the_chunked_path(norms):
         assert one_pass == (max(_widths(r)) <= cap), (r["kernel"], sorted(_widths(r)))
 
 
+def test_the_one_pass_forward_reduces_across_the_row_twice_at_most(norms):
+    """A row held by several warps waits on an exchange between them at each reduction,
+    and a program holds one row: the LayerNorm forward takes the sum, then the deviations'
+    sum and sum of squares in one joint reduction (4 BAR.SYNC; a separate third reduction
+    for the refined mean made it 5, and the forward 6-30% slower on an H100), RMSNorm the
+    sum of squares alone (1)."""
+    seen = set()
+    for r in norms["specialisations"]:
+        c = r["constexprs"]
+        if r["kernel"] != "_layer_norm_fwd_kernel" or not c["ONE_PASS"]:
+            continue
+        limit = 1 if c["IS_RMS"] else 4
+        assert r["barriers"] <= limit, (sorted(_widths(r)), c, r["barriers"])
+        seen.add(c["IS_RMS"])
+    assert seen == {False, True}
+
+
+def test_barriers_counts_every_bar_sync():
+    from benchmarks.sass import barriers
+    sass = """
+        /*0000*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+.L_x_0:
+        /*0010*/                   SHFL.BFLY PT, R3, R2, 0x1, 0x1f ;
+        /*0020*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0030*/               @P0 BRA `(.L_x_0) ;
+        /*0040*/                   EXIT ;
+"""
+    assert barriers(sass) == 2
+
+
 def test_the_reduction_main_pass_fills_the_gpu(norms):
     sms = norms["sm_count"]
     assert sms == 132
