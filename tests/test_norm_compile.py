@@ -62,8 +62,7 @@ def test_the_one_pass_forward_reduces_across_the_row_twice_at_most(norms):
     """A row held by several warps waits on an exchange between them at each reduction,
     and a program holds one row: the LayerNorm forward takes the sum, then the deviations'
     sum and sum of squares in one joint reduction (4 BAR.SYNC; a separate third reduction
-    for the refined mean made it 5, and the forward 6-30% slower on an H100), RMSNorm the
-    sum of squares alone (1)."""
+    for the refined mean made it 5), RMSNorm the sum of squares alone (1)."""
     seen = set()
     for r in norms["specialisations"]:
         c = r["constexprs"]
