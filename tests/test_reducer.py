@@ -48,6 +48,37 @@ def test_parameters_without_gradients_are_left_alone(ranks):
     assert all(r["unused_grad"] is None for r in ranks)
 
 
+def test_ranks_whose_backwards_reach_other_parameters_reduce_the_same_tensors(ranks):
+    """Rank 0 has gradients for branch a only, rank 1 for b only: each parameter is
+    averaged with zeros from the rank without one, on both ranks; a parameter no rank's
+    backward reached keeps no gradient (Apex's reducer averaged a's gradient with b's)."""
+    loc = [r["disjoint"]["local"] for r in ranks]
+    for rank, theirs in ((0, "a."), (1, "b.")):
+        for name, g in loc[rank].items():
+            assert (g is not None) == name.startswith(theirs), (rank, name)
+    for r in ranks:
+        red = r["disjoint"]["reduced"]
+        for name in red:
+            if name.startswith("never."):
+                assert red[name] is None
+                continue
+            owner = 0 if name.startswith("a.") else 1
+            torch.testing.assert_close(red[name], loc[owner][name] / 2, rtol=0, atol=0)
+            assert torch.equal(red[name], ranks[0]["disjoint"]["reduced"][name])
+
+
+def test_reduce_after_an_amp_block_is_refused_and_inside_it_an_overflow_skips_everywhere(
+        ranks):
+    for r in ranks:
+        got = r["amp_order"]
+        assert got["refused"] is not None and "inside the scale_loss block" in got["refused"]
+        assert "overflow_process_group" in got["refused"]
+        assert got["grads_kept"]
+        # rank 0's inf reached rank 1 through the reduction inside the block: both skip
+        assert got["weights_kept"] and got["skipped"]
+        assert got["scales"][1] == got["scales"][0] / 2
+
+
 def test_reducer_needs_torch_distributed():
     with pytest.raises(RuntimeError, match="init_process_group"):
         Reducer(torch.nn.Linear(2, 2))  # (its broadcast)

@@ -504,6 +504,30 @@ def test_converting_keeps_tritamps_own_layers():
     assert convert_syncbn_model(fused) is fused
 
 
+def test_a_layer_used_twice_becomes_one_syncbatchnorm_in_both_places():
+    """named_children() yields a module listed twice under one parent once: the second
+    place kept the unconverted BatchNorm (unsynchronised, its running statistics shared
+    with the converted one)."""
+    bn = nn.BatchNorm2d(3)
+    inner = nn.Sequential(bn)
+    model = nn.Sequential(bn, nn.ReLU(), bn, inner)
+    conv = convert_syncbn_model(model)
+    assert type(conv[0]) is SyncBatchNorm
+    assert conv[2] is conv[0] and conv[3][0] is conv[0]
+    assert sum(type(m) is SyncBatchNorm for m in conv.modules()) == 1
+
+
+def test_a_torch_syncbatchnorm_keeps_its_process_group():
+    group = object()  # (conversion only records the group)
+    model = nn.Sequential(nn.SyncBatchNorm(3, process_group=group), nn.BatchNorm1d(3))
+    conv = convert_syncbn_model(model)
+    assert type(conv[0]) is SyncBatchNorm and conv[0].process_group is group
+    assert conv[1].process_group is None
+    other = object()
+    model = nn.Sequential(nn.SyncBatchNorm(3, process_group=group))
+    assert convert_syncbn_model(model, process_group=other)[0].process_group is other
+
+
 def test_the_residual_may_change_in_place_after_the_forward_without_fused_relu(device):
     """Without the fused ReLU the backward never reads z, so it is not saved: changing z
     in place before the backward is fine (as for torch's bn(x) + z)."""

@@ -6,7 +6,10 @@ tests/scripts/syncbn_worker.py (``--reducer``); ``main`` runs it alone with
 ranks start different), hands it to ``Reducer`` (which broadcasts rank 0's weights),
 copies the result into a DDP model, runs two steps on its own batch with both, and saves
 what the test compares to ``<out>/reducer.rank<r>.pt``: the weights after the broadcast,
-Reducer's averaged gradients (module mode and gradient-list mode) and DDP's.
+Reducer's averaged gradients (module mode and gradient-list mode) and DDP's; then
+``disjoint``: each rank's backward reaches another branch of one model; ``amp_order``:
+Reducer with amp's dynamic loss scale, reduced after the block (refused) and inside it
+with an overflow on rank 0 alone.
 """
 import argparse
 import copy
@@ -66,7 +69,83 @@ def run(out_dir):
                         q -= 0.1 * q.grad
     result["steps"] = steps
     result["unused_grad"] = model.unused.weight.grad
+    result["disjoint"] = disjoint(rank)
+    result["amp_order"] = amp_order(rank)
     torch.save(result, os.path.join(out_dir, f"reducer.rank{rank}.pt"))
+
+
+class Branches(nn.Module):
+    """Rank r's backward reaches branch ``a`` (rank 0) or ``b`` (rank 1), never ``never``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 3)
+        self.never = nn.Linear(2, 2)
+
+    def forward(self, x, which):
+        return (self.a if which == 0 else self.b)(x)
+
+
+def _grads(model):
+    return {n: None if q.grad is None else q.grad.clone() for n, q in model.named_parameters()}
+
+
+def disjoint(rank):
+    """The gradients before and after reduce() when the ranks' backwards reach other
+    parameters of the same sizes (Apex's reducer flattened each rank's own list: rank 0's
+    ``a`` gradient was averaged with rank 1's ``b``)."""
+    from tritamp.parallel import Reducer
+    torch.manual_seed(7)
+    model = Branches()
+    reducer = Reducer(model)
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(rank))
+    model(x, rank).pow(2).sum().backward()
+    local = _grads(model)
+    reducer.reduce()
+    return dict(local=local, reduced=_grads(model))
+
+
+def amp_order(rank):
+    """amp O1 with a dynamic scale (bf16): reduce() after the scale_loss block exited is
+    refused with nothing reduced; inside it, an overflow on rank 0 alone makes both ranks
+    skip (amp checks the averaged gradients) and halve their scales."""
+    from tritamp import amp
+    from tritamp.amp.state import reset
+    from tritamp.parallel import Reducer
+    torch.manual_seed(3)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    out = {}
+    try:
+        reducer = Reducer(model)
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(rank))
+        with amp.scale_loss(model(x).float().pow(2).sum(), opt) as scaled:
+            scaled.backward()
+        before = _grads(model)
+        try:
+            reducer.reduce()
+            out["refused"] = None
+        except RuntimeError as e:
+            out["refused"] = str(e)
+        out["grads_kept"] = all(torch.equal(before[n], g) for n, g in _grads(model).items())
+        opt.step()
+        opt.zero_grad()
+        weights = [q.detach().clone() for q in model.parameters()]
+        scale = amp.state_dict()["loss_scaler0"]["loss_scale"]
+        loss = model(x).float().pow(2).sum() * (float("inf") if rank == 0 else 1.0)
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+            reducer.reduce()
+        opt.step()
+        out["weights_kept"] = all(torch.equal(w, q) for w, q in zip(weights, model.parameters()))
+        out["scales"] = (scale, amp.state_dict()["loss_scaler0"]["loss_scale"])
+        out["skipped"] = amp.last_step_skipped(opt)
+    finally:
+        reset()
+    return out
 
 
 def main(argv=None):

@@ -25,6 +25,22 @@ def loss_scalers():
     return list(_amp_state.loss_scalers)
 
 
+def overflow_decided_locally():
+    """Whether a ``scale_loss`` block has exited since the last step with a dynamic loss
+    scale whose overflow flag was not reduced across ranks (no ``overflow_process_group``):
+    the pending step's skip was then decided from this rank's gradients alone, and a
+    reduction of the gradients across ranks after it would step on another rank's
+    inf/NaN values (:class:`tritamp.parallel.Reducer` asks)."""
+    if not any(s.dynamic and s.overflow_process_group is None
+               for s in _amp_state.loss_scalers):
+        return False
+    for opt in list(_amp_state.optimizers):
+        stash = getattr(opt, "_amp_stash", None)
+        if stash is not None and stash.pending and stash.found_inf is not None:
+            return True
+    return False
+
+
 def reset():
     """Forget the last ``amp.initialize``: no properties, no scalers, verbosity 1 (models
     and optimizers it processed keep what it did to them)."""

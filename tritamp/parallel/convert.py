@@ -14,7 +14,9 @@ def convert_syncbn_model(module, process_group=None, channel_last=False):
     Weights and biases are copied (same values, device, dtype and ``requires_grad``; a
     BatchNorm built with ``bias=False`` keeps no bias); the running statistics and
     ``num_batches_tracked`` are the same tensors; the training flag is kept.
-    ``torch.nn.SyncBatchNorm`` layers are converted too; instance norms are left. A layer
+    ``torch.nn.SyncBatchNorm`` layers are converted too, keeping their own process group
+    when ``process_group`` is None; instance norms are left. A layer used in several
+    places becomes one SyncBatchNorm in all of them. A layer
     that already is tritamp's :class:`SyncBatchNorm` stays as it is, with its
     ``fuse_relu`` and ``channel_last`` (its process group becomes ``process_group`` when
     one is given). Every replacement is built before the first is put in place: a call
@@ -25,7 +27,7 @@ def convert_syncbn_model(module, process_group=None, channel_last=False):
         model = tritamp.parallel.convert_syncbn_model(model)
     """
     swaps, kept = [], []
-    out = _converted(module, process_group, channel_last, swaps, kept)
+    out = _converted(module, process_group, channel_last, swaps, kept, {})
     for parent, name, child in swaps:
         parent.add_module(name, child)
     if process_group is not None:
@@ -34,18 +36,27 @@ def convert_syncbn_model(module, process_group=None, channel_last=False):
     return out
 
 
-def _converted(module, process_group, channel_last, swaps, kept):
+def _converted(module, process_group, channel_last, swaps, kept, done):
     """``module``'s replacement (or ``module``). The replacements of its descendants are
     appended to ``swaps`` as ``(parent, name, new child)`` and the SyncBatchNorm layers
-    left as they are to ``kept``, for the caller to apply once everything is built."""
+    left as they are to ``kept``, for the caller to apply once everything is built.
+    ``done`` maps each module already seen (by id) to its replacement: a layer used in
+    several places (twice in one Sequential, say) becomes one SyncBatchNorm, and each of
+    its places gets it."""
+    if id(module) in done:
+        return done[id(module)]
     if isinstance(module, _InstanceNorm):
+        done[id(module)] = module
         return module
     mod = module
     if isinstance(module, SyncBatchNorm):
         kept.append(module)
     elif isinstance(module, _BatchNorm):
+        group = process_group
+        if group is None and isinstance(module, torch.nn.SyncBatchNorm):
+            group = module.process_group  # (a torch SyncBatchNorm keeps its own group)
         mod = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                            module.track_running_stats, process_group,
+                            module.track_running_stats, group,
                             channel_last=channel_last,
                             bias=not module.affine or module.bias is not None)
         if module.affine:
@@ -58,8 +69,13 @@ def _converted(module, process_group, channel_last, swaps, kept):
         mod.train(module.training)
         if hasattr(module, "qconfig"):
             mod.qconfig = module.qconfig
-    for name, child in module.named_children():
-        new = _converted(child, process_group, channel_last, swaps, kept)
+    done[id(module)] = mod
+    # every name, not named_children(): it yields a module listed twice under one parent
+    # once, and the second place kept the unconverted BatchNorm
+    for name, child in list(module._modules.items()):
+        if child is None:
+            continue
+        new = _converted(child, process_group, channel_last, swaps, kept, done)
         if new is not child or mod is not module:
             swaps.append((mod, name, new))
     return mod

@@ -4,6 +4,8 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn import Module
 
+from tritamp.amp.state import overflow_decided_locally
+
 
 def _collect(obj, out):
     """Tensors found in ``obj``: a tensor, or any nesting of iterables of tensors."""
@@ -40,6 +42,27 @@ def _require_dist():
                            "torch.distributed.init_process_group first")
 
 
+def _host_group():
+    """A group over every rank that all-reduces CPU tensors: the default one where its
+    backend takes them (gloo, or a device:backend list naming gloo for the CPU), else a
+    gloo group made now (collective: every rank constructs its Reducer)."""
+    backend = str(dist.get_backend())
+    if "gloo" in backend or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo")
+
+
+_NOT_AFTER_AMP = (
+    "Reducer.reduce() was called after an amp.scale_loss block exited and before the "
+    "optimizer step, with a dynamic loss scale: amp has already decided on this rank alone "
+    "whether the step overflowed, so another rank's inf/NaN gradients would reach this "
+    "rank through the reduction and be stepped on (and the ranks' loss scales would part). "
+    "Call reducer.reduce() inside the scale_loss block, right after backward() (amp then "
+    "checks the averaged gradients when the block exits), or pass "
+    "overflow_process_group=torch.distributed.group.WORLD to amp.initialize (every rank "
+    "then skips when any overflowed). Nothing was reduced.")
+
+
 class Reducer:
     """All-reduce and average gradients when asked, not during ``backward()``.
 
@@ -66,19 +89,28 @@ class Reducer:
             with torch.no_grad():
                 _flat_call([p.data for p in self.module.parameters()],
                            lambda flat: dist.broadcast(flat, 0))
+            self._flags_group = _host_group()
         else:
             self.module = None
             self.grads = []
             _collect(module_or_grads_list, self.grads)
 
     def reduce(self):
-        """Average the gradients over all ranks, in place."""
+        """Average the gradients over all ranks, in place.
+
+        Module mode: the parameters that have a gradient on any rank; a rank where one has
+        none contributes zeros and receives the average (as DistributedDataParallel does
+        for a parameter one rank did not use), and a parameter without a gradient on every
+        rank keeps none. Which parameters have one is all-reduced first (a flag each, on
+        the host: nothing waits for a GPU), so every rank reduces the same tensors."""
         _require_dist()
+        world_size = dist.get_world_size()
+        if world_size > 1 and overflow_decided_locally():
+            raise RuntimeError(_NOT_AFTER_AMP)
         if self.module is not None:
-            grads = [p.grad.data for p in self.module.parameters() if p.grad is not None]
+            grads = self._module_grads(world_size)
         else:
             grads = self.grads
-        world_size = dist.get_world_size()
 
         def average(flat):
             dist.all_reduce(flat)
@@ -86,3 +118,20 @@ class Reducer:
 
         with torch.no_grad():
             _flat_call(grads, average)
+
+    def _module_grads(self, world_size):
+        """The gradients of the parameters that have one on any rank (zeros made where
+        this rank has none), in the module's parameter order."""
+        params = list(self.module.parameters())
+        if world_size == 1:
+            return [p.grad.data for p in params if p.grad is not None]
+        flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        dist.all_reduce(flags, group=getattr(self, "_flags_group", None))
+        grads = []
+        for p, anywhere in zip(params, flags.tolist()):
+            if not anywhere:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
+            grads.append(p.grad.data)
+        return grads
