@@ -66,11 +66,13 @@ def count_nonfinite_prepare(srcs, index=None):
             raise ValueError(f"{op}: srcs[{i}] of shape {tuple(t.shape)} has strides "
                              f"{t.stride()}, not a dense layout; pass a dense tensor "
                              f"(srcs[{i}].contiguous())")
+    default = index is None
     index = _check_index(index, len(srcs))
     prepared = COUNT_NONFINITE.prepare(dict(srcs=srcs))
     rows = [torch.tensor([index[r] for r in g.rows], dtype=torch.int32).to(prepared.device)
             for g in prepared.groups]
-    return LayoutPrepared(prepared, dict(srcs=srcs), Layouts(), dict(rows=rows, index=index))
+    return LayoutPrepared(prepared, dict(srcs=srcs), Layouts(),
+                          dict(rows=rows, index=index, default=default))
 
 
 def _check_index(index, n):
@@ -83,11 +85,12 @@ def _check_index(index, n):
     return index
 
 
-def _check_counts(counts, index, device):
-    """``counts``: contiguous int32 on ``device``, one entry per source (``index`` the
-    default) or at least ``max(index) + 1``."""
+def _check_counts(counts, index, device, default):
+    """``counts``: contiguous int32 on ``device``, one entry per source (``default``: no
+    index was given) or at least ``max(index) + 1`` (an index given: the positions of a
+    caller's sources in a longer ``counts``, the first ones of it say, when a backward
+    reached only the leading parameters of an optimizer)."""
     n = len(index)
-    default = index == list(range(n))
     need = max(index, default=-1) + 1
     ok = (isinstance(counts, torch.Tensor) and counts.dtype == torch.int32
           and counts.dim() == 1 and counts.device == device and counts.is_contiguous()
@@ -105,7 +108,8 @@ def _check_counts(counts, index, device):
 def count_nonfinite_launch(prepared, counts, found_inf):
     """One count over a prepared sweep (see the module docstring): one launch per dtype
     group on the Triton path; nothing synchronised with the host."""
-    _check_counts(counts, prepared.options["index"], prepared.device)
+    _check_counts(counts, prepared.options["index"], prepared.device,
+                  prepared.options.get("default", True))
     if prepared.n == 0:
         return
     if not prepared.triton:

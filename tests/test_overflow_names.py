@@ -204,3 +204,39 @@ def test_counts_survive_a_change_of_which_gradients_are_present(caplog, monkeypa
     messages = _warnings(caplog)
     assert messages[0].endswith("non-finite gradients on rank 0: 2.bias (1 value)")
     assert messages[2].endswith("non-finite gradients on rank 0: 2.bias (2 values)")
+
+
+@pytest.mark.parametrize("path", ["kernel", "cpu"])
+@pytest.mark.parametrize("make_opt,level", [
+    (lambda p: FusedAdam(p, lr=1e-3), "O2"),
+    (lambda p: torch.optim.SGD(p, lr=0.1), "O1"),
+], ids=["FusedAdam-O2", "torch-SGD-O1"])
+def test_an_overflow_in_the_leading_parameters_alone_is_counted_and_skipped(
+        caplog, no_rate_limit, make_opt, level, path):
+    """A backward that reaches only the first parameters of an optimizer (a second model
+    or head without a gradient) and overflows: the counts land at those positions of the
+    optimizer's longer count tensor. The exit raised instead (the count refused a
+    positions list equal to 0..k-1 with a longer count tensor), before the scale's update:
+    every later overflowing step raised again at the same scale."""
+    caplog.set_level(logging.WARNING, logger="tritamp.amp")
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    opt = make_opt(list(first.parameters()) + list(second.parameters()))
+    [first, second], opt = amp.initialize([first, second], opt, opt_level=level,
+                                          half_dtype=torch.bfloat16, loss_scale="dynamic",
+                                          verbosity=1)
+    weights = [p.detach().clone() for p in list(first.parameters()) + list(second.parameters())]
+    with force_cpu_path() if path == "cpu" else contextlib.nullcontext():
+        for _ in range(2):
+            loss = first(torch.randn(2, 4)).float().sum() * float("inf")
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+    assert amp.last_step_skipped(opt)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0 ** 14
+    now = list(first.parameters()) + list(second.parameters())
+    assert all(torch.equal(w, p) for w, p in zip(weights, now))
+    messages = _warnings(caplog)
+    assert len(messages) == 2
+    assert "model0.weight" in messages[0] and "model1." not in messages[0]
