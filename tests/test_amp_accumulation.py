@@ -1,11 +1,14 @@
 """Optimizer state carried into initialize, accumulation without delay_unscale, and
 delay_overflow_check."""
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
 
 from conftest import amp_step
 from tritamp import amp
+from tritamp.optimizers import FusedAdam, FusedSGD
 
 
 def _mlp():
@@ -91,3 +94,36 @@ def test_delay_overflow_check_is_ignored_the_step_skips_and_the_scale_backs_off(
     opt.step()
     assert not all(torch.equal(a, b) for a, b in zip(before, amp.master_params(opt)))
     assert amp.state_dict()["loss_scaler0"]["unskipped"] == 1
+
+
+@pytest.mark.parametrize("path", ["kernel", "cpu"])
+@pytest.mark.parametrize("make_opt", [
+    lambda p: FusedSGD(p, lr=0.1), lambda p: FusedAdam(p, lr=0.1),
+    lambda p: torch.optim.SGD(p, lr=0.1)], ids=["FusedSGD", "FusedAdam", "torch-SGD"])
+def test_an_unscaled_gradient_the_backward_missed_is_stepped_as_it_is(make_opt, path):
+    """O2: an fp32 parameter of the optimizer outside the model gets a gradient from an
+    ordinary backward (a regulariser), then the scale_loss backward does not reach it.
+    amp puts its gradient back unscaled, as Apex's stash did; a fused optimizer that reads
+    the gradients scaled divided it by the loss scale again (FusedSGD moved it by 3e-6
+    instead of 0.2)."""
+    from tritamp.testing import force_cpu_path
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    extra = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+    twin = torch.nn.Parameter(extra.detach().clone())
+    opt = make_opt(list(model.parameters()) + [extra])
+    ref = make_opt([twin])
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    with force_cpu_path() if path == "cpu" else contextlib.nullcontext():
+        for _ in range(2):
+            opt.zero_grad()
+            ref.zero_grad()
+            extra.pow(2).sum().backward()
+            twin.pow(2).sum().backward()
+            with amp.scale_loss(model(torch.randn(3, 4)).float().mean(), opt) as scaled:
+                scaled.backward()
+            torch.testing.assert_close(extra.grad, twin.grad, rtol=0, atol=0)
+            opt.step()
+            ref.step()
+            torch.testing.assert_close(extra.detach(), twin.detach(), rtol=1e-6, atol=1e-7)

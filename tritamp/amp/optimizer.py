@@ -340,7 +340,9 @@ class AmpStash:
         # Leave the gradients scaled for the fused step only when they are all this
         # backward's, so one grad_scale describes every one of them; with masters only
         # if the optimizer reads the half gradients and writes the half copies itself.
-        lazy = (self.supports_amp_scaling and not acc and not self.pending
+        # A gradient put back from the stash (a backward outside scale_loss that this one
+        # missed) is already unscaled: the step would divide it by the scale again.
+        lazy = (self.supports_amp_scaling and not acc and not self.pending and not restore
                 and bool(self.masters) and self.writes_model_copies
                 and not self.master_grads_wanted)
         found, scale = check, scaler.scale
