@@ -527,16 +527,17 @@ def _bwd_plan(n, m, device, max_block, rms, has_w, has_b, from_output):
 def min_weight(eps, dtype):
     """The least weight magnitude the backward divides by when it rebuilds the normalised
     input from the output: ``eps`` rounded to the weight's dtype (Apex's
-    ``clamp_by_magnitude``), and at least that dtype's smallest normal number (an eps
-    such as 1e-8 rounds to 0 in fp16, where Apex then divides 0 by 0), as a Python float;
-    kept per (eps, dtype)."""
+    ``clamp_by_magnitude``: fp16's 1e-5 is the subnormal 1.0014e-5), and at least that
+    dtype's smallest positive (subnormal) number (an eps such as 1e-8 rounds to 0 in
+    fp16, where Apex then divides 0 by 0), as a Python float; kept per (eps, dtype)."""
     key = (eps, dtype)
     found = _MIN_WEIGHT.get(key)
     if found is None:
         if len(_MIN_WEIGHT) > 256:
             _MIN_WEIGHT.clear()
+        info = torch.finfo(dtype)
         found = _MIN_WEIGHT[key] = max(float(torch.tensor(eps, dtype=dtype)),
-                                       torch.finfo(dtype).tiny)
+                                       info.tiny * info.eps)  # (the least subnormal)
     return found
 
 

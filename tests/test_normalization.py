@@ -230,9 +230,35 @@ def test_bad_input_errors():
     with pytest.raises(TypeError, match="weights; got torch.int64"):
         fused_layer_norm_affine(torch.ones(3, 8), torch.ones(8, dtype=torch.long),
                                 torch.zeros(8), 8)
+    for dtype in (torch.int32, torch.bool):  # used as floats before
+        with pytest.raises(TypeError, match=f"bias; got {dtype}"):
+            fused_layer_norm_affine(torch.ones(3, 8), torch.ones(8),
+                                    torch.zeros(8, dtype=dtype), 8)
+    for fn in (mixed_dtype_fused_layer_norm_affine, mixed_dtype_fused_rms_norm_affine):
+        args = (None, None) if fn is mixed_dtype_fused_layer_norm_affine else (None,)
+        with pytest.raises(ValueError, match="need a weight; got weight=None"):
+            fn(torch.ones(3, 8), *args, (8,))
 
 
-@pytest.mark.parametrize("call", ["weight", "bias", "rms weight", "numel", "empty shape"])
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm])
+def test_a_numpy_integer_normalized_shape(path, cls):
+    """A width from numpy (np.prod, a config) works as torch's modules take it: it reached
+    the kernels' launch settings as a numpy integer and failed at the first forward on the
+    GPU code path."""
+    np = pytest.importorskip("numpy")
+    x = torch.randn(3, 6)
+    for shape in (np.int64(6), (np.int64(6),), [np.int64(2), np.int64(3)]):
+        xs = x.view(3, 2, 3) if isinstance(shape, list) else x
+        m = cls(shape)
+        ref = (nn.LayerNorm if cls is FusedLayerNorm else nn.RMSNorm)(shape, eps=m.eps)
+        ref.load_state_dict(m.state_dict())
+        torch.testing.assert_close(m(xs), ref(xs), rtol=1e-5, atol=1e-5)
+    f = fused_layer_norm if cls is FusedLayerNorm else fused_rms_norm
+    torch.testing.assert_close(f(x, np.int64(6)), f(x, 6), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("call", ["weight", "bias", "rms weight", "numel", "empty shape",
+                                  "bias alone"])
 def test_parameter_and_shape_errors_are_torchs(call):
     """A weight or bias not shaped as normalized_shape is refused as torch refuses it,
     even with the right number of elements (a transposed weight would otherwise be
@@ -249,6 +275,9 @@ def test_parameter_and_shape_errors_are_torchs(call):
         "numel": (lambda: fused_layer_norm_affine(x, torch.ones(5), torch.zeros(5), (4, 6)),
                   lambda: F.layer_norm(x, (4, 6), torch.ones(5), torch.zeros(5))),
         "empty shape": (lambda: fused_layer_norm(x, ()), lambda: F.layer_norm(x, ())),
+        # a bias shaped wrong with no weight: the modules' shortcut skipped its check
+        "bias alone": (lambda: fused_layer_norm_affine(x[..., 0], None, b[0].view(2, 3), (6,)),
+                       lambda: F.layer_norm(x[..., 0], (6,), None, b[0].view(2, 3))),
     }[call]
     with pytest.raises(RuntimeError) as want:
         theirs()
@@ -433,8 +462,8 @@ def test_float64_is_normalised_in_float64(rms, cpu_path):
 @pytest.mark.parametrize("rms", [False, True])
 def test_memory_efficient_zero_weight_with_an_eps_fp16_cannot_hold(path, rms):
     """eps = 1e-8 (BERT's 1e-12 alike) rounds to 0 in fp16, where Apex's clamp then divides
-    0 by 0: the clamp is at least fp16's smallest normal number, and every gradient of a
-    zero-initialised column stays finite."""
+    0 by 0: the clamp is at least fp16's smallest positive number, and every gradient of
+    a zero-initialised column stays finite."""
     cls = FusedRMSNorm if rms else FusedLayerNorm
     m = cls(8, eps=1e-8, memory_efficient=True).half()
     with torch.no_grad():
@@ -444,6 +473,24 @@ def test_memory_efficient_zero_weight_with_an_eps_fp16_cannot_hold(path, rms):
     dy = torch.randn(2, 8, generator=g).half()
     _, dx, params = _fwd_bwd(m, x, dy)
     assert torch.isfinite(dx).all() and all(torch.isfinite(p).all() for p in params)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_memory_efficient_fp16_weights_above_eps_are_not_clamped(path, rms):
+    """fp16 holds eps=1e-5 as the subnormal 1.0014e-5 (Apex's clamp divides by that): a
+    weight of 3e-5 is above it and divides as itself. The clamp was fp16's smallest
+    normal number (6.1e-5), which halved that column's weight gradient."""
+    cls = FusedRMSNorm if rms else FusedLayerNorm
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, generator=g).half()
+    dy = torch.randn(4, 8, generator=g).half()
+    grads = []
+    for memory_efficient in (False, True):
+        m = cls(8, memory_efficient=memory_efficient).half()
+        with torch.no_grad():
+            m.weight[3] = 3e-5
+        grads.append(_fwd_bwd(m, x, dy)[2][0].float())
+    torch.testing.assert_close(grads[1], grads[0], rtol=2e-2, atol=2e-3)
 
 
 @pytest.mark.parametrize("max_block", [None, 16], ids=["one-pass", "chunked"])

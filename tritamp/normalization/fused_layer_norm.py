@@ -11,6 +11,7 @@ input with fp32 weights is read as it is: nothing is cast on the way in, and eac
 comes back in the dtype of the tensor it belongs to.
 """
 import numbers
+import operator
 import warnings
 from typing import Optional
 
@@ -136,12 +137,14 @@ def _normalized_numel(input, normalized_shape, weight, bias):
     the parameters' shapes and the input's trailing dimensions (its messages)."""
     if normalized_shape.__class__ is tuple and len(normalized_shape) == 1:  # the modules'
         n = normalized_shape[0]
-        if input.dim() and input.shape[-1] == n and (weight is None or (
-                weight.shape == normalized_shape and (bias is None
-                                                      or bias.shape == normalized_shape))):
+        if n.__class__ is int and input.dim() and input.shape[-1] == n \
+                and (weight is None or weight.shape == normalized_shape) \
+                and (bias is None or bias.shape == normalized_shape):
             return n
-    shape = ((normalized_shape,) if isinstance(normalized_shape, numbers.Integral)
-             else tuple(normalized_shape))
+    # (sizes as Python ints: a numpy integer, say, from a config, as torch.Size takes it)
+    shape = ((operator.index(normalized_shape),)
+             if isinstance(normalized_shape, numbers.Integral)
+             else tuple(map(operator.index, normalized_shape)))
     k = len(shape)
     if k == 0:
         raise RuntimeError("Expected normalized_shape to be at least 1-dimensional, i.e., "
@@ -172,6 +175,9 @@ def _norm(input, weight, bias, normalized_shape, eps, memory_efficient, rms, mix
     if weight is not None and weight.dtype not in _FLOATS:
         raise TypeError(f"fused norms take float32, bfloat16, float16 or float64 weights; "
                         f"got {weight.dtype}")
+    if bias is not None and bias.dtype not in _FLOATS:
+        raise TypeError(f"fused norms take a float32, bfloat16, float16 or float64 bias; "
+                        f"got {bias.dtype}")
     if eps is None:
         # torch.nn.RMSNorm's default: the machine epsilon of the dtype it computes in,
         # fp32 for half input (its kernels' opmath type), not the half dtype's own
@@ -181,6 +187,10 @@ def _norm(input, weight, bias, normalized_shape, eps, memory_efficient, rms, mix
         # (autocast's casts leave float64 alone)
         out_dtype = torch.get_autocast_dtype(device_type)
     elif mixed:
+        if weight is None:
+            raise ValueError("the mixed-dtype fused norms give their output in the weight's "
+                             "dtype and need a weight; got weight=None. Pass the weight, or "
+                             "call fused_layer_norm / fused_rms_norm (no affine parameters)")
         out_dtype = weight.dtype
     else:
         out_dtype = dtype
@@ -301,6 +311,7 @@ class FusedLayerNorm(nn.LayerNorm):
                  *, bias=True, device=None, dtype=None):
         super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine,
                          bias=bias, device=device, dtype=dtype)
+        self.normalized_shape = tuple(map(operator.index, self.normalized_shape))
         self.memory_efficient = memory_efficient
 
     _mixed = False
@@ -318,6 +329,7 @@ class FusedRMSNorm(nn.RMSNorm):
                  *, device=None, dtype=None):
         super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine,
                          device=device, dtype=dtype)
+        self.normalized_shape = tuple(map(operator.index, self.normalized_shape))
         self.memory_efficient = memory_efficient
 
     _mixed = False
