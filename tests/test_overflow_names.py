@@ -240,3 +240,39 @@ def test_an_overflow_in_the_leading_parameters_alone_is_counted_and_skipped(
     messages = _warnings(caplog)
     assert len(messages) == 2
     assert "model0.weight" in messages[0] and "model1." not in messages[0]
+
+
+def test_each_scalers_report_names_what_its_own_loss_overflowed(caplog, no_rate_limit):
+    """Two losses before each step (num_losses=2): step 1's loss 0 overflows in the first
+    model, step 2's loss 1 in the second. The clean loss 1 of step 1 counted the
+    gradients loss 0 had overflowed (the step's combined flag) into scaler 1, whose report
+    at step 2 named the first model's weight too."""
+    caplog.set_level(logging.WARNING, logger="tritamp.amp")
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(list(first.parameters()) + list(second.parameters()), lr=0.1)
+    [first, second], opt = amp.initialize([first, second], opt, opt_level="O1",
+                                          half_dtype=torch.bfloat16, num_losses=2,
+                                          loss_scale="dynamic", verbosity=1)
+    x = torch.randn(2, 4)
+
+    def both():
+        return first(x).float().mean() + second(x).float().mean()
+
+    for poisoned, bad_loss in ((first.weight, 0), (second.weight, 1)):
+        for loss_id in (0, 1):
+            hook = (poisoned.register_hook(lambda g: g * float("inf"))
+                    if loss_id == bad_loss else None)
+            with amp.scale_loss(both(), opt, loss_id=loss_id) as scaled:
+                scaled.backward()
+            if hook is not None:
+                hook.remove()
+        opt.step()
+        assert amp.last_step_skipped(opt)
+        opt.zero_grad()
+    messages = _warnings(caplog)
+    assert len(messages) == 2
+    assert "loss scaler 0" in messages[0]
+    assert messages[0].endswith("non-finite gradients on rank 0: model0.weight (12 values)")
+    assert "loss scaler 1" in messages[1]
+    assert messages[1].endswith("non-finite gradients on rank 0: model1.weight (12 values)")

@@ -391,10 +391,15 @@ class AmpStash:
         """Count each checked gradient's inf/NaN values into this optimizer's ledger when
         the step is being skipped: decided on the device (one launch that returns at once
         on a clean step; on a CPU the flag is read from host memory), so a clean step reads
-        no gradient and nothing comes back to the host (tritamp.amp.overflow)."""
-        found = self.found_inf
-        if found is None:
+        no gradient and nothing comes back to the host (tritamp.amp.overflow).
+
+        The count follows this block's own flag (``scaler``'s), not the step's combined
+        one: with several losses before one step, a clean loss's block counted the
+        gradients an earlier loss had overflowed into the clean loss's scaler, whose next
+        skip report then named them."""
+        if self.found_inf is None:
             return
+        found = scaler.found_inf
         key, self._count_key = self._count_key, None
         ledger = self._ledger
         triton = K.use_triton(found)
