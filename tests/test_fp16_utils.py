@@ -289,10 +289,16 @@ def test_clip_master_grads_clips_the_unscaled_master_gradients():
     model, opt = _fp16_setup(torch.bfloat16, OPTIMIZERS["fused-sgd"], dynamic_loss_scale=True)
     (x, y), = _batches(1)
     opt.backward(nn.functional.mse_loss(model(x).float(), y) * 100.0)
-    # The fused path leaves every gradient scaled (2**16, exact) and materialises no
-    # master gradient; clip_master_grads unscales into the masters first.
-    assert all(m.grad is None for m in opt.all_fp32_from_fp16_params)
-    unscaled = [p.grad.float() / 2.**16 for p in model.parameters()]
+    # backward() unscaled the half gradients (left scaled by 2**16, exact) into the
+    # masters' fp32 gradients, as Apex's update_master_grads did, with a fused optimizer
+    # too (a loop may clip them itself); the fp32 parameters (BatchNorm's) are their own
+    # masters, unscaled in place
+    for m, p in zip(_masters(opt), model.parameters()):
+        if p.dtype == torch.float32:
+            assert m is p
+        else:
+            torch.testing.assert_close(m.grad, p.grad.float() / 2.**16, rtol=0, atol=0)
+    unscaled = [m.grad.clone() for m in _masters(opt)]
     ref_norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in unscaled]))
     norm = opt.clip_master_grads(0.5)
     assert float(ref_norm) > 0.5
@@ -873,3 +879,33 @@ def test_setting_overflow_decides_the_next_step_as_apex(value):
     opt.step()
     moved = not all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
     assert moved is not value
+
+
+@pytest.mark.parametrize("make_opt", [lambda p: FusedSGD(p, lr=0.5, momentum=0.9),
+                                      lambda p: FusedAdam(p, lr=0.1)],
+                         ids=["FusedSGD", "FusedAdam"])
+def test_master_gradients_exist_after_backward_for_a_loop_that_clips_them(make_opt):
+    """As Apex's update_master_grads, backward() leaves the fp32 masters' gradients
+    (unscaled) whatever the wrapped optimizer: clipping over fp32_from_fp16_groups
+    (Megatron's loop) is clip_master_grads. With a fused optimizer they were None there
+    (left to the step to unscale) and the loop clipped nothing."""
+    def run(clip):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3).to(torch.bfloat16)
+        opt = FP16_Optimizer(make_opt(model.parameters()), static_loss_scale=128.0,
+                             verbose=False)
+        x = torch.randn(5, 4, dtype=torch.bfloat16)
+        for _ in range(2):
+            opt.zero_grad()
+            opt.backward(model(x).float().pow(2).sum())
+            masters = [p for g in opt.fp32_from_fp16_groups for p in g]
+            assert all(p.grad is not None for p in masters)
+            if clip == "loop":
+                torch.nn.utils.clip_grad_norm_(masters, 0.01)
+            elif clip == "method":
+                opt.clip_master_grads(0.01)
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+    looped, method, unclipped = run("loop"), run("method"), run(None)
+    assert all(torch.equal(a, b) for a, b in zip(looped, method))
+    assert any(not torch.equal(a, b) for a, b in zip(looped, unclipped))

@@ -506,3 +506,38 @@ def test_larc_rescale_against_torchs_foreach_ops(dtype, cpu_path):
         torch_ops = [((t + d * p) * f) for t, p, d, f in zip(theirs, ps, decay, factor)]
         for a, b in zip(grads, torch_ops):
             torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=3e-4)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_larc_built_around_an_amp_optimizer_rewrites_the_masters_gradients(level):
+    """LARC(optimizer) after amp.initialize (O2, FusedSGD): the fused step reads the half
+    gradients scaled, so the masters had none when LARC looked and nothing was rewritten
+    (the step ran without LARC). LARC now asks for the masters' gradients: the same
+    weights as LARC passed to initialize."""
+    from tritamp import amp
+    from tritamp.amp.state import reset
+
+    def run(order):
+        reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        opt = FusedSGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+        if order == "before":
+            opt = LARC(opt)
+        model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
+                                    loss_scale=128.0, verbosity=0)
+        if order == "after":
+            opt = LARC(opt)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(6, 4, generator=g)
+            opt.zero_grad()
+            inner = opt.optim if order == "after" else opt
+            with amp.scale_loss(model(x).float().pow(2).sum(), inner) as scaled:
+                scaled.backward()
+            opt.step()
+        reset()
+        return [p.detach().float().clone() for p in model.parameters()]
+    before, after, plain = run("before"), run("after"), run(None)
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    assert any(not torch.equal(a, b) for a, b in zip(after, plain))

@@ -89,6 +89,11 @@ class FP16_Optimizer:
         # Apex's FP16_Optimizer copied zero_grad's zeros to the masters (an unused branch
         # still steps, with momentum and weight decay); amp's O2 dropped them
         stash.masters_take_zeroed = True
+        # ... and always unscaled into the masters' fp32 gradients (its
+        # update_master_grads): a loop that clips over fp32_from_fp16_groups, or a LARC
+        # around the wrapper, reads them between backward and step (left to a fused step
+        # to unscale, they were None there, and the clipping did nothing)
+        stash.master_grads_wanted = True
         for i, group in enumerate(init_optimizer.param_groups):
             self.maybe_print("FP16_Optimizer processing param group {}:".format(i))
             for p in group["params"]:

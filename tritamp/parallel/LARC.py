@@ -213,6 +213,14 @@ class LARC:
                 loss = closure()
         weight_decays = []
         try:
+            stash = getattr(self.optim, "_amp_stash", None)
+            if stash is not None and stash.masters:
+                # an optimizer amp prepared with fp32 masters (LARC built around it after
+                # amp.initialize): gradients left scaled for a fused step are unscaled into
+                # the masters' now, and every later exit unscales into them, so that the
+                # rewrite sees them (it saw no gradient: the step ran without LARC)
+                stash.master_grads_wanted = True
+                stash.unscale_pending()
             groups = self.optim.param_groups
             if any(index >= len(groups) for index, _ in self._kept):
                 # a group removed: its sweeps (and their scratch) go
