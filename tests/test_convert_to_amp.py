@@ -155,9 +155,84 @@ def test_naive_mode_static_scale_and_batchnorm_override():
     model, opt, _ = convert_to_amp(model, torch.optim.SGD(model.parameters(), lr=0.1), None,
                                    mode="naive", dynamic_grad_scale=False, initial_scale=32.0,
                                    keep_batchnorm_fp32=True, half_dtype=torch.bfloat16)
-    assert not amp_state().loss_scalers[0].dynamic and opt.loss_scale == 32.0
+    assert opt.loss_scale == 32.0
     assert [p.dtype for p in model[1].parameters()] == [torch.float32] * 2
     assert model[0].weight.dtype == torch.bfloat16
+
+
+def test_naive_mode_with_a_constant_scale_still_skips_an_overflowing_step():
+    """dynamic_grad_scale=False is ColossalAI's ConstantGradScaler: the scale stays, and
+    the naive optimizer still checks every step. It became a static loss_scale, which amp
+    does not check: the overflow's inf/NaN went into the weights and the moments."""
+    batches = _batches(4)
+    blowups = [1.0, float("inf"), 1.0, float("inf")]
+    model = _net()
+    model, opt, _ = convert_to_amp(model, torch.optim.Adam(model.parameters(), lr=1e-2),
+                                   None, mode="naive", dynamic_grad_scale=False,
+                                   initial_scale=32.0, half_dtype=torch.bfloat16)
+    crit = nn.MSELoss()
+    for (x, y), blowup in zip(batches, blowups):
+        before = [p.detach().clone() for p in model.parameters()]
+        state = {k: v.clone() for s in opt.state.values() for k, v in s.items()
+                 if torch.is_tensor(v)}
+        _train(model, opt, crit, [(x, y)], [blowup])
+        now = list(model.parameters())
+        assert all(torch.isfinite(p).all() for p in now)
+        if blowup != 1.0:
+            assert amp.last_step_skipped(opt.optim)
+            assert all(torch.equal(a, b) for a, b in zip(before, now))
+            assert all(torch.equal(v, {k: w for s in opt.state.values()
+                                       for k, w in s.items()}[k]) for k, v in state.items())
+        assert opt.loss_scale == 32.0
+
+
+@pytest.mark.parametrize("mode", ["torch", "naive"])
+def test_accumulated_backward_passes_move_the_scale_once_per_step(mode):
+    """Two backward passes per step (ColossalAI's gradient accumulation): GradScaler and
+    ColossalAI's naive optimizer check, unscale and move the scale at the step. The scale
+    moved at every backward: growth counted micro-batches (torch: 4096, 16384, ...
+    against GradScaler's 2048, 4096, ...), and a step of two overflowing micro-batches
+    counted two overflows against hysteresis (naive: 128 where ColossalAI keeps 256)."""
+    g = torch.Generator().manual_seed(5)
+    micro = [[(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g))
+              for _ in range(2)] for _ in range(4)]
+    blowups = [[1.0, 1.0], [1.0, float("inf")], [float("inf"), float("inf")], [1.0, 1.0]]
+    if mode == "torch":
+        cfg = dict(init_scale=2.**10, growth_interval=1)
+        ref = _net()
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", **cfg)
+        want_scales, want_weights = [], []
+        for batches, blows in zip(micro, blowups):
+            ref_opt.zero_grad()
+            for (x, y), blow in zip(batches, blows):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = nn.functional.mse_loss(ref(x), y) * blow
+                scaler.scale(loss).backward()
+            scaler.step(ref_opt)
+            scaler.update()
+            want_scales.append(scaler.get_scale())
+            want_weights.append([p.detach().clone() for p in ref.parameters()])
+        kwargs = dict(mode="torch", half_dtype=torch.bfloat16, **cfg)
+    else:
+        # ColossalAI's DynamicGradScaler, counted once per step: hysteresis 2 backs off
+        # at the second overflowing step, growth after 1000 clean ones
+        want_scales = [256.0, 256.0, 128.0, 128.0]
+        want_weights = None
+        kwargs = dict(mode="naive", initial_scale=256.0, hysteresis=2,
+                      half_dtype=torch.bfloat16)
+    model = _net()
+    model, opt, crit = convert_to_amp(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                      nn.MSELoss(), **kwargs)
+    for step, (batches, blows) in enumerate(zip(micro, blowups)):
+        opt.zero_grad()
+        for (x, y), blow in zip(batches, blows):
+            opt.backward(crit(model(x), y) * blow)
+        opt.step()
+        assert opt.loss_scale == want_scales[step], (step, opt.loss_scale)
+        if want_weights is not None:
+            for a, b in zip(model.parameters(), want_weights[step]):
+                assert torch.equal(a, b), step
 
 
 def test_naive_mode_clips_the_master_gradients_inside_step():
@@ -262,3 +337,15 @@ def test_refusals_name_the_fix():
     model, opt = fresh()
     with pytest.raises(TypeError, match="amp.initialize directly"):
         convert_to_amp(model, [opt], mode="apex")
+    # a truthy string is not a switch
+    with pytest.raises(TypeError, match="enabled must be True or False, got str 'False'"):
+        convert_to_amp(*fresh(), mode="torch", enabled="False")
+    with pytest.raises(TypeError, match="verbose must be True or False, got str 'no'"):
+        convert_to_amp(*fresh(), mode="naive", verbose="no")
+    for bad in (["mode", "naive"], "naive"):
+        with pytest.raises(TypeError, match="amp_config must be a dict"):
+            convert_to_amp(*fresh(), amp_config=bad)
+    model, opt = fresh()
+    model, converted, _ = convert_to_amp(model, opt, mode="torch")
+    with pytest.raises(TypeError, match="already returned"):
+        convert_to_amp(model, converted, mode="torch")

@@ -12,6 +12,7 @@ scaler), so the returned objects train like any tritamp model and optimizer:
     "naive"  model.half(), fp32 masters, dynamic scaler  O2: half model (BatchNorm too), fp32
              with hysteresis (2), growth every 1000      masters, hysteresis 2, growth 1000
 """
+import collections.abc
 import math
 import numbers
 
@@ -59,8 +60,16 @@ def _apex_kwargs(config):
     return kwargs, 0.0
 
 
+def _check_bool(mode, name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"convert_to_amp(mode={mode!r}): {name} must be True or False, got "
+                        f"{type(value).__name__} {value!r}")
+
+
 def _torch_kwargs(config):
     kwargs = dict(config)
+    if "enabled" in kwargs:
+        _check_bool("torch", "enabled", kwargs["enabled"])
     # torch.amp.GradScaler: always dynamic (bf16 too), no ceiling, defaults 2**16 / 2 / 0.5 / 2000
     kwargs.update(opt_level="O1", loss_scale="dynamic", max_loss_scale=None)
     return kwargs, 0.0
@@ -76,6 +85,8 @@ def _naive_kwargs(config):
     if not isinstance(dynamic, bool):
         raise TypeError(f"convert_to_amp(mode='naive'): dynamic_grad_scale must be True or "
                         f"False, got {type(dynamic).__name__} {dynamic!r}")
+    verbose = config.pop("verbose", False)
+    _check_bool("naive", "verbose", verbose)
     hysteresis = config.pop("hysteresis", 2)
     if isinstance(hysteresis, bool) or not isinstance(hysteresis, numbers.Integral):
         raise TypeError(f"convert_to_amp(mode='naive'): hysteresis must be an int >= 0, got "
@@ -83,20 +94,27 @@ def _naive_kwargs(config):
     if hysteresis < 0:
         raise ValueError(f"convert_to_amp(mode='naive'): hysteresis must be an int >= 0, got "
                          f"{hysteresis}; pass e.g. 2 (the default)")
+    min_scale, max_scale = config.pop("min_scale", None), config.pop("max_scale", None)
+    if not dynamic:
+        # ColossalAI's ConstantGradScaler: the scale stays where it starts, and the naive
+        # optimizer still checks every step and skips an overflowing one. A dynamic scale
+        # held between a floor and a ceiling at its start does that (a static loss_scale
+        # is not checked: an overflow's inf/NaN were stepped into the weights).
+        min_scale = max_scale = init_scale
     kwargs = dict(
         opt_level="O2",
         # NaiveAMPModel runs model.half(): BatchNorm in half too, unless asked otherwise
         keep_batchnorm_fp32=config.pop("keep_batchnorm_fp32", False),
-        loss_scale="dynamic" if dynamic else init_scale,
+        loss_scale="dynamic",
         init_scale=init_scale,
         growth_factor=config.pop("growth_factor", 2.),
         backoff_factor=config.pop("backoff_factor", 0.5),
         growth_interval=config.pop("growth_interval", 1000),
         # ColossalAI backs off once hysteresis overflows are counted; 0 behaves as 1
         hysteresis=max(1, int(hysteresis)),
-        min_loss_scale=config.pop("min_scale", None),
-        max_loss_scale=config.pop("max_scale", None),
-        verbosity=1 if config.pop("verbose", False) else 0,
+        min_loss_scale=min_scale,
+        max_loss_scale=max_scale,
+        verbosity=1 if verbose else 0,
         half_dtype=config.pop("half_dtype", torch.float16),
     )
     # The scale settings under ColossalAI's names, checked before anything is built.
@@ -138,6 +156,10 @@ def convert_to_amp(model, optimizer, criterion=None, mode=None, amp_config=None,
     ``TorchAMPLoss``). Like ``initialize``, it configures the process's loss scalers:
     call it once per training setup.
     """
+    if amp_config is not None and not isinstance(amp_config, collections.abc.Mapping):
+        raise TypeError(f"convert_to_amp: amp_config must be a dict of settings (ColossalAI's "
+                        f"fp16 config), got {type(amp_config).__name__} {amp_config!r}; pass "
+                        "e.g. amp_config=dict(mode='torch'), or the settings as keywords")
     config = {**(amp_config or {}), **config}
     config_mode = config.pop("mode", None)
     if mode is not None and config_mode is not None and _mode_name(mode) != _mode_name(config_mode):
@@ -145,6 +167,10 @@ def convert_to_amp(model, optimizer, criterion=None, mode=None, amp_config=None,
                          "pass one of them")
     mode = mode if mode is not None else config_mode if config_mode is not None else "apex"
     mode = _mode_name(mode)
+    if isinstance(optimizer, AmpOptimizer):
+        raise TypeError("convert_to_amp got an optimizer convert_to_amp already returned; "
+                        "convert a model and optimizer once (build a fresh optimizer to "
+                        "convert again)")
     if isinstance(optimizer, (list, tuple)) or not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError("convert_to_amp takes one torch.optim.Optimizer; for several models and "
                         "optimizers call tritamp.amp.initialize directly")
@@ -155,7 +181,10 @@ def convert_to_amp(model, optimizer, criterion=None, mode=None, amp_config=None,
     enabled = kwargs.get("enabled", True)
     if mode == "torch" and criterion is not None and enabled:
         criterion = AutocastLoss(criterion, dtype=kwargs.get("half_dtype", torch.float16))
-    return model, AmpOptimizer(optimizer, clip_grad_norm=clip), criterion
+    # torch's GradScaler and ColossalAI's naive optimizer check, unscale and move the
+    # scale once per step(), whatever number of backward passes accumulated into it
+    return model, AmpOptimizer(optimizer, clip_grad_norm=clip,
+                               per_step=mode in ("torch", "naive")), criterion
 
 
 class AmpOptimizer:
@@ -166,11 +195,19 @@ class AmpOptimizer:
     first when a ``clip_grad_norm`` was configured (naive mode) and skips on overflow;
     ``optim`` is the optimizer itself (hand it to LR schedulers). ``state_dict()`` holds
     the optimizer's state and the loss scalers' (key ``"amp"``).
+
+    ``per_step`` (the torch and naive modes): as torch's GradScaler and ColossalAI's
+    naive optimizer, the gradients of every ``backward`` before a ``step()`` accumulate
+    scaled, and the check, the unscale and the scale's update run once, at the step (or
+    at a clip before it); otherwise (the apex mode) at each backward, as Apex's
+    ``scale_loss`` exit did.
     """
 
-    def __init__(self, optim, clip_grad_norm=0.0):
+    def __init__(self, optim, clip_grad_norm=0.0, per_step=False):
         self.optim = optim
         self.max_norm = float(clip_grad_norm)
+        self.per_step = bool(per_step)
+        self._scaled = False  # per_step: backward passes wait, scaled, for the step
 
     # -- the optimizer's own interface ---------------------------------------------------
     @property
@@ -212,12 +249,28 @@ class AmpOptimizer:
 
     # -- mixed precision ---------------------------------------------------------------------
     def backward(self, loss, retain_graph=False):
-        """``loss.backward()`` through ``amp.scale_loss``: scaled, checked, unscaled."""
-        with amp.scale_loss(loss, self.optim) as scaled_loss:
+        """``loss.backward()`` through ``amp.scale_loss``: scaled, checked, unscaled (with
+        ``per_step``, checked and unscaled at the step, with every other backward's)."""
+        with amp.scale_loss(loss, self.optim, delay_unscale=self.per_step) as scaled_loss:
             scaled_loss.backward(retain_graph=retain_graph)
+        if self.per_step:
+            self._scaled = True
+
+    def _unscale(self):
+        """``per_step``: check and unscale what the backward passes since the last step
+        left scaled, and move the scale, once (a ``scale_loss`` block without a backward
+        of its own)."""
+        if not self._scaled:
+            return
+        self._scaled = False
+        device = next((p.device for g in self.optim.param_groups for p in g["params"]),
+                      torch.device("cpu"))
+        with amp.scale_loss(torch.zeros((), device=device), self.optim):
+            pass
 
     def step(self, *args, **kwargs):
         """Clip (when configured), then step; skipped when the gradients overflowed."""
+        self._unscale()
         if self.max_norm > 0.0:
             clip_grad_norm_(amp.master_params(self.optim), self.max_norm)
         return self.optim.step(*args, **kwargs)
@@ -227,7 +280,9 @@ class AmpOptimizer:
         ``max_norm``; returns the total norm as a device tensor (no host sync).
 
         With a ``clip_grad_norm`` configured (naive mode) ``step()`` clips, and this
-        accepts only that same value, as ColossalAI's naive optimizer did."""
+        accepts only that same value, as ColossalAI's naive optimizer did, returning None
+        (the clipping happens in the step)."""
+        self._unscale()
         if self.max_norm > 0.0:
             if float(max_norm) == self.max_norm:
                 return None
@@ -240,6 +295,7 @@ class AmpOptimizer:
 
     def clip_grad_by_norm(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """``clip_grad_norm_`` over the master parameters (unscaled first)."""
+        self._unscale()
         return clip_grad_norm_(amp.master_params(self.optim), max_norm, norm_type,
                                error_if_nonfinite=error_if_nonfinite)
 
