@@ -78,7 +78,13 @@ def _layer_norm_fwd_kernel(
             # their mean square less the square of the correction (not below 0), as in
             # the chunked branch.
             d = tl.where(mask, x - mean, 0.0)
-            d_sum, dd_sum = tl.reduce((d, d * d), 0, _add_pairs)
+            if EMULATE_BF16_ROUNDING:
+                # (Triton's interpreter: the same two sums, but a reduction with a combine
+                # function of its own runs there element by element in Python, 20x slower)
+                d_sum = tl.sum(d, axis=0)
+                dd_sum = tl.sum(d * d, axis=0)
+            else:
+                d_sum, dd_sum = tl.reduce((d, d * d), 0, _add_pairs)
             corr = tl.div_rn(d_sum, n)
             var = tl.maximum(tl.div_rn(dd_sum, n) - corr * corr, 0.0)
             mean = mean + corr
