@@ -148,6 +148,42 @@ def test_a_bad_tensor_hyperparameter_in_a_later_group_is_refused_before_any_grou
         assert _same(before, _snapshot(opt, a + b))
 
 
+_MALFORMED = [("eps", None), ("weight_decay", "0.1"), ("lr", [0.1]),
+              ("lr", torch.tensor(0.1 + 0j)), ("betas", (0.9,)), ("betas", (0.9, None)),
+              ("momentum", None), ("dampening", "0")]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("first_step", [True, False], ids=["first-step", "kept-plans"])
+def test_a_malformed_number_option_in_a_later_group_is_refused_before_any_group_steps(
+        name, path, first_step):
+    """A number option (its default is a number) or a tuple of them (betas) set on a later
+    group after the optimizer was built, malformed: it failed inside that group's launch
+    (a raw unpacking or float() error) after group 0 had stepped and kept its state."""
+    with _path(path):
+        cases = 0
+        for key, bad in _MALFORMED:
+            a, b = _params(2), _params(2)
+            opt = OPTIMIZERS[name](a)
+            opt.add_param_group(dict(params=b))
+            if key not in opt.param_groups[1]:
+                continue
+            for p in a + b:
+                p.grad = torch.full((8,), 0.5)
+            if not first_step:
+                opt.step()
+            opt.param_groups[1][key] = bad
+            before = _snapshot(opt, a + b)
+            states = len(opt.state)
+            with pytest.raises(TypeError, match=rf"param_groups\[1\]\['{key}'\] is "):
+                opt.step()
+            assert _same(before, _snapshot(opt, a + b)), key
+            assert len(opt.state) == states, key
+            cases += 1
+        assert cases >= 3
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("layout", ["own group", "mixed"])

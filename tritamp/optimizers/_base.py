@@ -59,6 +59,29 @@ def _host_value(value):
     return float(value) if isinstance(value, torch.Tensor) else value
 
 
+def _real_option(value):
+    """A number a launch can read: a real Python number, or a real one-element tensor
+    (its element count and device are checked with the other tensors)."""
+    if isinstance(value, torch.Tensor):
+        return not value.is_complex() and value.dtype != torch.bool
+    return isinstance(value, numbers.Real)
+
+
+def _number_options(defaults):
+    """(numbers, pairs): the option keys whose default is a number, and those whose
+    default is a tuple of numbers (with its length): what a launch reads as such."""
+    numbers_, pairs = [], []
+    for key, value in defaults.items():
+        if isinstance(value, bool) or key == "params":
+            continue
+        if isinstance(value, numbers.Real) or key == "lr":
+            numbers_.append(key)
+        elif isinstance(value, tuple) and value and all(
+                isinstance(v, numbers.Real) and not isinstance(v, bool) for v in value):
+            pairs.append((key, len(value)))
+    return tuple(numbers_), tuple(pairs)
+
+
 def _host_hyperparameters(values):
     """``values`` (defaults or a parameter group, ``params`` left out) with every
     hyperparameter given as a one-element tensor read as a float, betas one by one; the
@@ -489,6 +512,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if group.get("lr", 0) is None:
             raise TypeError(f"{type(self).__name__}: param_groups[{gi}]['lr'] is None; set a "
                             "learning rate (a float, or a one-element tensor)")
+        self._check_number_options(gi, group)
         read = []
         for key, value in group.items():
             if key == "params":
@@ -516,6 +540,33 @@ class FusedOptimizer(torch.optim.Optimizer):
         if read:
             for key, value in _host_hyperparameters({k: group[k] for k in read}).items():
                 group[key] = value
+
+    def _check_number_options(self, gi, group):
+        """The options a launch reads as numbers (those whose default is one: lr, eps,
+        weight_decay, momentum, ...) and as tuples of numbers (betas) hold such values in
+        every group, before any group steps: set malformed on a later group after the
+        optimizer was built (betas=(0.9,), eps=None, lr=[0.1]), they failed inside that
+        group's launch after the earlier groups had stepped."""
+        kinds = self.__dict__.get("_number_kinds")
+        if kinds is None:
+            kinds = self._number_kinds = _number_options(self.defaults)
+        numbers_, pairs = kinds
+        name = type(self).__name__
+        for key in numbers_:
+            value = group.get(key, 0.0)
+            if not _real_option(value):
+                raise TypeError(f"{name}: param_groups[{gi}]['{key}'] is "
+                                f"{type(value).__name__} {value!r}; it must be a real number "
+                                "(or a one-element real tensor), as when the optimizer was built")
+        for key, length in pairs:
+            value = group.get(key, ())
+            if key not in group:
+                continue
+            if not (isinstance(value, (tuple, list)) and len(value) == length
+                    and all(map(_real_option, value))):
+                raise TypeError(f"{name}: param_groups[{gi}]['{key}'] is {value!r}; it must be "
+                                f"a tuple of {length} real numbers (or one-element real "
+                                "tensors), as when the optimizer was built")
 
     def _check_param_dtypes(self, params, group_index):
         for i, p in enumerate(params):
