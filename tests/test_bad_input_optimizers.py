@@ -750,3 +750,33 @@ def test_master_weights_follow_a_parameter_recast_through_data(start, after, pat
             o.step()
     assert_bits_equal(twin.weight.detach(), model.weight.detach(), "the recast parameter")
     assert ("master_param" in opt.state[model.weight]) == (after == torch.float16)
+
+
+@pytest.mark.parametrize("make,key,mine", [
+    (lambda ps, **kw: FusedAdam(ps, lr=0.1, **kw), "decoupled_weight_decay", True),
+    (lambda ps, **kw: FusedAdam(ps, lr=0.1, adam_w_mode=False, **kw),
+     "decoupled_weight_decay", False),
+    (lambda ps, **kw: FusedAdagrad(ps, lr=0.1, **kw), "adagrad_w_mode", False),
+], ids=["adam-w", "adam-l2", "adagrad-l2"])
+def test_a_group_naming_the_other_weight_decay_rule_is_refused(make, key, mine):
+    """torch.optim.Adam's per-group decoupled_weight_decay (FusedAdagrad's adagrad_w_mode):
+    a group asking for the rule the optimizer does not apply was kept and ignored (the
+    other rule stepped, 0.25 off after 3 steps), and state_dict() wrote the optimizer's
+    rule over it. Refused at construction, in add_param_group and at a step; the same
+    rule, or no weight decay, is accepted."""
+    p, q = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    other = {key: not mine, "weight_decay": 0.5}
+    with pytest.raises(ValueError, match=rf"says {key}={not mine} with weight_decay=0\.5.*"
+                                         rf"applies {key}={mine}"):
+        make([dict(params=[p], **other)])
+    opt = make([p], weight_decay=0.5)
+    with pytest.raises(ValueError, match=f"{key}={not mine}"):
+        opt.add_param_group(dict(params=[q], **other))
+    opt.add_param_group(dict(params=[q], **{key: mine}))           # the same rule
+    make([dict(params=[torch.nn.Parameter(torch.ones(2))], **{key: not mine})])  # no decay
+    p.grad, q.grad = torch.ones(4), torch.ones(4)
+    opt.param_groups[1][key] = not mine
+    before = [p.detach().clone(), q.detach().clone()]
+    with pytest.raises(ValueError, match=r"param_groups\[1\]"):
+        opt.step()
+    assert torch.equal(before[0], p) and torch.equal(before[1], q) and len(opt.state) == 0

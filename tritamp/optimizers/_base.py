@@ -434,6 +434,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                         + (" (the learning rate)" if key == "lr" else ""))
             self._check_hyperparameters(param_group, where)
             self._check_group_options(param_group, where)
+            self._check_rule_keys(param_group, where)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for key, value in _host_hyperparameters(group).items():
@@ -500,6 +501,20 @@ class FusedOptimizer(torch.optim.Optimizer):
         if "seed" in group and self._rounding == "stochastic":
             _check_seed(type(self).__name__, group["seed"], where)
 
+    def _check_rule_keys(self, group, where=""):
+        """A group key naming a rule this optimizer sets for all its groups (FusedAdam's
+        ``decoupled_weight_decay``, torch.optim.Adam's per-group key): refused where it
+        says the other rule (a checkpoint's, by :meth:`load_state_dict`, with its own
+        message)."""
+
+    def _refuse_other_rule(self, group, where, key, mine, fix):
+        value = group.get(key)
+        if value is not None and bool(value) != bool(mine) and group.get("weight_decay", 0):
+            raise ValueError(
+                f"{type(self).__name__}: a parameter group{where} says {key}={value!r} with "
+                f"weight_decay={group.get('weight_decay')!r}, but this optimizer applies "
+                f"{key}={bool(mine)} to every group (it would be ignored): {fix}")
+
     def _check_step_options(self, gi, group):
         """What the launches read of a group's options, checked for every group before any
         group is written (a refusal in a launch would come after earlier groups
@@ -507,6 +522,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         built), and hyperparameters given as tensors (one element, on the group's
         device)."""
         self._check_group_options(group, f" (param_groups[{gi}])")
+        self._check_rule_keys(group, f" (param_groups[{gi}])")
         params = group["params"]
         device = params[0].device if params else None
         if group.get("lr", 0) is None:

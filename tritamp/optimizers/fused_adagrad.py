@@ -33,6 +33,7 @@ class FusedAdagrad(FusedOptimizer):
         # (at the only values supported) so a state dict of ours steps under torch's class.
         defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, lr_decay=0.0,
                         initial_accumulator_value=0.0)
+        self.adagrad_w_mode = 1 if adagrad_w_mode else 0  # (the groups' keys are checked by it)
         super().__init__(params, defaults, set_grad_none=set_grad_none,
                          master_weights=master_weights, stochastic_rounding=stochastic_rounding,
                          kahan_summation=kahan_summation, seed=seed)
@@ -58,6 +59,12 @@ class FusedAdagrad(FusedOptimizer):
     def _check_group_options(self, group, where=""):
         self._check_group(group, where)
         super()._check_group_options(group, where)  # (the stochastic-rounding seed)
+
+    def _check_rule_keys(self, group, where=""):
+        self._refuse_other_rule(
+            group, where, "adagrad_w_mode", self.adagrad_w_mode,
+            f"construct FusedAdagrad(..., adagrad_w_mode={not self.adagrad_w_mode}) for it, "
+            "or one FusedAdagrad per rule, or drop the key")
 
     # adagrad_w_mode, written into state_dict()'s groups
     _SAVED_ONLY_GROUP_KEYS = FusedOptimizer._SAVED_ONLY_GROUP_KEYS + ("adagrad_w_mode",)

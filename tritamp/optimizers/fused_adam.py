@@ -34,6 +34,7 @@ class FusedAdam(FusedOptimizer):
             raise ValueError(f"FusedAdam: state_dtype must be torch.float32 or torch.bfloat16 "
                              f"(the moments' dtype), got {state_dtype!r}")
         self.state_dtype = torch.float32 if state_dtype is None else state_dtype
+        self.adam_w_mode = 1 if adam_w_mode else 0  # (the groups' keys are checked by it)
         super().__init__(params, defaults, set_grad_none=set_grad_none, capturable=capturable,
                          master_weights=master_weights, stochastic_rounding=stochastic_rounding,
                          kahan_summation=kahan_summation, seed=seed)
@@ -58,6 +59,12 @@ class FusedAdam(FusedOptimizer):
         if group.get("amsgrad", False):
             raise ValueError(f"FusedAdam does not support the AMSGrad variant (amsgrad=True"
                              f"{where}): use torch.optim.Adam(amsgrad=True)")
+
+    def _check_rule_keys(self, group, where=""):
+        self._refuse_other_rule(
+            group, where, "decoupled_weight_decay", self.adam_w_mode,
+            f"construct FusedAdam(..., adam_w_mode={not self.adam_w_mode}) for it, or one "
+            "FusedAdam per rule, or drop the key")
 
     def _check_saved_group(self, saved, gi):
         decoupled = saved.get("decoupled_weight_decay")
