@@ -55,11 +55,14 @@ def _grad_scaler_run(cfg, batches, blowups, momentum=0.0):
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=momentum)
     scaler = torch.amp.GradScaler("cpu", **cfg)
     scales, weights = [], []
-    for (x, y), blowup in zip(batches, blowups):
+    for batch, blowup in zip(batches, blowups):
         ref_opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = nn.functional.mse_loss(ref(x), y) * blowup
-        scaler.scale(loss).backward()
+        # a step's batch, or a list of micro-batches (each blowup then a list too)
+        micro = batch if isinstance(batch, list) else [batch]
+        for (x, y), blow in zip(micro, blowup if isinstance(batch, list) else [blowup]):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.mse_loss(ref(x), y) * blow
+            scaler.scale(loss).backward()
         scaler.step(ref_opt)
         scaler.update()
         scales.append(scaler.get_scale())
@@ -199,20 +202,7 @@ def test_accumulated_backward_passes_move_the_scale_once_per_step(mode):
     blowups = [[1.0, 1.0], [1.0, float("inf")], [float("inf"), float("inf")], [1.0, 1.0]]
     if mode == "torch":
         cfg = dict(init_scale=2.**10, growth_interval=1)
-        ref = _net()
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-        scaler = torch.amp.GradScaler("cpu", **cfg)
-        want_scales, want_weights = [], []
-        for batches, blows in zip(micro, blowups):
-            ref_opt.zero_grad()
-            for (x, y), blow in zip(batches, blows):
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    loss = nn.functional.mse_loss(ref(x), y) * blow
-                scaler.scale(loss).backward()
-            scaler.step(ref_opt)
-            scaler.update()
-            want_scales.append(scaler.get_scale())
-            want_weights.append([p.detach().clone() for p in ref.parameters()])
+        _, want_scales, want_weights = _grad_scaler_run(cfg, micro, blowups)
         kwargs = dict(mode="torch", half_dtype=torch.bfloat16, **cfg)
     else:
         # ColossalAI's DynamicGradScaler, counted once per step: hysteresis 2 backs off
