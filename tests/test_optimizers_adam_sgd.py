@@ -834,3 +834,37 @@ def test_fused_sgd_accepts_apex_materialize_master_grads_keyword():
             opt.step()
         runs.append(p.detach().clone())
     assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("path", ["kernel", "cpu"])
+@pytest.mark.parametrize("how", ["load_state_dict", "no_grad copy_", "new storage"])
+def test_master_weights_follow_weights_written_between_steps(path, how):
+    """master_weights=True: weights written into a bf16 parameter after steps (a best
+    checkpoint restored, EMA weights copied in) were overwritten by the stale fp32 master
+    at the next step (the weight went back to where training had taken it). The master
+    now takes the written value first: the step goes on from 5.0."""
+    import contextlib
+    from tritamp.testing import force_cpu_path
+    with force_cpu_path() if path == "cpu" else contextlib.nullcontext():
+        model = nn.Linear(4, 1, bias=False).to(torch.bfloat16)
+        opt = FusedAdam(model.parameters(), lr=0.01, master_weights=True)
+        for _ in range(2):
+            model.weight.grad = torch.ones_like(model.weight)
+            opt.step()
+        new = torch.full((1, 4), 5.0, dtype=torch.bfloat16)
+        if how == "load_state_dict":
+            model.load_state_dict({"weight": new})
+        elif how == "no_grad copy_":
+            with torch.no_grad():
+                model.weight.copy_(new)
+        else:
+            model.weight.data = new.clone()
+        model.weight.grad = torch.ones_like(model.weight)
+        opt.step()
+        master = opt.state[model.weight]["master_param"]
+        torch.testing.assert_close(master, torch.full((1, 4), 4.99), rtol=0, atol=1e-6)
+        # a step without a write in between: the master is not taken from the weight
+        # again (the bf16 weight holds 5.0, the master 4.99 - 0.01)
+        model.weight.grad = torch.ones_like(model.weight)
+        opt.step()
+        torch.testing.assert_close(master, torch.full((1, 4), 4.98), rtol=0, atol=1e-5)

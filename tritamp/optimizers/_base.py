@@ -315,7 +315,7 @@ class _GroupLinks:
     """What each parameter of a group reads and writes in a step (see
     :meth:`FusedOptimizer._links`)."""
     __slots__ = ("params", "targets", "copies", "models", "model_rows", "masters",
-                 "lazy_sources", "written", "sharded", "shards")
+                 "lazy_sources", "written", "sharded", "shards", "owned")
 
     def __init__(self, params, targets, copies, models, sharded=False):
         self.params = list(params)
@@ -335,6 +335,9 @@ class _GroupLinks:
         # Everything the plan writes besides state (an address that moves, as with
         # p.data = ..., must rebuild the plan).
         self.written = targets + [c for c in copies if c is not None]
+        # (half weight, the optimizer's own fp32 master of it): master_weights=True rows
+        self.owned = [(c, t) for t, c, m in zip(targets, copies, models)
+                      if c is not None and m is None]
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -1293,6 +1296,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         if write_grads:
             launched = [None if p is None else GradWrites(p) for p in plans]
         try:
+            owned = self._owned_masters()
+            if owned:
+                self._masters_follow_written_weights(owned)
             extra = self._before_groups(plans, grad_scale)
             for gi, (group, prepared) in enumerate(zip(self.param_groups, plans)):
                 if prepared is not None:
@@ -1302,10 +1308,40 @@ class FusedOptimizer(torch.optim.Optimizer):
                         prepared.release("grads")
                         cache = self._plans[gi]
                         cache.key = (None, cache.key[1])
+            if owned:
+                self._weight_versions = {id(w): (w._version, w.data_ptr()) for w, _ in owned}
         except BaseException:
             handoff.reset()  # no stale handoff for the next step
             raise
         handoff.stepped()
+
+    def _owned_masters(self):
+        """[(half weight, its fp32 master)] of the masters this optimizer keeps itself
+        (``master_weights=True``), from the groups' current links."""
+        if not self.master_weights:
+            return ()
+        owned = []
+        for gi in range(len(self.param_groups)):
+            cached = self._links_cache.get(gi)
+            if cached is not None:
+                owned.extend(cached[1].owned)
+        return owned
+
+    def _masters_follow_written_weights(self, owned):
+        """A half weight written since the last step (``model.load_state_dict``, EMA
+        weights copied in, a layer re-initialised: its version counter moved) becomes its
+        master's value, so the step updates what was written instead of overwriting it
+        with the stale master (Apex's masters did), and so does one given new storage
+        (``p.data = t``). A write through ``.data`` into the same storage
+        (``p.data.copy_(t)``) moves no counter and is not seen. Runs once the step is validated: a refused step leaves
+        the masters as they were."""
+        seen = self.__dict__.get("_weight_versions")
+        if not seen:
+            return
+        for weight, master in owned:
+            last = seen.get(id(weight))
+            if last is not None and (weight._version, weight.data_ptr()) != last:
+                master.copy_(weight)
 
     def _shard_reduce(self):
         """The :class:`~tritamp.sharding.ShardReduce` of this optimizer's DTensor
