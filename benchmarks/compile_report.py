@@ -679,6 +679,16 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1)
         print(f"\nwrote {os.path.relpath(args.json)}")
+    # (the report is written either way; the status says whether it covers everything)
+    rows = list(report.get("specialisations", ()))
+    for part in ("norms", "syncbn"):
+        rows += report.get(part, {}).get("specialisations", [])
+    failed = list(report["errors"]) + [r.get("kernel", "?") for r in rows
+                                       if isinstance(r, dict) and r.get("error")]
+    if report.get("toolchain_error") or failed:
+        log(f"compile_report: incomplete ({len(failed)} scenario(s) or kernel(s) failed"
+            + (", no CUDA toolchain" if report.get("toolchain_error") else "") + ")")
+        return 1
     return 0
 
 

@@ -100,8 +100,13 @@ def run_step(name, argv, limit, cwd=ROOT):
     killed, the worker processes it started included (opt_levels' workers hold GPU
     memory the next step needs), and what it printed until then is kept."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    try:
+        proc = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    except OSError as e:  # (not started: the report says so and the next step runs)
+        msg = f"could not start: {type(e).__name__}: {e}"
+        return dict(name=name, argv=argv, limit_s=limit, seconds=0.0, status="failed",
+                    returncode=None, output=msg, stdout="", stderr=msg)
     try:
         out, err = proc.communicate(timeout=limit)
         status = "ok" if proc.returncode == 0 else "failed"
@@ -196,6 +201,11 @@ def main(argv=None):
     steps = plan(torch.cuda.device_count())
     if wanted is not None:
         steps = [s for s in steps if s[0] in wanted]
+        if not steps:
+            names = ", ".join(s[0] for s in plan(torch.cuda.device_count()))
+            print(f"gpu_report: no step of this machine is named {sorted(wanted)}; its steps: "
+                  f"{names}")
+            return 2
     if args.dry_run:
         for name, cmd, limit in steps:
             print(f"{name} ({limit} s): {' '.join(cmd[1:])}")

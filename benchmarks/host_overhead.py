@@ -261,8 +261,12 @@ def _stats(times):
         return None
     if len(times) >= 10:
         q = statistics.quantiles(times, n=10)
+    elif len(times) >= 2:
+        # deciles interpolated between the samples (with fewer than 10 the exclusive
+        # method cannot place them: the min and max stood for the 20th and 80th)
+        q = statistics.quantiles(times, n=10, method="inclusive")
     else:
-        q = [min(times)] * 2 + [max(times)] * 8
+        q = [times[0]] * 9
     return dict(median_us=statistics.median(times) * 1e6, p20_us=q[1] * 1e6, p80_us=q[7] * 1e6,
                 n=len(times))
 
@@ -779,10 +783,15 @@ def _section(name, run, rounds):
     except Exception as e:
         print(f"host_overhead: the {name} cases could not run ({type(e).__name__}: {e}).")
         traceback.print_exc()
+        _FAILED.append(name)
         return []
 
 
+_FAILED = []  # what could not be measured in this run: main's exit status says so
+
+
 def main(argv=None):
+    _FAILED.clear()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="O1/O2 fp16 Adam/SGD, few rounds")
     ap.add_argument("--rounds", type=int, default=None)
@@ -837,6 +846,8 @@ def main(argv=None):
     except Exception as e:
         print(f"host_overhead: the recorder could not run ({type(e).__name__}: {e}).")
         traceback.print_exc()
+        _FAILED.append("recorder")
+    _FAILED.extend(r["config"] for r in rows if r.get("error"))
     print(f"Host cost per step on the GPU code path (no GPU; {env['cpu']}; torch "
           f"{env['torch']}, triton {env['triton']}, 1 thread)\n")
     if rows:
@@ -862,6 +873,9 @@ def main(argv=None):
                        target_launches_per_group=TARGET_LAUNCHES, rows=rows,
                        norms=norm_rows, larc=larc_rows, syncbn=syncbn_rows), f, indent=1)
     print(f"\nwrote {os.path.relpath(args.out)}")
+    if _FAILED:
+        print(f"host_overhead: not measured: {', '.join(_FAILED)}")
+        return 1
     return 0
 
 

@@ -17,7 +17,7 @@ bytes moved, GB/s, the share of the device's measured copy bandwidth and the rat
 torch baseline. tritamp's multi-tensor rows time the launch of a sweep prepared once, as a
 training step pays it (validation and planning happen when the tensors change, not each
 step). Timing as in optimizers.py: replays of a CUDA graph on the GPU, a short
-wall-clock median of the reference path on a CPU (which says nothing about GPU speed).
+wall-clock median of tritamp's CPU path on a CPU (which says nothing about GPU speed).
 ``--budget-s`` bounds the run: rows that would start after it are skipped unmeasured, and
 the table and JSON are still written.
 """
@@ -48,8 +48,10 @@ def _torch_unscale(shapes, device):
     grads = _grads(shapes, device)
     inv = torch.ones((), device=device)  # 1.0: repeated runs leave the gradients as they are
     fi = torch.zeros(1, device=device)
+    # bytes: the least the check must touch (read each value once), as tritamp's row
+    # counts them; torch's op also writes every value back (it has no read-only check)
     return (lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, fi, inv)), \
-        sum(g.numel() * (2 + 2) for g in grads), grads
+        sum(g.numel() * 2 for g in grads), grads
 
 
 def _torch_unscale_to_fp32(shapes, device):
@@ -64,7 +66,9 @@ def _torch_unscale_to_fp32(shapes, device):
     def step():
         torch._foreach_copy_(masters, grads)
         torch._amp_foreach_non_finite_check_and_unscale_(masters, fi, inv)
-    return step, sum(g.numel() * (2 + 4 + 4 + 4) for g in grads), (grads, masters)
+    # bytes: the operation's least (read fp16, write fp32), as tritamp's row counts them;
+    # torch's two passes move 14 bytes an element to do it
+    return step, sum(g.numel() * (2 + 4) for g in grads), (grads, masters)
 
 
 def _torch_norm(shapes, device):
@@ -206,8 +210,8 @@ def _run(args, device):
     the other row counts and sizes. The table keeps the usual order (SyncBatchNorm last: its rows carry their own
     ratios)."""
     timed, meta, copy_gbps = ob.start_report(
-        device, args.cpu_reps, "No GPU in use: these are CPU figures of small sizes (torch "
-        "reference paths); they say nothing about GPU speed.")
+        device, args.cpu_reps, "No GPU in use: these are CPU figures of small sizes (tritamp's "
+        "CPU path against torch's CPU ops); they say nothing about GPU speed.")
     first = []
     for n in args.sizes:
         for layout in args.layouts:

@@ -121,8 +121,8 @@ def main(argv=None):
         if dt not in DTYPES:
             p.error(f"unknown dtype {dt!r}; choose from {list(DTYPES)}")
     timed, meta, copy_gbps = ob.start_report(
-        device, args.cpu_reps, "No GPU in use: these are CPU figures of small sizes (torch "
-        "reference paths); they say nothing about GPU speed.")
+        device, args.cpu_reps, "No GPU in use: these are CPU figures of small sizes (tritamp's "
+        "CPU path against torch's CPU ops); they say nothing about GPU speed.")
     widths = [int(w) for w in args.widths.split(",")] if args.widths else None
     counts = [int(r) for r in args.rows.split(",")] if args.rows else None
     rows = norm_rows(device, timed, copy_gbps, meta, counts, widths, dtypes)

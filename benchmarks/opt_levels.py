@@ -489,7 +489,11 @@ def target_lines(rows):
         key = "vs_torch_amp_bf16" if baseline == BASELINE else "vs_torch_same_dtype"
         ratio, spread = row[key], row.get(key + "_middle_half")
         met = ratio <= limit
-        text = f"{config} <= {limit:.2f}x {baseline}: {ratio:.3f}x {'met' if met else 'NOT met'}"
+        # digits enough to show which side of the limit it is (1.0004 is not 1.000)
+        shown = f"{ratio:.3f}"
+        if float(shown) == limit and ratio != limit:
+            shown = f"{ratio:.5f}"
+        text = f"{config} <= {limit:.2f}x {baseline}: {shown}x {'met' if met else 'NOT met'}"
         if spread:
             lo, hi = spread
             text += f" (rounds' middle half {lo:.3f}-{hi:.3f}x"

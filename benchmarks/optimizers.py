@@ -26,7 +26,7 @@ more passes). GB/s is bytes / median time; "copy BW" is the share of a large dev
 measured bandwidth; "vs torch" is torch's time / this row's time (its fused optimizer
 where torch has one on the device, else foreach). Timing on the GPU: quantiles 0.5 / 0.2 /
 0.8 over replays of the step captured in a CUDA graph (:func:`cuda_graph_ms`); on a CPU a
-short wall-clock median of the torch reference path, which says nothing about GPU speed.
+short wall-clock median of tritamp's CPU path, which says nothing about GPU speed.
 """
 import argparse
 import gc
@@ -523,7 +523,10 @@ def start_report(device, cpu_reps, cpu_notice):
         if device.index is not None:  # ("cuda" alone: the current device)
             torch.cuda.set_device(device.index)
     else:
-        print(cpu_notice)
+        # one thread for both sides: torch's multi-threaded CPU ops slow down a
+        # hundredfold when the other core is busy, tritamp's Python does not
+        torch.set_num_threads(1)
+        print(cpu_notice + " One thread.")
     timed = make_timer(device, cpu_reps)
     meta = dict(device=device_name(device), **versions())
     copy_gbps = copy_bandwidth(device, timed)
@@ -582,6 +585,13 @@ def add_ratios(rows):
                 break
         r["baseline"] = base["impl"] if base else None
         r["ratio_to_torch"] = base["time_ms"] / r["time_ms"] if base else None
+        if base is not None and base.get("timing") != r.get("timing"):
+            # A baseline that could not be captured in a CUDA graph (a host read of the
+            # overflow flag) is timed with events around plain calls: its time holds the
+            # host's launches and sync, this row's does not. No ratio between the two.
+            r["ratio_to_torch"] = None
+            r["ratio_note"] = (f"no ratio: {base['impl']} timed by {base.get('timing')}, "
+                               f"this row by {r.get('timing')}")
 
 
 # -- output ------------------------------------------------------------------------------
@@ -602,7 +612,7 @@ def format_table(rows):
             f"{r['ratio_to_torch']:.2f}x" if t and r.get("ratio_to_torch") else "-",
             f"{r['host_ms']:.3f}" if t and r.get("host_ms") is not None else "-",
             (r.get("timing") or "-") + (f", {r['rotated']} sets" if r.get("rotated") else ""),
-            r.get("note", "")])
+            "; ".join(n for n in (r.get("note", ""), r.get("ratio_note", "")) if n)])
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
     fmt = "  ".join(("{:<%d}" if i in (0, 1, 2, 12, 13) else "{:>%d}") % w
                     for i, w in enumerate(widths))
@@ -660,8 +670,9 @@ def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
     timed, meta, copy_gbps = start_report(
-        device, args.cpu_reps, "No GPU in use: these are CPU figures of small sizes (torch "
-        "reference paths, or Triton's interpreter); they say nothing about GPU speed.")
+        device, args.cpu_reps, "No GPU in use: these are CPU figures of small sizes (tritamp's "
+        "CPU path, or Triton's interpreter, against torch's CPU ops); they say nothing about "
+        "GPU speed.")
     rows = []
     for n in args.sizes:
         for layout in args.layouts:

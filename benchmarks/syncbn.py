@@ -25,7 +25,7 @@ twice (statistics, normalisation) and writes y, the backward reads dy and x twic
 the ``torch sync`` row's time / this row's time (on a CPU: torch's BatchNorm2d row's);
 ``vs_cudnn`` in the JSON likewise against the ``cudnn`` row.
 Timing as in benchmarks/optimizers.py: replays of a CUDA graph on the GPU, a short
-wall-clock median on a CPU, where tritamp runs its torch reference path (or Triton's
+wall-clock median on a CPU, where tritamp runs its CPU path (or Triton's
 interpreter under ``TRITON_INTERPRET=1``) and the figures say nothing about GPU speed.
 
 ``syncbn_rows`` returns the rows in benchmarks/kernels.py's format for inclusion there.
@@ -273,8 +273,7 @@ def main(argv=None):
     device = torch.device(args.device)
     timed, meta, copy_gbps = ob.start_report(
         device, args.cpu_reps, "No GPU in use: a CPU smoke run of small shapes (tritamp's "
-        "torch reference path, or Triton's interpreter); the figures say nothing about GPU "
-        "speed.")
+        "CPU path, or Triton's interpreter); the figures say nothing about GPU speed.")
     rows = syncbn_rows(device, timed, copy_gbps, meta, args.batch, args.configs, args.shapes)
     return ob.finish_report(rows, meta, copy_gbps, args.out, "syncbn", device, "kernel")
 

@@ -114,3 +114,15 @@ def test_syncbn_host_cost_rows(tmp_path):
                                         "_syncbn_backward_input_kernel"]
                                  if name.endswith("forward+backward") else fwd), r
     assert "| NCHW forward |" in stdout and "through Triton's binding" in stdout
+
+
+def test_the_p20_p80_of_few_samples_are_deciles_not_the_extremes():
+    """--quick times 3 rounds x 3 steps: with fewer than 10 samples the 20th and 80th
+    percentiles were the minimum and maximum."""
+    sys.path.insert(0, ROOT)
+    from benchmarks.host_overhead import _stats
+    nine = [i * 1e-6 for i in range(100, 1000, 100)]   # 100 ... 900 us
+    s = _stats(nine)
+    assert s["median_us"] == pytest.approx(500.0)
+    assert s["p20_us"] == pytest.approx(260.0) and s["p80_us"] == pytest.approx(740.0)
+    assert _stats([5e-6])["p20_us"] == pytest.approx(5.0)

@@ -60,6 +60,12 @@ def test_target_lines_give_the_rounds_middle_half():
     assert "middle half 0.990-1.020x: the target lies within it" in near_text
     assert far_met is True and "middle half 0.820-0.860x)" in far_text
     assert opt_levels._spread(dict(rounds=[1.0]), dict(rounds=[1.0])) is None
+    # a ratio that rounds to the limit shows the digits that put it over (it printed
+    # "1.000x NOT met")
+    over = [dict(config="O1-bf16", vs_torch_amp_bf16=1.0004), dict(config="torch.amp-bf16",
+                                                                   vs_torch_amp_bf16=1.0)]
+    (text, met), = opt_levels.target_lines(over)
+    assert met is False and "1.00040x NOT met" in text
 
 
 def test_cpu_defaults_run_three_workloads_without_fp16():
