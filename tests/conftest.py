@@ -50,6 +50,23 @@ def _autograd_left_on():
         pytest.fail("the test left autograd off (torch.is_grad_enabled() is False)")
 
 
+@pytest.fixture(autouse=True)
+def _interpreter_setting_kept():
+    """A test that changes TRITON_INTERPRET in this process (importing a benchmark module
+    that switches the interpreter off, say) fails itself and the setting is put back,
+    instead of every later kernel test failing."""
+    before = os.environ.get("TRITON_INTERPRET")
+    yield
+    after = os.environ.get("TRITON_INTERPRET")
+    if after != before:
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+        pytest.fail(f"the test changed TRITON_INTERPRET from {before!r} to {after!r} in the "
+                    "test process (run what sets it in a subprocess)")
+
+
 # One tolerance table keyed by dtype (STYLE.md).
 TOL = {
     torch.float32: dict(rtol=1.3e-6, atol=1e-5),
