@@ -370,7 +370,7 @@ def measure(workloads, args):
         try:
             for name, spec in workloads.items():
                 if spec["repeats"] > k:
-                    _one_repetition(spec, workers, args, raw[name])
+                    _one_repetition(spec, workers, args, raw[name], k)
         finally:
             for w in workers:
                 w.close()
@@ -392,28 +392,31 @@ def _rows(workload, rows, args):
         row["vs_torch_same_dtype"] = _ratio(row, by_name.get(same))
         row["vs_torch_same_dtype_middle_half"] = _spread(row, by_name.get(same))
     for row in out:
-        del row["times"], row["rounds"]
+        del row["times"], row["rounds"], row["round_ids"]
     return out
 
 
-def _one_repetition(workload, workers, args, rows):
+def _one_repetition(workload, workers, args, rows, repetition=0):
     alive = []
     for w in workers:
         try:
             info = w.ask(cmd="setup", workload=workload, warmup=workload["warmup"])
-        except RuntimeError as e:
+        except (RuntimeError, OSError, EOFError) as e:  # (a worker that died: a broken pipe)
             print(f"{w.name}: failed\n{e}", file=sys.stderr)
             continue
         alive.append(w)
         row = rows.setdefault(w.name, dict(config=w.name, first=info["first_step_s"],
-                                           times=[], rounds=[], syncs_per_step=0,
-                                           peak_memory_mb=0.0))
+                                           times=[], rounds=[], round_ids=[],
+                                           syncs_per_step=0, peak_memory_mb=0.0))
     for r in range(workload["rounds"]):
         k = r % max(len(alive), 1)
         for w in alive[k:] + alive[:k]:
             times = w.ask(cmd="run", steps=workload["steps_per_round"])["times"]
             rows[w.name]["times"].extend(times)
             rows[w.name]["rounds"].append(statistics.median(times))
+            # (repetition, round): ratios pair a configuration's round with the same
+            # round of the baseline, also when one of them missed a repetition
+            rows[w.name]["round_ids"].append((repetition, r))
     for w in alive:
         row = rows[w.name]
         info = w.ask(cmd="finish")
@@ -422,11 +425,20 @@ def _one_repetition(workload, workers, args, rows):
                    final_loss=info["final_loss"])
 
 
+def _round_ratios(row, base):
+    """row's round medians / base's, round by round (the same repetition and round)."""
+    if "round_ids" in row and "round_ids" in base:
+        theirs = dict(zip(base["round_ids"], base["rounds"]))
+        return [a / theirs[i] for i, a in zip(row["round_ids"], row["rounds"]) if i in theirs]
+    return [a / b for a, b in zip(row["rounds"], base["rounds"])]
+
+
 def _ratio(row, base):
     """Median over rounds of row's round median / base's round median (same round)."""
     if base is None:
         return None
-    return statistics.median(a / b for a, b in zip(row["rounds"], base["rounds"]))
+    ratios = _round_ratios(row, base)
+    return statistics.median(ratios) if ratios else None
 
 
 def _spread(row, base):
@@ -434,7 +446,7 @@ def _spread(row, base):
     :func:`_ratio`: how far single rounds of this run scatter around it."""
     if base is None:
         return None
-    ratios = sorted(a / b for a, b in zip(row["rounds"], base["rounds"]))
+    ratios = sorted(_round_ratios(row, base))
     if len(ratios) < 2:
         return None
     q = statistics.quantiles(ratios, n=4, method="inclusive")
@@ -488,6 +500,8 @@ def target_lines(rows):
             continue
         key = "vs_torch_amp_bf16" if baseline == BASELINE else "vs_torch_same_dtype"
         ratio, spread = row[key], row.get(key + "_middle_half")
+        if ratio is None:  # (no round in common with its baseline)
+            continue
         met = ratio <= limit
         # digits enough to show which side of the limit it is (1.0004 is not 1.000)
         shown = f"{ratio:.3f}"

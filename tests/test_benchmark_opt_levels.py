@@ -68,6 +68,19 @@ def test_target_lines_give_the_rounds_middle_half():
     assert met is False and "1.00040x NOT met" in text
 
 
+def test_rounds_pair_with_the_same_round_of_the_baseline():
+    """A configuration that failed its set-up in one repetition has fewer rounds: paired
+    by position, every later round met another round of the baseline (a true 1.0 came
+    out 1.5). Rounds pair by (repetition, round)."""
+    base = dict(config="torch.amp-bf16", rounds=[2.0, 2.0, 3.0, 3.0],
+                round_ids=[(0, 0), (0, 1), (1, 0), (1, 1)])
+    late = dict(config="O1-bf16", rounds=[3.0, 3.0], round_ids=[(1, 0), (1, 1)])
+    assert opt_levels._ratio(late, base) == 1.0
+    assert opt_levels._spread(late, base) == [1.0, 1.0]
+    alone = dict(config="O2-bf16", rounds=[1.0], round_ids=[(2, 0)])
+    assert opt_levels._ratio(alone, base) is None
+
+
 def test_cpu_defaults_run_three_workloads_without_fp16():
     args = opt_levels.parse_args(["--device", "cpu"])
     assert list(args.workload_specs) == ["cnn-sgd", "cnn-adamw", "transformer-adamw"]
