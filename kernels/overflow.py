@@ -109,7 +109,7 @@ def count_nonfinite_launch(prepared, counts, found_inf):
     """One count over a prepared sweep (see the module docstring): one launch per dtype
     group on the Triton path; nothing synchronised with the host."""
     _check_counts(counts, prepared.options["index"], prepared.device,
-                  prepared.options.get("default", True))
+                  prepared.options["default"])
     if prepared.n == 0:
         return
     if not prepared.triton:

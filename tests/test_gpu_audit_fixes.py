@@ -9,26 +9,18 @@ import torch
 import torch.nn as nn
 
 from tritamp import amp, convert_to_amp
-from tritamp.amp.state import reset
 from tritamp.fp16_utils import FP16_Optimizer
 from tritamp.normalization import FusedLayerNorm, FusedRMSNorm
 from tritamp.optimizers import FusedAdam, FusedSGD
 from tritamp.parallel import LARC
+from tritamp.testing import reset_amp as reset
 
 pytestmark = pytest.mark.gpu
 dev = "cuda"
 
 
-@pytest.fixture(autouse=True)
-def _fresh_amp():
-    reset()
-    yield
-    reset()
-
-
 def test_an_overflow_in_the_leading_parameters_only_is_counted_and_skipped():
     """overflow in the leading parameters only: counted, skipped, scale halved"""
-    reset()
     a, b = nn.Linear(4, 3).to(dev), nn.Linear(4, 3).to(dev)
     opt = FusedAdam(list(a.parameters()) + list(b.parameters()), lr=1e-3)
     [a, b], opt = amp.initialize([a, b], opt, opt_level="O2", half_dtype=torch.float16, loss_scale="dynamic", verbosity=1)
@@ -44,7 +36,6 @@ def test_an_overflow_in_the_leading_parameters_only_is_counted_and_skipped():
 
 def test_o2_fused_steps_a_restored_unscaled_fp32_gradient_as_it_is():
     """O2 fused: restored unscaled fp32 gradient stepped as it is"""
-    reset()
     for make in (lambda p: FusedSGD(p, lr=0.1), lambda p: FusedAdam(p, lr=0.1)):
         reset()
         m = nn.Linear(4, 2).to(dev)
@@ -62,7 +53,6 @@ def test_o2_fused_steps_a_restored_unscaled_fp32_gradient_as_it_is():
 
 def test_fp16_optimizer_leaves_master_gradients_for_a_clipping_loop():
     """FP16_Optimizer(FusedSGD): master grads after backward, loop clip == clip_master_grads"""
-    reset()
     def run(clip):
         torch.manual_seed(0)
         model = nn.Linear(4, 3).to(dev).to(torch.float16)
@@ -82,7 +72,6 @@ def test_fp16_optimizer_leaves_master_gradients_for_a_clipping_loop():
 
 def test_larc_around_an_o2_amp_optimizer_equals_larc_passed_to_initialize():
     """LARC around an O2 amp FusedSGD == LARC passed to initialize"""
-    reset()
     def run(order):
         reset(); torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)).to(dev)
@@ -104,7 +93,6 @@ def test_larc_around_an_o2_amp_optimizer_equals_larc_passed_to_initialize():
 
 def test_convert_to_amp_torch_mode_accumulates_as_grad_scaler():
     """convert_to_amp torch mode with accumulation == autocast + GradScaler"""
-    reset()
     torch.manual_seed(0)
     def net(): torch.manual_seed(0); return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)).to(dev)
     g = torch.Generator(device=dev).manual_seed(5)
@@ -135,7 +123,6 @@ def test_convert_to_amp_torch_mode_accumulates_as_grad_scaler():
 
 def test_convert_to_amp_naive_constant_scale_skips_an_overflow():
     """convert_to_amp naive constant scale skips an overflow"""
-    reset()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)).to(dev)
     model, opt, _ = convert_to_amp(model, torch.optim.Adam(model.parameters(), lr=1e-2), None, mode="naive", dynamic_grad_scale=False, initial_scale=32.0)
@@ -151,7 +138,6 @@ def test_convert_to_amp_naive_constant_scale_skips_an_overflow():
 
 def test_norms_numpy_shape_and_fp16_memory_efficient_clamp():
     """norms: numpy-int normalized_shape, fp16 memory_efficient clamp, on CUDA"""
-    reset()
     for cls, ref_cls in ((FusedLayerNorm, nn.LayerNorm), (FusedRMSNorm, nn.RMSNorm)):
         m = cls(np.int64(6)).to(dev); r = ref_cls(6, eps=m.eps).to(dev)
         x = torch.randn(3, 6, device=dev)

@@ -515,7 +515,7 @@ def test_larc_built_around_an_amp_optimizer_rewrites_the_masters_gradients(level
     (the step ran without LARC). LARC now asks for the masters' gradients: the same
     weights as LARC passed to initialize."""
     from tritamp import amp
-    from tritamp.amp.state import reset
+    from tritamp.testing import reset_amp as reset
 
     def run(order):
         reset()

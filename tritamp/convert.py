@@ -208,6 +208,7 @@ class AmpOptimizer:
         self.max_norm = float(clip_grad_norm)
         self.per_step = bool(per_step)
         self._scaled = False  # per_step: backward passes wait, scaled, for the step
+        self._no_loss = None  # per_step: the zero "loss" of the step's scale_loss, kept
 
     # -- the optimizer's own interface ---------------------------------------------------
     @property
@@ -263,9 +264,11 @@ class AmpOptimizer:
         if not self._scaled:
             return
         self._scaled = False
-        device = next((p.device for g in self.optim.param_groups for p in g["params"]),
-                      torch.device("cpu"))
-        with amp.scale_loss(torch.zeros((), device=device), self.optim):
+        if self._no_loss is None:
+            device = next((p.device for g in self.optim.param_groups for p in g["params"]),
+                          torch.device("cpu"))
+            self._no_loss = torch.zeros((), device=device)
+        with amp.scale_loss(self._no_loss, self.optim):
             pass
 
     def step(self, *args, **kwargs):

@@ -111,7 +111,7 @@ def amp_order(rank):
     refused with nothing reduced; inside it, an overflow on rank 0 alone makes both ranks
     skip (amp checks the averaged gradients) and halve their scales."""
     from tritamp import amp
-    from tritamp.amp.state import reset
+    from tritamp.testing import reset_amp as reset
     from tritamp.parallel import Reducer
     torch.manual_seed(3)
     model = nn.Linear(3, 2)

@@ -67,19 +67,34 @@ def _real_option(value):
     return isinstance(value, numbers.Real)
 
 
-def _number_options(defaults):
-    """(numbers, pairs): the option keys whose default is a number, and those whose
-    default is a tuple of numbers (with its length): what a launch reads as such."""
-    numbers_, pairs = [], []
+def _number_kinds(defaults):
+    """{key: 0} for the options whose default is a number, {key: n} for those whose
+    default is a tuple of n numbers (betas): what a launch reads as such."""
+    kinds = {}
     for key, value in defaults.items():
         if isinstance(value, bool) or key == "params":
             continue
         if isinstance(value, numbers.Real) or key == "lr":
-            numbers_.append(key)
+            kinds[key] = 0
         elif isinstance(value, tuple) and value and all(
                 isinstance(v, numbers.Real) and not isinstance(v, bool) for v in value):
-            pairs.append((key, len(value)))
-    return tuple(numbers_), tuple(pairs)
+            kinds[key] = len(value)
+    return kinds
+
+
+def _check_number_option(name, gi, key, value, length):
+    """``value`` of option ``key`` a number (``length`` 0) or a tuple of ``length``
+    numbers, each a real Python number or a real one-element tensor; else TypeError."""
+    if length == 0:
+        if not _real_option(value):
+            raise TypeError(f"{name}: param_groups[{gi}]['{key}'] is "
+                            f"{type(value).__name__} {value!r}; it must be a real number "
+                            "(or a one-element real tensor), as when the optimizer was built")
+    elif not (isinstance(value, (tuple, list)) and len(value) == length
+              and all(map(_real_option, value))):
+        raise TypeError(f"{name}: param_groups[{gi}]['{key}'] is {value!r}; it must be "
+                        f"a tuple of {length} real numbers (or one-element real "
+                        "tensors), as when the optimizer was built")
 
 
 def _host_hyperparameters(values):
@@ -504,19 +519,26 @@ class FusedOptimizer(torch.optim.Optimizer):
         if "seed" in group and self._rounding == "stochastic":
             _check_seed(type(self).__name__, group["seed"], where)
 
-    def _check_rule_keys(self, group, where=""):
-        """A group key naming a rule this optimizer sets for all its groups (FusedAdam's
-        ``decoupled_weight_decay``, torch.optim.Adam's per-group key): refused where it
-        says the other rule (a checkpoint's, by :meth:`load_state_dict`, with its own
-        message)."""
+    # (group key, attribute): a weight-decay rule the optimizer applies to every group,
+    # which a group may name (torch.optim.Adam's per-group decoupled_weight_decay)
+    _RULE_KEY = None
 
-    def _refuse_other_rule(self, group, where, key, mine, fix):
-        value = group.get(key)
-        if value is not None and bool(value) != bool(mine) and group.get("weight_decay", 0):
+    def _check_rule_keys(self, group, where=""):
+        """A group whose rule key says the other weight-decay rule than the optimizer's
+        (with weight decay to apply) is refused: it would be ignored. (A checkpoint's is
+        refused by :meth:`load_state_dict`, with its own message.)"""
+        if self._RULE_KEY is None:
+            return
+        key, attr = self._RULE_KEY
+        value, mine = group.get(key), bool(getattr(self, attr))
+        if value is not None and bool(value) != mine and group.get("weight_decay", 0):
+            name = type(self).__name__
             raise ValueError(
-                f"{type(self).__name__}: a parameter group{where} says {key}={value!r} with "
+                f"{name}: a parameter group{where} says {key}={value!r} with "
                 f"weight_decay={group.get('weight_decay')!r}, but this optimizer applies "
-                f"{key}={bool(mine)} to every group (it would be ignored): {fix}")
+                f"{key}={mine} to every group (it would be ignored): construct "
+                f"{name}(..., {attr}={not mine}) for it, or one {name} per rule, or drop "
+                "the key")
 
     def _check_step_options(self, gi, group):
         """What the launches read of a group's options, checked for every group before any
@@ -531,11 +553,21 @@ class FusedOptimizer(torch.optim.Optimizer):
         if group.get("lr", 0) is None:
             raise TypeError(f"{type(self).__name__}: param_groups[{gi}]['lr'] is None; set a "
                             "learning rate (a float, or a one-element tensor)")
-        self._check_number_options(gi, group)
+        # Options read as numbers (their default is one: lr, eps, weight_decay, ...) or
+        # tuples of numbers (betas) hold such values: set malformed on a later group after
+        # the optimizer was built (betas=(0.9,), eps=None, lr=[0.1]), they failed inside
+        # that group's launch after the earlier groups had stepped.
+        kinds = self.__dict__.get("_number_kinds")
+        if kinds is None:
+            kinds = self._number_kinds = _number_kinds(self.defaults)
+        name = type(self).__name__
         read = []
         for key, value in group.items():
             if key == "params":
                 continue
+            length = kinds.get(key)
+            if length is not None:
+                _check_number_option(name, gi, key, value, length)
             if isinstance(value, torch.Tensor):
                 tensors = (value,)
             elif isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor)
@@ -559,33 +591,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         if read:
             for key, value in _host_hyperparameters({k: group[k] for k in read}).items():
                 group[key] = value
-
-    def _check_number_options(self, gi, group):
-        """The options a launch reads as numbers (those whose default is one: lr, eps,
-        weight_decay, momentum, ...) and as tuples of numbers (betas) hold such values in
-        every group, before any group steps: set malformed on a later group after the
-        optimizer was built (betas=(0.9,), eps=None, lr=[0.1]), they failed inside that
-        group's launch after the earlier groups had stepped."""
-        kinds = self.__dict__.get("_number_kinds")
-        if kinds is None:
-            kinds = self._number_kinds = _number_options(self.defaults)
-        numbers_, pairs = kinds
-        name = type(self).__name__
-        for key in numbers_:
-            value = group.get(key, 0.0)
-            if not _real_option(value):
-                raise TypeError(f"{name}: param_groups[{gi}]['{key}'] is "
-                                f"{type(value).__name__} {value!r}; it must be a real number "
-                                "(or a one-element real tensor), as when the optimizer was built")
-        for key, length in pairs:
-            value = group.get(key, ())
-            if key not in group:
-                continue
-            if not (isinstance(value, (tuple, list)) and len(value) == length
-                    and all(map(_real_option, value))):
-                raise TypeError(f"{name}: param_groups[{gi}]['{key}'] is {value!r}; it must be "
-                                f"a tuple of {length} real numbers (or one-element real "
-                                "tensors), as when the optimizer was built")
 
     def _check_param_dtypes(self, params, group_index):
         for i, p in enumerate(params):
@@ -1333,8 +1338,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         master's value, so the step updates what was written instead of overwriting it
         with the stale master (Apex's masters did), and so does one given new storage
         (``p.data = t``). A write through ``.data`` into the same storage
-        (``p.data.copy_(t)``) moves no counter and is not seen. Runs once the step is validated: a refused step leaves
-        the masters as they were."""
+        (``p.data.copy_(t)``) moves no counter and is not seen. Runs once the step is
+        validated: a refused step leaves the masters as they were."""
         seen = self.__dict__.get("_weight_versions")
         if not seen:
             return

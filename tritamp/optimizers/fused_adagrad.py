@@ -37,7 +37,6 @@ class FusedAdagrad(FusedOptimizer):
         super().__init__(params, defaults, set_grad_none=set_grad_none,
                          master_weights=master_weights, stochastic_rounding=stochastic_rounding,
                          kahan_summation=kahan_summation, seed=seed)
-        self.adagrad_w_mode = 1 if adagrad_w_mode else 0
 
     _STATE_LIKE = ("sum",)
     _STATE_SCALARS = ("step",)  # created also for Apex state dicts, which kept no count
@@ -60,11 +59,7 @@ class FusedAdagrad(FusedOptimizer):
         self._check_group(group, where)
         super()._check_group_options(group, where)  # (the stochastic-rounding seed)
 
-    def _check_rule_keys(self, group, where=""):
-        self._refuse_other_rule(
-            group, where, "adagrad_w_mode", self.adagrad_w_mode,
-            f"construct FusedAdagrad(..., adagrad_w_mode={not self.adagrad_w_mode}) for it, "
-            "or one FusedAdagrad per rule, or drop the key")
+    _RULE_KEY = ("adagrad_w_mode", "adagrad_w_mode")  # (see _check_rule_keys)
 
     # adagrad_w_mode, written into state_dict()'s groups
     _SAVED_ONLY_GROUP_KEYS = FusedOptimizer._SAVED_ONLY_GROUP_KEYS + ("adagrad_w_mode",)

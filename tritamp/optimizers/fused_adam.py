@@ -38,7 +38,6 @@ class FusedAdam(FusedOptimizer):
         super().__init__(params, defaults, set_grad_none=set_grad_none, capturable=capturable,
                          master_weights=master_weights, stochastic_rounding=stochastic_rounding,
                          kahan_summation=kahan_summation, seed=seed)
-        self.adam_w_mode = 1 if adam_w_mode else 0
 
     _STATE_LIKE = ("exp_avg", "exp_avg_sq")
     _STATE_SCALARS = ("step",)
@@ -60,11 +59,7 @@ class FusedAdam(FusedOptimizer):
             raise ValueError(f"FusedAdam does not support the AMSGrad variant (amsgrad=True"
                              f"{where}): use torch.optim.Adam(amsgrad=True)")
 
-    def _check_rule_keys(self, group, where=""):
-        self._refuse_other_rule(
-            group, where, "decoupled_weight_decay", self.adam_w_mode,
-            f"construct FusedAdam(..., adam_w_mode={not self.adam_w_mode}) for it, or one "
-            "FusedAdam per rule, or drop the key")
+    _RULE_KEY = ("decoupled_weight_decay", "adam_w_mode")  # (see _check_rule_keys)
 
     def _check_saved_group(self, saved, gi):
         decoupled = saved.get("decoupled_weight_decay")
