@@ -33,7 +33,7 @@ Nothing here reads a tensor's value on the host.
 import torch
 
 from . import rounding
-from ._multi_tensor import GroupChunk, Prepared, _dense
+from ._multi_tensor import GroupChunk, Prepared, _dense, labelled
 
 # A group whose step goes through fp32 scratch runs in ranges of about this many elements
 # (1 MiB of fp32 per scratch list: it stays in cache between its copy in, the fused op and
@@ -64,14 +64,14 @@ def check_grads_writable(prepared):
     for original, dense in inner.staged:
         if not _dense(original):
             rows = inner._lists.get("grads") or ()
-            where = next((f"grads[{i}]" for i, t in enumerate(rows) if t is dense),
-                         "a gradient")
-            raise ValueError(
+            i = next((i for i, t in enumerate(rows) if t is dense), -1)
+            where = f"grads[{i}]" if i >= 0 else "a gradient"
+            raise ValueError(labelled(
                 f"{inner.sweep.name}: {where} of shape {tuple(original.shape)} has strides "
                 f"{original.stride()}: several elements share one address, so the unscaled "
                 "gradient cannot be written back into it (torch.amp.GradScaler's contract). "
                 "Give the parameter a dense gradient, for example "
-                "p.grad = p.grad.contiguous()")
+                "p.grad = p.grad.contiguous()", inner.labels, i))
 
 
 def take_grad_writes(prepared, write_grads=False):

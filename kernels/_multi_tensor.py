@@ -28,6 +28,8 @@ scaler) keeps and reuses while its tensors stay the same: launching it uploads a
 re-derives nothing. Kernels read columns by name through :meth:`Sweep.col`.
 """
 import collections
+import contextlib
+import contextvars
 import functools
 import operator
 
@@ -139,6 +141,30 @@ def _err(sweep, kind, msg):
     return kind(f"{sweep.name}: {msg}")
 
 
+_ROW_LABELS = contextvars.ContextVar("tritamp_row_labels", default=None)
+
+
+@contextlib.contextmanager
+def row_labels(labels):
+    """Within the block, a sweep prepared names its row ``i`` in its refusals also as
+    ``labels[i]`` (any sequence; read only on a refusal): the caller's own name for it
+    (``param_groups[1]['params'][2]``), where the sweep's index counts only the rows the
+    caller passed (parameters with a gradient, say). The prepared sweep keeps the labels
+    for the refusals of later steps."""
+    token = _ROW_LABELS.set(labels)
+    try:
+        yield
+    finally:
+        _ROW_LABELS.reset(token)
+
+
+def labelled(message, labels, i):
+    """``message`` led by the caller's name of row ``i``, where ``labels`` has it."""
+    if labels is None or not 0 <= i < len(labels):
+        return message
+    return f"{labels[i]} (index {i} below): {message}"
+
+
 def sparse_error(op, where, t):
     """The error for a sparse tensor (any layout but torch.strided) in a list: no sweep can
     walk one, and amp never scaled one (Apex's neither). A RuntimeError, as torch's
@@ -182,90 +208,104 @@ def _validate(sweep, lists):
     lists["_writeback"], lists["_staged"] = [], []
     if _all_plain(sweep, lists, params):
         return n
-    device = params[0].device
     writeback, staged = [], []
     for i, p in enumerate(params):
-        if not isinstance(p, torch.Tensor):
-            raise _err(sweep, TypeError, f"{anchor.name}[{i}] is a {type(p).__name__}, expected "
-                       "a tensor")
-        if p.layout != torch.strided:
-            raise sparse_error(sweep.name, f"{anchor.name}[{i}]", p)
-        if p.is_meta:
-            raise _err(sweep, ValueError,
-                       f"{anchor.name}[{i}] (shape {tuple(p.shape)}) is on the meta device, "
-                       "which holds no data to update; materialise it first (e.g. "
-                       "module.to_empty(device=...), then initialise the parameters)")
-        if p.device != device:
-            raise _err(sweep, ValueError, f"{anchor.name}[{i}] is on {p.device} but "
-                       f"{anchor.name}[0] is on {device}; call it once per device")
-        if p.dtype not in anchor.dtypes:
-            raise _err(sweep, TypeError, f"{anchor.name}[{i}] is {_dtype_name(p.dtype)}, expected "
-                       f"one of {[_dtype_name(d) for d in anchor.dtypes]}: the kernels compute "
-                       "in float32; convert it (.float())"
-                       + (", or use torch.optim's optimizer to compute in float64"
-                          if p.dtype == torch.float64 else ""))
-        if not _dense(p):
-            raise _err(sweep, ValueError,
-                       f"{anchor.name}[{i}] of shape {tuple(p.shape)} has strides {p.stride()}: "
-                       "not dense (a strided view or an expanded tensor), so a flat sweep would "
-                       "touch memory outside it. Give the optimizer dense parameters, for "
-                       "example p.data = p.data.contiguous() before building it")
-        for c in sweep.columns[1:]:
-            col = lists.get(c.name)
-            if col is None:
-                continue
-            t = col[i]
-            where = f"{c.name}[{i}]"
-            if t is None:
-                if not c.optional:
-                    raise _err(sweep, ValueError, f"{where} is None; every {anchor.name} needs one")
-                continue
-            if not isinstance(t, torch.Tensor):
-                raise _err(sweep, TypeError, f"{where} is a {type(t).__name__}, expected a tensor")
-            if t.layout != torch.strided:
-                raise sparse_error(sweep.name, f"{where} (for {anchor.name}[{i}])", t)
-            if t.device != device:
-                raise _err(sweep, ValueError, f"{where} is on {t.device} but {anchor.name}[{i}] is "
-                           f"on {device}; move it to {device}")
-            if t.dtype not in c.dtypes:
-                raise _err(sweep, TypeError,
-                           f"{where} is {_dtype_name(t.dtype)}, expected "
-                           f"{' or '.join(_dtype_name(d) for d in c.dtypes)}"
-                           + (("; optimizer state is kept in float32: convert it with "
-                               ".float()" if c.dtypes == (torch.float32,) else
-                               f"; convert it with .to(torch.{_dtype_name(c.dtypes[0])})")
-                              if c.role in ("state", "scalar") else ""))
-            if c.role == "scalar":
-                if t.numel() != 1:
-                    raise _err(sweep, ValueError, f"{where} has shape {tuple(t.shape)}, expected "
-                               "a one-element tensor")
-                continue
-            if t.shape != p.shape:
-                raise _err(sweep, ValueError,
-                           f"{where} has shape {tuple(t.shape)} but {anchor.name}[{i}] has shape "
-                           f"{tuple(p.shape)}; each {c.name} must have its {anchor.name}'s shape")
-            if same_layout(t, p):
-                continue
-            if c.role == "grad":
-                if c.written and not _dense(t):
-                    raise _err(sweep, ValueError,
-                               f"{where} of shape {tuple(t.shape)} has strides {t.stride()}: it "
-                               "overlaps itself or is not dense, and this sweep writes it; pass a "
-                               "dense tensor (.contiguous())")
-                dense = restride_like(t, p)
-                staged.append((t, dense))
-                if c.written:
-                    writeback.append((t, dense))
-                col[i] = dense
-                continue
-            raise _err(sweep, ValueError,
-                       f"{where} has strides {t.stride()} but {anchor.name}[{i}] has strides "
-                       f"{p.stride()}; it must have its {anchor.name}'s memory layout. "
-                       "tritamp's optimizers re-stride their state when it is created or "
-                       "loaded; elsewhere use torch.empty_like(param) and copy into it")
+        try:
+            _validate_row(sweep, lists, params, i, p, writeback, staged)
+        except (TypeError, ValueError, RuntimeError) as e:
+            labels = _ROW_LABELS.get()
+            if labels is None:
+                raise
+            raise type(e)(labelled(str(e), labels, i)) from None
     lists["_writeback"] = writeback
     lists["_staged"] = staged
     return n
+
+
+def _validate_row(sweep, lists, params, i, p, writeback, staged):
+    anchor = sweep.columns[0]
+    device = params[0].device  # (the first row's: every row must be on it)
+    if not isinstance(p, torch.Tensor):
+        raise _err(sweep, TypeError, f"{anchor.name}[{i}] is a {type(p).__name__}, expected "
+                   "a tensor")
+    if p.layout != torch.strided:
+        raise sparse_error(sweep.name, f"{anchor.name}[{i}]", p)
+    if p.is_meta:
+        raise _err(sweep, ValueError,
+                   f"{anchor.name}[{i}] (shape {tuple(p.shape)}) is on the meta device, "
+                   "which holds no data to update; materialise it first (e.g. "
+                   "module.to_empty(device=...), then initialise the parameters)")
+    if p.device != device:
+        raise _err(sweep, ValueError, f"{anchor.name}[{i}] is on {p.device} but "
+                   f"{anchor.name}[0] is on {device}; call it once per device")
+    if p.dtype not in anchor.dtypes:
+        raise _err(sweep, TypeError, f"{anchor.name}[{i}] is {_dtype_name(p.dtype)}, expected "
+                   f"one of {[_dtype_name(d) for d in anchor.dtypes]}: the kernels compute "
+                   "in float32; convert it (.float())"
+                   + (", or use torch.optim's optimizer to compute in float64"
+                      if p.dtype == torch.float64 else ""))
+    if not _dense(p):
+        raise _err(sweep, ValueError,
+                   f"{anchor.name}[{i}] of shape {tuple(p.shape)} has strides {p.stride()}: "
+                   "not dense (a strided view or an expanded tensor), so a flat sweep would "
+                   "touch memory outside it. Give the optimizer dense parameters, for "
+                   "example p.data = p.data.contiguous() before building it")
+    for c in sweep.columns[1:]:
+        col = lists.get(c.name)
+        if col is None:
+            continue
+        t = col[i]
+        where = f"{c.name}[{i}]"
+        if t is None:
+            if not c.optional:
+                raise _err(sweep, ValueError, f"{where} is None; every {anchor.name} needs one")
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise _err(sweep, TypeError, f"{where} is a {type(t).__name__}, expected a tensor")
+        if t.layout != torch.strided:
+            raise sparse_error(sweep.name, f"{where} (for {anchor.name}[{i}])", t)
+        if t.device != device:
+            raise _err(sweep, ValueError, f"{where} is on {t.device} but {anchor.name}[{i}] is "
+                       f"on {device}; move it to {device}")
+        if t.dtype not in c.dtypes:
+            raise _err(sweep, TypeError,
+                       f"{where} is {_dtype_name(t.dtype)}, expected "
+                       f"{' or '.join(_dtype_name(d) for d in c.dtypes)}"
+                       + (("; optimizer state is kept in float32: convert it with "
+                           ".float()" if c.dtypes == (torch.float32,) else
+                           f"; convert it with .to(torch.{_dtype_name(c.dtypes[0])})")
+                          if c.role in ("state", "scalar") else ""))
+        if c.role == "scalar":
+            if t.numel() != 1:
+                raise _err(sweep, ValueError, f"{where} has shape {tuple(t.shape)}, expected "
+                           "a one-element tensor")
+            continue
+        if t.shape != p.shape:
+            raise _err(sweep, ValueError,
+                       f"{where} has shape {tuple(t.shape)} but {anchor.name}[{i}] has shape "
+                       f"{tuple(p.shape)}; each {c.name} must have its {anchor.name}'s shape"
+                       + ("; a parameter given data of another shape keeps its old gradient: "
+                          "clear it first (p.grad = None, or zero_grad(set_to_none=True))"
+                          if (anchor.name, c.name) == ("params", "grads") else ""))
+        if same_layout(t, p):
+            continue
+        if c.role == "grad":
+            if c.written and not _dense(t):
+                raise _err(sweep, ValueError,
+                           f"{where} of shape {tuple(t.shape)} has strides {t.stride()}: it "
+                           "overlaps itself or is not dense, and this sweep writes it; pass a "
+                           "dense tensor (.contiguous())")
+            dense = restride_like(t, p)
+            staged.append((t, dense))
+            if c.written:
+                writeback.append((t, dense))
+            col[i] = dense
+            continue
+        raise _err(sweep, ValueError,
+                   f"{where} has strides {t.stride()} but {anchor.name}[{i}] has strides "
+                   f"{p.stride()}; it must have its {anchor.name}'s memory layout. "
+                   "tritamp's optimizers re-stride their state when it is created or "
+                   "loaded; elsewhere use torch.empty_like(param) and copy into it")
 
 
 _device_of = operator.attrgetter("device")
@@ -451,7 +491,7 @@ class Prepared:
     ``groups`` is empty on a device where the kernels do not run (the torch reference
     handles it)."""
     __slots__ = ("sweep", "_lists", "n", "groups", "writeback", "staged", "triton", "device",
-                 "empty_rows", "cpu_groups", "scratch", "_planned")
+                 "empty_rows", "cpu_groups", "scratch", "_planned", "labels")
 
     def __init__(self, sweep, lists, n):
         self.sweep = sweep
@@ -465,6 +505,7 @@ class Prepared:
         self.device = None
         self.triton = False
         self.empty_rows = []  # rows with no element: no program of any group covers them
+        self.labels = _ROW_LABELS.get()  # the caller's names of the rows (row_labels)
         # per column, the dtypes and sizes the plan was made for: a rebind takes only
         # tensors that have them (see rebind_columns)
         self._planned = {}

@@ -14,6 +14,8 @@ fp16_utils) and the tests build on, without reaching into the kernels' private m
   (:func:`cdiv`, :func:`next_power_of_2`), and the switches tests and
   benchmarks use to take one path on any device (:func:`force_cpu_path`,
   :func:`force_gpu_path`, :func:`cpu_path_forced`, :func:`gpu_path_forced`).
+- Refusals in the caller's words: :func:`row_labels` (a sweep prepared inside it names
+  its row ``i`` also by the caller's label, ``param_groups[g]['params'][k]``).
 - The sweep itself, for tests of its validation: :class:`Sweep`, :class:`Column`; and
   :func:`recording_uploads`, which lists the launch tables uploaded inside a block;
   :func:`cpu_step_ranges`, the size of the ranges a big group's CPU step runs in.
@@ -27,12 +29,12 @@ from ._cpu_optim import GradWrites, check_grads_writable, take_grad_writes
 from ._dispatch import (cdiv, cpu_path_forced, force_cpu_path, force_gpu_path, gpu_code_path,
                         gpu_path_forced, interpreter_on, next_power_of_2, sm_count, use_triton)
 from ._multi_tensor import (Column, KeptByLayout, Sweep, SweepCache, borrowed, layout_key,
-                            list_layout, restride_like, same_layout, zero_grads_)
+                            list_layout, restride_like, row_labels, same_layout, zero_grads_)
 from ._multi_tensor import _dense as is_dense
 
 __all__ = [
     "layout_key", "list_layout", "SweepCache", "KeptByLayout", "borrowed", "is_dense",
-    "same_layout", "restride_like",
+    "same_layout", "restride_like", "row_labels",
     "zero_grads_", "GradWrites", "check_grads_writable", "take_grad_writes",
     "use_triton", "interpreter_on", "force_cpu_path", "force_gpu_path", "cpu_path_forced",
     "gpu_path_forced", "gpu_code_path", "sm_count", "Sweep", "Column", "recording_uploads",

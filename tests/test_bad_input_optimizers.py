@@ -780,3 +780,47 @@ def test_a_group_naming_the_other_weight_decay_rule_is_refused(make, key, mine):
     with pytest.raises(ValueError, match=r"param_groups\[1\]"):
         opt.step()
     assert torch.equal(before[0], p) and torch.equal(before[1], q) and len(opt.state) == 0
+
+
+# -- a refusal names the parameter as the user knows it ---------------------------------------
+@pytest.mark.parametrize("name", list(ALL))
+def test_refused_gradient_is_named_by_group_and_position(name, path):
+    # The step's sweep counts only the group's parameters with a gradient: its index alone
+    # (grads[1] here) would point at another parameter. The refusal leads with the
+    # parameter's place in its group.
+    first = params((5,), seed=1)
+    a, b, c = params((2,), (3,), (4,), seed=2)
+    opt = ALL[name]([{"params": first}, {"params": [a, b, c]}], **KW[name])
+    first[0].grad = torch.randn(5)
+    b.grad = torch.randn(3)
+    c.grad = torch.randn(4)
+    c.data = torch.randn(6)  # new data of another shape; its old gradient stays
+    before = snapshot(opt)
+    kind, text = message(opt.step)
+    assert kind is ValueError
+    assert text.startswith(f"{ALL[name].__name__}'s param_groups[1]['params'][2] (index 1 "
+                           "below): "), text
+    assert "grads[1] has shape (4,) but params[1] has shape (6,)" in text
+    assert "zero_grad(set_to_none=True)" in text
+    assert_unchanged(before, opt)
+    c.grad = None  # as the message says: the step goes through
+    opt.step()
+
+
+@pytest.mark.parametrize("name", ["adam", "lamb"])
+def test_gradient_that_cannot_be_written_back_is_named_by_group_and_position(name, path):
+    # torch.amp.GradScaler's protocol (grad_scale / found_inf set on the optimizer): an
+    # expanded gradient cannot take the unscaled values back; refused by its place.
+    a, b, c = params((4,), (3,), (5,), seed=3)
+    opt = ALL[name]([{"params": [a]}, {"params": [b, c]}], **KW[name])
+    a.grad = torch.randn(4)
+    c.grad = torch.full((1,), 4.0).expand(5)
+    opt.grad_scale = torch.tensor(4.0)
+    opt.found_inf = torch.tensor(0.0)
+    before = snapshot(opt)
+    kind, text = message(opt.step)
+    assert kind is ValueError
+    assert text.startswith(f"{ALL[name].__name__}'s param_groups[1]['params'][1] (index 0 "
+                           "below): "), text
+    assert "grads[0] of shape (5,) has strides (0,)" in text
+    assert_unchanged(before, opt)

@@ -36,10 +36,25 @@ from tritamp.contract import StepHandoff
 from tritamp.sharding import (ShardReduce, any_dtensor, check_shards, is_dtensor, local,
                               locals_of, shard_index)
 from tritamp.kernels.engine import (GradWrites, SweepCache, borrowed, check_grads_writable,
-                                    layout_key, restride_like, zero_grads_)
+                                    layout_key, restride_like, row_labels, zero_grads_)
 
 _data_ptr = torch.Tensor.data_ptr
 _grad_of = operator.attrgetter("grad")
+
+
+class _ParamLabels:
+    """The names a sweep's refusals give its rows: ``<optimizer>'s
+    param_groups[g]['params'][k]`` for the group's ``k``s in ``rows`` (made when read)."""
+    __slots__ = ("owner", "group", "rows")
+
+    def __init__(self, owner, group, rows):
+        self.owner, self.group, self.rows = owner, group, rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return f"{self.owner}'s param_groups[{self.group}]['params'][{self.rows[i]}]"
 _is_not_none = functools.partial(operator.is_not, None)
 _is_none = functools.partial(operator.is_, None)
 _profiler_enabled = torch._C._autograd._profiler_enabled
@@ -1109,10 +1124,13 @@ class FusedOptimizer(torch.optim.Optimizer):
             states = [{k: local(v) for k, v in st.items()} for st in states]
         self._check_no_overlap(gi, rows, rows_targets, [copies[i] for i in rows], states)
         # Borrowed gradients: the kept plan must not keep this step's gradients alive.
-        prepared = self._prepare(group, rows_targets, borrowed([grads[i] for i in rows]),
-                                 [copies[i] for i in rows], states,
-                                 **self._rounding_lists(gi, group, rows, rows_targets, states,
-                                                        params))
+        # (The sweep's rows are the group's parameters with a gradient: a refusal names
+        # the parameter as the user knows it, and the step.)
+        with row_labels(_ParamLabels(type(self).__name__, gi, rows)):
+            prepared = self._prepare(group, rows_targets, borrowed([grads[i] for i in rows]),
+                                     [copies[i] for i in rows], states,
+                                     **self._rounding_lists(gi, group, rows, rows_targets,
+                                                            states, params))
         if write_grads:
             check_grads_writable(prepared)
         held = [v for st in states for v in st.values() if isinstance(v, torch.Tensor)]
