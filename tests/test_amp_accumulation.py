@@ -127,3 +127,33 @@ def test_an_unscaled_gradient_the_backward_missed_is_stepped_as_it_is(make_opt, 
             opt.step()
             ref.step()
             torch.testing.assert_close(extra.detach(), twin.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["plain", "delay_unscale"])
+@pytest.mark.parametrize("make_opt", [lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                      lambda ps: FusedSGD(ps, lr=0.1)],
+                         ids=["torch-sgd", "fused-sgd"])
+def test_flag_carried_over_zero_grad_is_dropped_by_an_accumulation_too(delay, make_opt, path):
+    # An overflowing backward, no step, zero_grad(): the flag it left is about gradients
+    # that are gone. The next scale_loss drops it, the first of a delay_unscale chain
+    # included (it skipped the clean accumulated step, while the scaler counted that
+    # backward as clean: no backoff, no skip counted, no message).
+    model = _mlp()
+    opt = make_opt(model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    x, y = _batch()
+    with amp.scale_loss(model(x).float().sum() * float("inf"), opt) as loss:
+        loss.backward()
+    opt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    scale = amp.state_dict()["loss_scaler0"]["loss_scale"]
+    for k, micro in enumerate((x[:4], x[4:])):
+        with amp.scale_loss(model(micro).float().square().mean(), opt,
+                            delay_unscale=delay and k == 0) as loss:
+            loss.backward()
+    opt.step()
+    assert not amp.last_step_skipped(opt)
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    state = amp.state_dict()["loss_scaler0"]
+    assert state["skipped"] == 1 and state["loss_scale"] == scale

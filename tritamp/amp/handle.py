@@ -80,10 +80,16 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
 
     scaler.poll_reports()
     scaler._to(loss.device)
-    if not delay_unscale:
-        for opt in optimizers:
-            if not opt._amp_stash.params_have_scaled_gradients:
-                opt._amp_stash.prepare_backward()
+    for opt in optimizers:
+        stash = opt._amp_stash
+        if not stash.params_have_scaled_gradients:
+            if delay_unscale:
+                # the first backward of an accumulation: its gradients stay scaled (Apex
+                # prepared nothing here), but a flag carried over a zero_grad is dropped
+                # as by any other scale_loss
+                stash.drop_carried_flag()
+            else:
+                stash.prepare_backward()
 
     yield loss.float() * scaler.scale
 

@@ -237,12 +237,16 @@ class AmpStash:
         self.grad_scale = None
 
     # -- around backward -------------------------------------------------------------
-    def prepare_backward(self):
+    def drop_carried_flag(self):
+        """The start of a backward into fresh gradients (every scale_loss but the later
+        ones of a delay_unscale chain): an overflow flag without a scale_loss since the
+        last step was carried over a zero_grad (no masters); the gradients it was about
+        are gone, this backward's decide."""
         if not self.pending:
-            # an overflow flag without a scale_loss since the last step was carried over a
-            # zero_grad (no masters): the gradients it was about are gone, this backward's
-            # decide
             self.found_inf = None
+
+    def prepare_backward(self):
+        self.drop_carried_flag()
         self.unscale_pending()
         zeroed, self.zeroed = self.zeroed, None
         if zeroed is not None and _untouched(zeroed, self.plain_params, self.model_params):
