@@ -3,7 +3,8 @@
 ``check_unscale(srcs, scale, found_inf, dsts=None, adds=None, write=True)`` does, for
 every tensor ``x`` in ``srcs`` and in one launch per (dst, src, addend) dtype group:
 
-    found_inf = 1.0                    if any element of x is inf or NaN  (found_inf given)
+    found_inf = 1.0                    if any element of x (or of add, when written
+                                       with adds) is inf or NaN           (found_inf given)
     dst = (x * (1 / scale) [+ add])    cast to dst's dtype                (write=True)
 
 ``scale`` is a 0-d fp32 device tensor; ``1/scale`` is taken in fp64 and rounded to
@@ -94,7 +95,14 @@ def _check_unscale_sweep_kernel(
         if HAS_SCALE:
             x = x * inv
         if HAS_ADDS:
-            x = x + load_f32(column(row, _A, offs, add_proto, VEC), mask, EMULATE_BF16_ROUNDING)
+            a = load_f32(column(row, _A, offs, add_proto, VEC), mask, EMULATE_BF16_ROUNDING)
+            if CHECK:
+                # the addend is checked too (what the step will read is their sum): an
+                # inf/NaN left in an earlier gradient must not pass as this backward's clean
+                bad_a = (a != a) | (tl.abs(a) == float("inf"))
+                if tl.max(bad_a.to(tl.int32), axis=0) > 0:
+                    tl.store(found_inf_ptr, 1.0)
+            x = x + a
         store_cast(column(row, _D, offs, dst_proto, VEC), x, mask, EMULATE_BF16_ROUNDING)
 
 
@@ -479,6 +487,8 @@ def check_unscale_cpu(prepared, scale=None, found_inf=None):
                 work, flag, one if inv is None else inv)
         if adds is not None:
             if plan.add_into_dsts:
+                if found_inf is not None:  # the addends are checked too (the kernel's rule)
+                    torch._amp_foreach_non_finite_check_and_unscale_(dsts, found_inf, one)
                 torch._foreach_add_(dsts, work)
                 return
             if adds[0].dtype != torch.float32:
@@ -486,6 +496,9 @@ def check_unscale_cpu(prepared, scale=None, found_inf=None):
                 widened = prepared.prepared.buffers(g, "adds", adds)
                 torch._foreach_copy_(widened, adds)
                 adds = widened
+            if found_inf is not None:  # the addends are checked too (a multiply by 1.0
+                # writes their own values back)
+                torch._amp_foreach_non_finite_check_and_unscale_(adds, found_inf, one)
             torch._foreach_add_(work, adds)
         if work is not dsts:
             torch._foreach_copy_(dsts, work)
@@ -519,6 +532,8 @@ def check_unscale_ref(srcs, scale=None, found_inf=None, dsts=None, adds=None, wr
             continue
         if found_inf is not None:
             b = ~torch.isfinite(x).all()
+            if write and adds is not None:  # the addend too
+                b = b | ~torch.isfinite(adds[i]).all()
             bad = b if bad is None else bad | b
         if write:
             y = x.float()

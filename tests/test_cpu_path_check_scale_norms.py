@@ -4,7 +4,7 @@ against their ``*_ref`` oracles.
 Tolerances, and why:
 - check_unscale: bit for bit (NaN payloads aside). Both sides multiply the fp32 value
   by the same fp32 ``1/scale`` (taken in fp64), add in fp32 and round once to the
-  destination; found_inf judges the sources.
+  destination; found_inf judges the sources (and, in a sweep that adds, the addends).
 - scale_update: bit for bit, the whole state vector after every step (same fp64 products
   rounded once to fp32, same counters).
 - layer_norm: RMSNorm forward and backward, LayerNorm forward into another dtype and the
@@ -177,15 +177,18 @@ def test_finite_sources_that_overflow_the_destination_are_not_an_overflow(cpu_pa
     (torch.float32, torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16, torch.bfloat16),
     (torch.float32, torch.float16, torch.float32)])
 def test_unscale_with_addends(cpu_path, src_dtype, dst_dtype, add_dtype, special, where):
-    """A second backward: dst = src * inv + add (the addend's own specials do not count)."""
+    """A second backward: dst = src * inv + add; the addend's own specials count too
+    (what the step reads is the sum)."""
     srcs = make_srcs(src_dtype, special, where, seed=1)
-    adds = make_srcs(add_dtype, math.inf, "middle", seed=2)
     dsts = [torch.full(s.shape, 3.0, dtype=dst_dtype) for s in srcs]
-    for scale in (2.0 ** 8, 3.0, None):
-        cpu, ref = run_both(srcs, scale, dsts=dsts, adds=adds)
-        assert_runs_equal(cpu, ref, f"adds {src_dtype} {dst_dtype} {add_dtype} {scale}")
-        assert cpu[3].item() == (0.0 if special is None else 1.0)
-        assert_same_list(cpu[2], adds, "addends")
+    for add_special in (math.inf, None):
+        adds = make_srcs(add_dtype, add_special, "middle", seed=2)
+        for scale in (2.0 ** 8, 3.0, None):
+            cpu, ref = run_both(srcs, scale, dsts=dsts, adds=adds)
+            assert_runs_equal(cpu, ref, f"adds {src_dtype} {dst_dtype} {add_dtype} {scale}")
+            assert cpu[3].item() == (0.0 if special is None and add_special is None
+                                     else 1.0)
+            assert_same_list(cpu[2], adds, "addends")
 
 
 @pytest.mark.parametrize("src_dtype", DTYPES)
@@ -687,3 +690,38 @@ def test_norm_and_syncbn_cpu_paths_do_not_call_the_references(cpu_path, monkeypa
     bn_mod.syncbn_forward(xb, mean, invstd, relu=True, z=xb)
     sums, _, _ = bn_mod.syncbn_backward_reduce(xb, xb, mean, invstd, relu=True, z=xb)
     bn_mod.syncbn_backward_input(xb, xb, mean, invstd, None, sums, count, relu=True, z=xb)
+
+
+@pytest.mark.parametrize("mode,add_dtype", [
+    ("add", torch.float32), ("add", torch.bfloat16), ("in_place", torch.float32),
+    ("in_place", torch.bfloat16),
+    ("add_is_dst", torch.float32)])  # (an fp32 master gradient, its own addend)
+@pytest.mark.parametrize("bad", [math.inf, math.nan, None])
+def test_a_non_finite_addend_is_found_like_a_non_finite_source(mode, add_dtype, bad, path):
+    # An inf/NaN left in an earlier gradient (a stash added back, a master gradient from
+    # an earlier loss) is part of what the step will read: the sweep that adds it flags
+    # it, as it flags its sources (the sources here are finite).
+    gen = torch.Generator().manual_seed(5)
+    srcs = [torch.randn(n, generator=gen).bfloat16() for n in (33, 1000, 5)]
+    adds = [torch.randn(s.shape, generator=gen).to(add_dtype) for s in srcs]
+    if bad is not None:
+        adds[1][7] = bad
+    if mode == "add":
+        dsts = [torch.zeros(s.shape) for s in srcs]
+    elif mode == "add_is_dst":
+        dsts = adds
+    else:
+        srcs = [s.to(add_dtype) for s in srcs]
+        dsts = None
+    ref_srcs, ref_adds = clones(srcs), clones(adds)
+    ref_dsts = None if dsts is None else (ref_adds if mode == "add_is_dst" else clones(dsts))
+    scale = torch.tensor(4.0)
+    found, found_ref = torch.zeros(()), torch.zeros(())
+    check_unscale(srcs, scale, found, dsts=dsts, adds=adds)
+    check_unscale_ref(ref_srcs, scale, found_ref, dsts=ref_dsts, adds=ref_adds)
+    assert found.item() == found_ref.item() == (0.0 if bad is None else 1.0)
+    for a, r in zip(srcs if dsts is None else dsts, ref_srcs if dsts is None else ref_dsts):
+        assert_bitwise(a, r, "result")
+    if mode == "add":
+        for a, r in zip(adds, ref_adds):
+            assert_bitwise(a, r, "addend (read only)")

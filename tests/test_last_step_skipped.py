@@ -149,3 +149,32 @@ def test_an_optimizer_that_sits_out_updates_keeps_its_answer():
         opt_a.zero_grad()
         assert amp.last_step_skipped(opt_b) and not amp.last_step_skipped(opt_a)
         assert amp.last_step_skipped()  # any optimizer's last step
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_an_inf_kept_from_a_skipped_step_skips_the_next_step_too(level):
+    # No zero_grad after an overflowing step: the next backward adds its clean gradients
+    # to the inf/NaN ones. The sweep that adds them checks what the step will read: the
+    # step is skipped again (it wrote inf/NaN into the weights when only the new
+    # gradients were checked), and a zero_grad lets the training go on.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),
+                                torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    x = torch.randn(8, 3)
+
+    def step(factor=1.0):
+        with amp.scale_loss(model(x).float().square().mean() * factor, opt) as loss:
+            loss.backward()
+        opt.step()
+        return amp.last_step_skipped(opt)
+
+    assert step(float("inf"))
+    before = [p.detach().clone() for p in model.parameters()]
+    assert step()  # the kept inf is part of the sum
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    opt.zero_grad()
+    assert not step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
