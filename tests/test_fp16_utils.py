@@ -909,3 +909,120 @@ def test_master_gradients_exist_after_backward_for_a_loop_that_clips_them(make_o
     looped, method, unclipped = run("loop"), run("method"), run(None)
     assert all(torch.equal(a, b) for a, b in zip(looped, method))
     assert any(not torch.equal(a, b) for a, b in zip(looped, unclipped))
+
+
+# -- the fp32 parameters (BatchNorm under FP16Model) through skips, zero_grad and failures --
+def _bn_setup(make_opt=OPTIMIZERS["sgd"]):
+    model, opt = _fp16_setup(torch.bfloat16, make_opt, dynamic_loss_scale=True)
+    return model, opt, _batches(1)[0]
+
+
+def _loss(model, x, y, factor=1.0):
+    return nn.functional.mse_loss(model(x).float(), y) * factor
+
+
+def _state_of(model, opt):
+    """Every parameter, master, gradient and optimizer state tensor (clones)."""
+    inner = opt.optimizer
+    return ([p.detach().clone() for p in model.parameters()],
+            [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+            [p.detach().clone() for p in _masters(opt)],
+            [{k: v.clone() for k, v in inner.state[p].items() if torch.is_tensor(v)}
+             for p in _masters(opt) if p in inner.state])
+
+
+def _assert_same(a, b):
+    for x, y in zip(a[:3], b[:3]):
+        assert len(x) == len(y)
+        for s, t in zip(x, y):
+            assert (s is None and t is None) or torch.equal(s, t)
+    assert len(a[3]) == len(b[3])
+    for s, t in zip(a[3], b[3]):
+        assert s.keys() == t.keys() and all(torch.equal(s[k], t[k]) for k in s)
+
+
+def test_an_inf_kept_in_an_fp32_gradient_after_a_skip_skips_the_next_step(path):
+    # No zero_grad after the skipped step: the next backward adds to the inf (as torch
+    # accumulates); Apex's update_master_grads checked the whole sum, and so does this.
+    model, opt, (x, y) = _bn_setup()
+    bn = model.network[1].weight
+    opt.backward(_loss(model, x, y) + bn[0] * float("inf"))
+    assert opt.overflow
+    before = _state_of(model, opt)
+    opt.step()
+    opt.backward(_loss(model, x, y))
+    assert opt.overflow  # the kept inf is part of what the step would read
+    opt.step()
+    after = _state_of(model, opt)
+    for s, t in zip(before[0], after[0]):
+        assert torch.equal(s, t)
+    opt.zero_grad()
+    opt.backward(_loss(model, x, y))
+    assert not opt.overflow
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_zero_grad_drops_the_gradients_an_unfinished_accumulation_stashed(path):
+    model, opt, (x, y) = _bn_setup()
+    opt.backward(_loss(model, x, y))
+    opt.backward(_loss(model, x, y, 100.0), update_master_grads=False)
+    opt.zero_grad()
+    opt.backward(_loss(model, x, y, 2.0))
+    twin, twin_opt, _ = _bn_setup()
+    twin_opt.zero_grad()
+    twin_opt.backward(_loss(twin, x, y, 2.0))
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad)  # the fp32 ones: 2.0's alone, nothing stale
+
+
+@pytest.mark.parametrize("closure", [False, True])
+def test_a_step_after_an_overflow_and_zero_grad_changes_nothing(closure, path):
+    # Apex's step returned early while the overflow flag stood (zero_grad left it).
+    model, opt, (x, y) = _bn_setup()
+    opt.zero_grad()
+    opt.backward(_loss(model, x, y))
+    opt.step()  # momentum buffers now hold something
+    opt.backward(_loss(model, x, y) * float("inf"))
+    opt.zero_grad()
+    assert opt.overflow
+    before = _state_of(model, opt)
+
+    def again():
+        opt.backward(_loss(model, x, y) * float("inf"))
+
+    assert opt.step(again if closure else None) is None
+    _assert_same(before, _state_of(model, opt))
+
+
+def test_a_step_without_a_backward_since_steps_nothing_fp32_parameters_included(path):
+    model, opt, (x, y) = _bn_setup()
+    opt.zero_grad()
+    opt.backward(_loss(model, x, y))
+    opt.step()
+    before = _state_of(model, opt)
+    opt.step()  # a second step after one backward
+    _assert_same(before, _state_of(model, opt))
+    opt.zero_grad()
+    before = _state_of(model, opt)
+    opt.step()  # zero_grad(); step()
+    _assert_same(before, _state_of(model, opt))
+    opt.backward(_loss(model, x, y))
+    opt.step()  # and a backward makes the next step a step
+    assert not all(torch.equal(p, q) for p, q in zip(before[0], model.parameters()))
+
+
+@pytest.mark.parametrize("update", [True, False])
+def test_a_backward_that_raises_changes_nothing(update, path):
+    model, opt, (x, y) = _bn_setup()
+    opt.backward(_loss(model, x, y))
+    before = _state_of(model, opt)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        opt.backward(torch.tensor(1.0), update_master_grads=update)
+    _assert_same(before, _state_of(model, opt))
+    opt.step()  # the first backward's step, as if the failed call never happened
+    twin, twin_opt, _ = _bn_setup()
+    twin_opt.backward(_loss(twin, x, y))
+    twin_opt.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)

@@ -178,3 +178,55 @@ def test_an_inf_kept_from_a_skipped_step_skips_the_next_step_too(level):
     opt.zero_grad()
     assert not step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_an_overflow_then_zero_grad_skips_the_step_at_O2_too():
+    # Apex's skip lasted until the next step, zero_grad or not. At O2 the fp32 parameters
+    # (BatchNorm) keep zeroed gradients: a step taken on them moved those parameters
+    # through momentum.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),
+                                torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    x = torch.randn(8, 3)
+    for factor in (1.0, float("inf")):
+        if factor != 1.0:
+            opt.zero_grad()
+        with amp.scale_loss(model(x).float().square().mean() * factor, opt) as loss:
+            loss.backward()
+        if factor == 1.0:
+            opt.step()
+    opt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert amp.last_step_skipped(opt)
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    with amp.scale_loss(model(x).float().square().mean(), opt) as loss:
+        loss.backward()  # the next backward drops the flag
+    opt.step()
+    assert not amp.last_step_skipped(opt)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_backward_that_raises_inside_scale_loss_leaves_the_gradients(level):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),
+                                torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    x = torch.randn(8, 3)
+    with amp.scale_loss(model(x).float().square().mean(), opt) as loss:
+        loss.backward()  # gradients kept (no step yet): accumulating
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        with amp.scale_loss(torch.tensor(1.0), opt) as loss:
+            loss.backward()
+    for g, p in zip(grads, model.parameters()):
+        assert (g is None and p.grad is None) or torch.equal(g, p.grad)
+    with amp.scale_loss(model(x).float().square().mean(), opt) as loss:
+        loss.backward()
+    opt.step()
+    assert not amp.last_step_skipped(opt)

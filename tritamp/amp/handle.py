@@ -80,6 +80,7 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
 
     scaler.poll_reports()
     scaler._to(loss.device)
+    prepared, dropped = [], []
     for opt in optimizers:
         stash = opt._amp_stash
         if not stash.params_have_scaled_gradients:
@@ -87,11 +88,22 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
                 # the first backward of an accumulation: its gradients stay scaled (Apex
                 # prepared nothing here), but a flag carried over a zero_grad is dropped
                 # as by any other scale_loss
+                dropped.append((stash, stash.found_inf))
                 stash.drop_carried_flag()
             else:
                 stash.prepare_backward()
+                prepared.append(stash)
 
-    yield loss.float() * scaler.scale
+    try:
+        yield loss.float() * scaler.scale
+    except BaseException:
+        # The block raised (its backward, say): the gradients and flags as they were
+        # before it, so that the failed step leaves nothing half done.
+        for stash in prepared:
+            stash.undo_prepare()
+        for stash, found in dropped:
+            stash.found_inf = found
+        raise
 
     if delay_unscale:
         for opt in optimizers:

@@ -82,6 +82,7 @@ class AmpStash:
         # Apex's did, so that clipping such a list clips what the step uses
         self.master_grads_wanted = False
         self.backward_seen = False
+        self._undo = None          # what prepare_backward changed (undo_prepare)
         self._sweeps = {}          # cached check/unscale sweeps, by purpose
         self.param_names = {}      # id(parameter) -> name, for the overflow warning
         self._count_key = None     # the layout key of the gradients this exit checked
@@ -240,15 +241,19 @@ class AmpStash:
     def drop_carried_flag(self):
         """The start of a backward into fresh gradients (every scale_loss but the later
         ones of a delay_unscale chain): an overflow flag without a scale_loss since the
-        last step was carried over a zero_grad (no masters); the gradients it was about
-        are gone, this backward's decide."""
+        last step was carried over a zero_grad; the gradients it was about are gone, this
+        backward's decide."""
         if not self.pending:
             self.found_inf = None
 
     def prepare_backward(self):
+        found = self.found_inf
         self.drop_carried_flag()
         self.unscale_pending()
         zeroed, self.zeroed = self.zeroed, None
+        # what undo_prepare puts back if the backward raises (the plain gradients are in
+        # plain_stash, or left in place below)
+        self._undo = (found, zeroed, list(map(_grad_of, self.model_params)))
         if zeroed is not None and _untouched(zeroed, self.plain_params, self.model_params):
             # zero_grad(set_to_none=False) left zeros that nothing has written since: the
             # backward accumulates into them and they count as this backward's own (checked
@@ -266,11 +271,42 @@ class AmpStash:
         self.plain_stash = list(map(_grad_of, self.plain_params))
         _clear_grads(self.plain_params)
 
+    def undo_prepare(self):
+        """The backward after :meth:`prepare_backward` raised: the gradients, the zeroed
+        record and the flag as they were before it (what it moved from pending half
+        gradients into the masters stays there: the same values, unscaled; the next
+        backward clears those half gradients). Gradients the failed backward wrote
+        into are dropped, or, where zeros were being accumulated into, zeroed again."""
+        undo, self._undo = self._undo, None
+        if undo is None:
+            return
+        found, zeroed, model_grads = undo
+        collections.deque(map(setattr, self.model_params, itertools.repeat("grad"),
+                              model_grads), maxlen=0)
+        if any(map(_is_not_none, self.plain_stash)):
+            collections.deque(map(setattr, self.plain_params, itertools.repeat("grad"),
+                                  self.plain_stash), maxlen=0)
+            self.plain_stash = [None] * len(self.plain_params)
+        if zeroed is not None:
+            grads, versions = zeroed
+            now = list(map(_grad_of, itertools.chain(self.plain_params, self.model_params)))
+            if all(map(operator.is_, now, grads)):
+                moved = [g for g, v in zip(grads, versions)
+                         if g is not None and g._version != v]
+                if moved:
+                    zero_grads_(moved)
+                zeroed = _versions(self.plain_params, self.model_params)
+            else:
+                zeroed = None
+        self.zeroed = zeroed
+        self.found_inf = found
+
     def post_backward(self, scaler):
         """Check (and unscale) this backward's gradients; record what step() needs.
 
         Gradients left scaled for the step carry the scaler's current scale: a dynamic
         scale's update at this exit copies it into USED_SCALE before moving SCALE."""
+        self._undo = None  # (the backward went through)
         carried = scaler.used_scale if scaler.dynamic else scaler.scale
         check = scaler.found_inf if scaler.dynamic else None  # a static scale is not checked
         self.backward_seen = True
@@ -482,8 +518,13 @@ class AmpStash:
                                 key=(layout_key(self.masters), layout_key(self.model_params)))
 
     def finish_step(self):
-        """After step() or zero_grad(): back to READY; the masters' gradients are spent."""
+        """After step() or zero_grad(): back to READY; the masters' gradients are spent
+        (and gradients stashed by a backward whose update never came: FP16_Optimizer's
+        ``update_master_grads=False``)."""
         _clear_grads(self.masters)
+        if any(map(_is_not_none, self.plain_stash)):
+            self.plain_stash = [None] * len(self.plain_params)
+        self._undo = None
         self.zeroed = None
         self.pending = False
         self.found_inf = None
@@ -626,14 +667,13 @@ def _new_zero_grad(old_zero_grad):
             _clear_grads(stash.model_params)
         else:
             zero_grads_([p.grad for p in stash.model_params if p.grad is not None])
-        # Without masters Apex left a pending skip in place (only the master-weights
-        # zero_grad was patched): a step right after a zero_grad that followed an
-        # overflowing scale_loss is skipped (not taken on the zeros: momentum would move
-        # the weights). The flag is copied on the device (the scaler reuses its slot). The
-        # next backward drops it (the gradients it was about are gone; Apex's skip
-        # outlived it and skipped that backward's clean step too).
-        carried = (stash.found_inf.clone() if not stash.master_weights
-                   and stash.found_inf is not None else None)
+        # Apex left a pending skip in place (its skip patch lasted until the next step):
+        # a step right after a zero_grad that followed an overflowing scale_loss is
+        # skipped (not taken on the zeros: momentum would move the weights, the fp32
+        # parameters' at O2). The flag is copied on the device (the scaler reuses its
+        # slot). The next backward drops it (the gradients it was about are gone; Apex's
+        # skip outlived it and skipped that backward's clean step too).
+        carried = None if stash.found_inf is None else stash.found_inf.clone()
         stash.finish_step()
         stash.found_inf = carried  # (not PENDING: the next backward drops it)
         # What the optimizer's own zero_grad did decides: gradients still present are zeros.

@@ -127,6 +127,7 @@ class FP16_Optimizer:
 
         self._overflow_flag = None        # device flag of the last checked gradients
         self._backward_pending = False    # scaled gradients not yet moved to the masters
+        self._fresh_grads = False         # a backward since the last step or zero_grad
         self.first_closure_call_this_step = True
         self.clip_grad_norm = clip_grad_norm
 
@@ -165,6 +166,7 @@ class FP16_Optimizer:
                 p.grad.zero_()
         stash = self._stash
         stash.finish_step()
+        self._fresh_grads = False
         if not set_grads_to_None:
             # The zeros stay the next backward's own (recorded with their versions): a
             # parameter that backward does not reach still gets a zero master gradient,
@@ -182,10 +184,19 @@ class FP16_Optimizer:
         scaler = self.loss_scaler
         scaler.poll_reports()
         scaler._to(loss.device)
-        if not self._backward_pending:
+        prepared = not self._backward_pending
+        if prepared:
             self._stash.prepare_backward()
             self._backward_pending = True
-        (loss.float() * scaler.scale).backward(retain_graph=retain_graph)
+        try:
+            (loss.float() * scaler.scale).backward(retain_graph=retain_graph)
+        except BaseException:
+            # (a loss without a graph, a graph already freed): the gradients as they were
+            if prepared:
+                self._stash.undo_prepare()
+                self._backward_pending = False
+            raise
+        self._fresh_grads = True
         if update_master_grads:
             self.update_master_grads()
 
@@ -230,10 +241,19 @@ class FP16_Optimizer:
         self._require_updated("step()")
         if closure is not None:
             return self._step_with_closure(closure)
+        if not self._fresh_grads:
+            # No backward since the last step or zero_grad: nothing to step on (the
+            # masters' gradients are spent; the fp32 parameters' are the last step's, or
+            # zero_grad's zeros, which would move them through momentum and weight
+            # decay). (torch's schedulers: the step was called.)
+            self.optimizer._opt_called = True
+            return None
+        self._fresh_grads = False
         return self._amp_step(self.optimizer)
 
     def _step_with_closure(self, closure):
         stash = self._stash
+        self._fresh_grads = False  # (spent by this step, whatever the closure does)
         if self.overflow:
             # A backward() before this call overflowed: skipped, the closure not run, as
             # Apex's step returned before it
@@ -250,6 +270,7 @@ class FP16_Optimizer:
                 # The optimizer moved the masters since the last evaluation.
                 stash.master_to_model()
             temp_loss = closure()
+            self._fresh_grads = False
             while self.overflow:  # the closure protocol needs the answer on the host
                 scaler = self.loss_scaler
                 attempted, scale = float(scaler.used_scale), float(scaler.scale)
@@ -261,6 +282,7 @@ class FP16_Optimizer:
                 logger.warning("OVERFLOW within closure! Skipping step. Attempted loss scale: %s, "
                                "reducing to %s", attempted, scale)
                 temp_loss = closure()
+                self._fresh_grads = False
             self._require_updated("step(closure)")
             stash.unscale_pending()
             return temp_loss
@@ -400,6 +422,7 @@ class FP16_Optimizer:
                             dsts=[p.detach() for p in self.all_fp16_params])
         self._stash.finish_step()
         self._backward_pending = False
+        self._fresh_grads = False
         self.overflow = state_dict.get("overflow", False)
         self.first_closure_call_this_step = state_dict.get("first_closure_call_this_step", True)
 
