@@ -635,3 +635,76 @@ def test_two_d_input_of_the_wrong_width_says_what_it_reads():
     with pytest.raises(ValueError, match=r"input of shape \(8, 3\) has 3 channels in dimension "
                                          r"1 \(2-D input is \(N, C\)\)"):
         SyncBatchNorm(4)(torch.randn(8, 3))
+
+
+def _trained_pair(device, **kw):
+    """A SyncBatchNorm and torch's BatchNorm2d after one identical training forward."""
+    sync, ref = _pair(3, 4, device, **kw)
+    x = _data((4, 3, 2, 2), torch.float32, device)
+    return sync, ref, x
+
+
+@pytest.mark.parametrize("what", ["weight (1, C)", "bias (C, 1)", "running_mean strided",
+                                  "running_var (1, C)"])
+def test_parameters_and_buffers_of_c_elements_in_other_shapes_as_torchs(what, device):
+    # torch's BatchNorm forward reads any tensor of C elements (a strided running_mean
+    # included) and updates it in place; the kernels read dense vectors: used through
+    # one, and copied back (the (1, C) weight was refused after the statistics had
+    # moved). Held to torch's BatchNorm with the usual vectors (torch's own CPU backward
+    # refuses a (1, C) weight).
+    sync, ref, x = _trained_pair(device)
+    name = what.split()[0]
+    t = getattr(sync, name).detach()
+    if "strided" in what:
+        new = torch.zeros(6, device=device)[::2]
+        new.copy_(t)
+    else:
+        new = t.reshape((1, 3) if "(1, C)" in what else (3, 1)).clone()
+    setattr(sync, name, nn.Parameter(new) if name in ("weight", "bias") else new)
+    for _ in range(2):
+        xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ys, yr = sync(xs), ref(xr)
+        torch.testing.assert_close(ys, yr, **TOL[torch.float32])
+        ys.square().sum().backward()
+        yr.square().sum().backward()
+        torch.testing.assert_close(xs.grad, xr.grad, **TOL[torch.float32])
+    for k in ("running_mean", "running_var"):
+        torch.testing.assert_close(getattr(sync, k).reshape(-1), getattr(ref, k),
+                                   **TOL[torch.float32])
+    assert getattr(sync, name) is new or getattr(sync, name).data_ptr() == new.data_ptr()
+    if name in ("weight", "bias"):
+        torch.testing.assert_close(getattr(sync, name).grad.reshape(-1),
+                                   getattr(ref, name).grad, rtol=1e-5, atol=1e-5)
+    assert torch.equal(sync.num_batches_tracked, ref.num_batches_tracked)
+
+
+@pytest.mark.parametrize("case", ["weight on meta", "int64 running_var", "str momentum"])
+def test_a_parameter_buffer_or_momentum_it_cannot_use_is_refused_before_anything_changes(
+        case):
+    sync = SyncBatchNorm(3)
+    if case == "weight on meta":
+        sync.weight = nn.Parameter(torch.ones(3, device="meta"))
+        kind, match = RuntimeError, r"^Expected all tensors to be on the same device.*weight"
+    elif case == "int64 running_var":
+        sync.running_var = torch.ones(3, dtype=torch.int64)
+        kind, match = RuntimeError, r"^expected scalar type Float but found Long"
+    else:
+        sync.momentum = "0.1"
+        kind, match = TypeError, (r"^batch_norm\(\): argument 'momentum' \(position 7\) must be "
+                                  r"float, not str$")
+    before = {k: v.clone() for k, v in sync.state_dict().items() if v.device.type != "meta"}
+    with pytest.raises(kind, match=match):
+        sync(torch.randn(4, 3, 2, 2))
+    for k, v in before.items():
+        assert torch.equal(sync.state_dict()[k], v), k
+
+
+def test_cumulative_momentum_without_a_count_leaves_the_statistics_as_torchs():
+    # torch's BatchNorm with momentum=None and num_batches_tracked=None: factor 0
+    sync, ref = _pair(3, 4, torch.device("cpu"), momentum=None)
+    for m in (sync, ref):
+        m.num_batches_tracked = None
+    x = _data((4, 3, 2, 2), torch.float32, torch.device("cpu"))
+    torch.testing.assert_close(sync(x), ref(x), **TOL[torch.float32])
+    assert torch.equal(sync.running_mean, ref.running_mean)
+    assert torch.equal(sync.running_var, ref.running_var)

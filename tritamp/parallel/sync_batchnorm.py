@@ -9,6 +9,8 @@ Parameter gradients stay local, as in torch: DistributedDataParallel averages th
 Without an initialised process group, or with a group of one, nothing is communicated
 and the layer is a BatchNorm.
 """
+import numbers
+
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
@@ -100,6 +102,20 @@ def _all_gather_rows(row, group, world_size):
         # raised before any rank communicates): one tensor per rank
         dist.all_gather(list(out.view(world_size, n).unbind(0)), row, group=group)
     return out.view(world_size, n)
+
+
+# torch's names of the scalar types a BatchNorm buffer or parameter cannot be
+_SCALAR_NAMES = {torch.int64: "Long", torch.int32: "Int", torch.int16: "Short",
+                 torch.int8: "Char", torch.uint8: "Byte", torch.bool: "Bool",
+                 torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble"}
+
+
+def _dense_vector(t):
+    """``t`` when it is a contiguous vector (the kernels' running statistics), else a
+    contiguous vector copy of it (the caller copies an updated one back)."""
+    if t is None or (t.dim() == 1 and t.is_contiguous()):
+        return t
+    return t.reshape(-1).contiguous() if not t.is_contiguous() else t.view(-1)
 
 
 class SyncBatchnormFunction(torch.autograd.Function):
@@ -256,9 +272,26 @@ class SyncBatchNorm(_BatchNorm):
         # had been updated.
         for name in ("weight", "bias", "running_mean", "running_var"):
             t = getattr(self, name)
-            if t is not None and t.numel() != self.num_features:
+            if t is None:
+                continue
+            if t.numel() != self.num_features:
                 raise RuntimeError(f"{name} should contain {self.num_features} elements not "
                                    f"{t.numel()}")
+            if t.device != input.device:
+                raise RuntimeError(f"Expected all tensors to be on the same device, but found "
+                                   f"at least two devices, {input.device} and {t.device}! "
+                                   f"(SyncBatchNorm's {name}: move the module to the input's "
+                                   "device)")
+            if not t.is_floating_point():
+                raise RuntimeError(f"expected scalar type Float but found "
+                                   f"{_SCALAR_NAMES.get(t.dtype, t.dtype)} "
+                                   f"(SyncBatchNorm's {name} is {t.dtype}: keep it floating "
+                                   "point, e.g. float32)")
+        momentum = self.momentum
+        if momentum is not None and (isinstance(momentum, bool)
+                                     or not isinstance(momentum, numbers.Real)):
+            raise TypeError(f"batch_norm(): argument 'momentum' (position 7) must be float, "
+                            f"not {type(momentum).__name__}")
         if z is not None and (z.shape != input.shape or z.dtype != input.dtype
                               or z.device != input.device):
             raise ValueError(f"SyncBatchNorm: z must match the input ({tuple(input.shape)}, "
@@ -268,8 +301,9 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input, z=None):
         self._check(input, z)
         factor = self.momentum
-        if self.training and self.track_running_stats:
-            self.num_batches_tracked.add_(1)
+        if self.training and self.track_running_stats and factor is None \
+                and self.num_batches_tracked is None:
+            factor = 0.0  # torch's: a cumulative average with no count leaves the stats
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         world_size, group = 1, None
         if bn_training and self.training and dist.is_available() and dist.is_initialized():
@@ -294,16 +328,26 @@ class SyncBatchNorm(_BatchNorm):
         # running ones as they are; num_batches_tracked counts it, as torch does)
         track = self.training and self.track_running_stats
         weight, bias = self.weight, self.bias
-        # (a strided view, as torch's BatchNorm takes: the kernels read a dense vector;
-        # autograd carries the gradient back to the view)
-        if weight is not None and not weight.is_contiguous():
-            weight = weight.contiguous()
-        if bias is not None and not bias.is_contiguous():
-            bias = bias.contiguous()
-        return SyncBatchnormFunction.apply(
-            input, z, weight, bias,
-            self.running_mean if (track or not bn_training) else None,
-            self.running_var if (track or not bn_training) else None,
+        # (a strided view or another shape of C elements, as torch's BatchNorm takes: the
+        # kernels read a dense vector; autograd carries the gradient back to the view)
+        if weight is not None and (weight.dim() != 1 or not weight.is_contiguous()):
+            weight = weight.reshape(-1).contiguous()
+        if bias is not None and (bias.dim() != 1 or not bias.is_contiguous()):
+            bias = bias.reshape(-1).contiguous()
+        used = track or not bn_training
+        running = [_dense_vector(self.running_mean) if used else None,
+                   _dense_vector(self.running_var) if used else None]
+        if track and self.num_batches_tracked is not None:
+            # (counted once nothing can be refused any more)
+            self.num_batches_tracked.add_(1)
+        out = SyncBatchnormFunction.apply(
+            input, z, weight, bias, running[0], running[1],
             self.num_batches_tracked if track else None,
             self.eps, factor, bn_training, group, world_size, self.channel_last,
             self.fuse_relu)
+        if track:
+            # a buffer updated through a dense copy (a strided or reshaped one) takes it
+            for buf, dense in zip((self.running_mean, self.running_var), running):
+                if dense is not None and dense is not buf:
+                    buf.copy_(dense.view(buf.shape))
+        return out
