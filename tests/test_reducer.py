@@ -79,6 +79,24 @@ def test_reduce_after_an_amp_block_is_refused_and_inside_it_an_overflow_skips_ev
         assert got["scales"][1] == got["scales"][0] / 2
 
 
+@pytest.mark.parametrize("kind", ["sgd", "fused-sgd"])
+def test_reduce_after_an_o2_block_averages_what_the_step_reads(ranks, kind):
+    # With overflow_process_group, reduce() after the block is allowed; at O2 the step
+    # reads the fp32 masters' gradients: averaged, the ranks' masters stay equal (with
+    # torch's SGD each rank stepped on its own gradients: the half ones were reduced).
+    m0, m1 = (r["o2_after_block"][kind]["masters"] for r in ranks)
+    assert len(m0) == len(m1) > 0
+    for a, b in zip(m0, m1):
+        assert torch.equal(a, b)
+
+
+def test_reduce_of_a_list_after_an_o2_block_is_refused_with_nothing_reduced(ranks):
+    for r in ranks:
+        got = r["o2_after_block"]["listed"]
+        assert "Reducer(model)" in got["refused"] and "Nothing was reduced" in got["refused"]
+        assert got["grads_kept"]
+
+
 def test_reducer_needs_torch_distributed():
     with pytest.raises(RuntimeError, match="init_process_group"):
         Reducer(torch.nn.Linear(2, 2))  # (its broadcast)

@@ -9,7 +9,8 @@ what the test compares to ``<out>/reducer.rank<r>.pt``: the weights after the br
 Reducer's averaged gradients (module mode and gradient-list mode) and DDP's; then
 ``disjoint``: each rank's backward reaches another branch of one model; ``amp_order``:
 Reducer with amp's dynamic loss scale, reduced after the block (refused) and inside it
-with an overflow on rank 0 alone.
+with an overflow on rank 0 alone; ``o2_after_block``: reduced after the block at O2 with
+``overflow_process_group`` (the masters' gradients averaged).
 """
 import argparse
 import copy
@@ -71,6 +72,8 @@ def run(out_dir):
     result["unused_grad"] = model.unused.weight.grad
     result["disjoint"] = disjoint(rank)
     result["amp_order"] = amp_order(rank)
+    result["o2_after_block"] = {kind: o2_after_block(rank, kind)
+                                for kind in ("sgd", "fused-sgd", "listed")}
     torch.save(result, os.path.join(out_dir, f"reducer.rank{rank}.pt"))
 
 
@@ -143,6 +146,48 @@ def amp_order(rank):
         out["weights_kept"] = all(torch.equal(w, q) for w, q in zip(weights, model.parameters()))
         out["scales"] = (scale, amp.state_dict()["loss_scaler0"]["loss_scale"])
         out["skipped"] = amp.last_step_skipped(opt)
+    finally:
+        reset()
+    return out
+
+
+def o2_after_block(rank, kind):
+    """amp O2 (bf16) with overflow_process_group: reduce() after the scale_loss block is
+    allowed, and the step reads the fp32 masters' gradients (unscaled into them at the
+    exit, or left to a fused step in the half ones): the Reducer averages those, so the
+    ranks' masters stay equal (reducing the half gradients left each rank stepping on
+    its own). A Reducer over a list of tensors there is refused, nothing reduced."""
+    from tritamp import amp
+    from tritamp.optimizers import FusedSGD
+    from tritamp.parallel import Reducer
+    from tritamp.testing import reset_amp as reset
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2))
+    make = FusedSGD if kind == "fused-sgd" else torch.optim.SGD
+    opt = make(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0,
+                                overflow_process_group=dist.group.WORLD)
+    out = {}
+    try:
+        reducer = Reducer(model) if kind != "listed" else \
+            Reducer([q.grad for q in model.parameters()])
+        x = torch.randn(4 + 2 * rank, 4, generator=torch.Generator().manual_seed(rank))
+        for _ in range(2):
+            with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            before = _grads(model)
+            try:
+                reducer.reduce()
+            except RuntimeError as e:
+                out["refused"] = str(e)
+                out["grads_kept"] = all(
+                    (g is None and before[n] is None) or torch.equal(before[n], g)
+                    for n, g in _grads(model).items())
+                return out
+            opt.step()
+            opt.zero_grad()
+        out["masters"] = [q.detach().clone() for g in opt.param_groups for q in g["params"]]
     finally:
         reset()
     return out

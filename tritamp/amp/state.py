@@ -41,6 +41,20 @@ def overflow_decided_locally():
     return False
 
 
+def pending_with_masters():
+    """The amp stashes (one per optimizer of the last ``initialize``) that keep fp32
+    master weights and whose ``scale_loss`` exited since their last step: the step will
+    read the masters' gradients (or, left to a fused step, the half ones still scaled).
+    Every rank of a data-parallel run is in the same state here (:class:`tritamp.parallel.
+    Reducer` asks)."""
+    out = []
+    for opt in list(_amp_state.optimizers):
+        stash = getattr(opt, "_amp_stash", None)
+        if stash is not None and stash.pending and stash.masters:
+            out.append(stash)
+    return out
+
+
 def reset():
     """Forget the last ``amp.initialize``: no properties, no scalers, verbosity 1 (models
     and optimizers it processed keep what it did to them)."""

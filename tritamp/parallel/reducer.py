@@ -4,7 +4,8 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn import Module
 
-from tritamp.amp.state import overflow_decided_locally
+from tritamp.amp.model import master_of
+from tritamp.amp.state import overflow_decided_locally, pending_with_masters
 
 
 def _collect(obj, out):
@@ -63,6 +64,15 @@ _NOT_AFTER_AMP = (
     "then skips when any overflowed). Nothing was reduced.")
 
 
+_LIST_AFTER_MASTERS = (
+    "Reducer.reduce() over a list of tensors was called after an amp.scale_loss block "
+    "exited and before the step, with fp32 master weights (O2): the step reads the "
+    "masters' gradients, which the list does not hold, so the ranks would step on their "
+    "own gradients and part. Call reducer.reduce() inside the scale_loss block, right "
+    "after backward(), or build the Reducer from the model (Reducer(model) then averages "
+    "the masters' gradients). Nothing was reduced.")
+
+
 class Reducer:
     """All-reduce and average gradients when asked, not during ``backward()``.
 
@@ -107,8 +117,17 @@ class Reducer:
         world_size = dist.get_world_size()
         if world_size > 1 and overflow_decided_locally():
             raise RuntimeError(_NOT_AFTER_AMP)
+        # After a scale_loss exit with master weights the step reads the masters'
+        # gradients (unscaled into them at the exit, or left scaled in the half ones for
+        # a fused step, which is moved into them here): those are averaged, on every rank
+        # alike (a stash's state after an exit is the same on every rank).
+        stashes = pending_with_masters() if world_size > 1 else []
+        if stashes and self.module is None:
+            raise RuntimeError(_LIST_AFTER_MASTERS)
+        for stash in stashes:
+            stash.unscale_pending()
         if self.module is not None:
-            grads = self._module_grads(world_size)
+            grads = self._module_grads(world_size, masters=bool(stashes))
         else:
             grads = self.grads
 
@@ -119,10 +138,13 @@ class Reducer:
         with torch.no_grad():
             _flat_call(grads, average)
 
-    def _module_grads(self, world_size):
+    def _module_grads(self, world_size, masters=False):
         """The gradients of the parameters that have one on any rank (zeros made where
-        this rank has none), in the module's parameter order."""
+        this rank has none), in the module's parameter order; with ``masters``, a half
+        parameter's fp32 master stands for it."""
         params = list(self.module.parameters())
+        if masters:
+            params = [p if master_of(p) is None else master_of(p) for p in params]
         if world_size == 1:
             return [p.grad.data for p in params if p.grad is not None]
         flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
