@@ -694,8 +694,8 @@ def _larc_cases():
     from tritamp.parallel import LARC
 
     class PerParameter(LARC):
-        def _adapt_list(self, index, device, ps, group, weight_decay):
-            self._adapt_each(ps, group, weight_decay)
+        def _plan_list(self, index, device, ps, group, weight_decay):
+            return lambda: self._adapt_each(ps, group, weight_decay)
 
     cases = []
     for name, cls in (("kept sweeps", LARC), ("per-parameter rewrite", PerParameter)):

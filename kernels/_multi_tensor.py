@@ -993,11 +993,12 @@ class SweepCache:
         return prepared
 
 
-def list_layout(tensors, op="tritamp"):
+def list_layout(tensors, op="tritamp", name="gradient"):
     """``(addresses, layout, triton)`` of a list of tensors: their addresses; what a
     sweep prepared over them depends on besides (strides, shapes, dtypes, device, and
-    whether the Triton path runs it); that path. The key of :class:`KeptByLayout`."""
-    addresses, layout = layout_key(tensors, op=op)
+    whether the Triton path runs it); that path. The key of :class:`KeptByLayout`.
+    (``name``: what a refusal of a sparse one calls the tensors, see :func:`layout_key`.)"""
+    addresses, layout = layout_key(tensors, op=op, name=name)
     triton = use_triton(tensors[0])
     return addresses, (layout, tuple(map(_size, tensors)), tensors[0].device, triton), triton
 

@@ -149,3 +149,17 @@ def test_float64_gradients_are_clipped_as_torch_clips_them():
     torch.testing.assert_close(total, want, rtol=0, atol=0)
     for p, q in zip(ours, theirs):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_an_empty_generator_warns_and_max_norm_is_read_as_torch_reads_it():
+    with pytest.warns(UserWarning, match="`parameters` is an empty generator"):
+        clip_grad_norm_((p for p in []), 1.0)
+    p = nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([3.0, 4.0])
+    q = nn.Parameter(torch.zeros(2))
+    q.grad = p.grad.clone()
+    ours = clip_grad_norm_([p], "1.0")  # torch's float(max_norm)
+    theirs = torch.nn.utils.clip_grad_norm_([q], "1.0")
+    assert torch.equal(ours, theirs) and torch.equal(p.grad, q.grad)
+    with pytest.raises(TypeError, match="float\\(\\) argument must be"):
+        clip_grad_norm_([p], None)

@@ -178,6 +178,37 @@ def test_bad_arguments():
         LARC(LARC(torch.optim.SGD(params, lr=0.1)))
 
 
+@pytest.mark.parametrize("kw,kind,match", [
+    (dict(trust_coefficient=float("nan")), ValueError, r"trust_coefficient must be a finite "
+                                                       r"number > 0, got nan"),
+    (dict(trust_coefficient=float("inf")), ValueError, r"trust_coefficient .* got inf"),
+    (dict(eps=float("nan")), ValueError, r"eps must be a finite number >= 0, got nan"),
+    (dict(eps=-1e-8), ValueError, r"eps must be a finite number >= 0"),
+    (dict(trust_coefficient="0.02"), TypeError, r"trust_coefficient must be a number > 0, "
+                                                r"got str '0.02'"),
+])
+def test_arguments_that_are_not_finite_numbers_are_refused_by_name(kw, kind, match):
+    # (NaN passed both range checks, and one step made every weight NaN)
+    with pytest.raises(kind, match=match):
+        LARC(torch.optim.SGD(_params(7), lr=0.1), **kw)
+
+
+def test_a_refused_later_group_leaves_every_gradient_as_it_was():
+    # every group's rewrite is validated before any is applied: a sparse gradient in the
+    # second group left the first group's gradients rewritten (a retry applied LARC twice)
+    dense = torch.nn.Parameter(torch.randn(4))
+    emb = torch.nn.Embedding(5, 3, sparse=True)
+    opt = LARC(torch.optim.SGD([{"params": [dense]}, {"params": emb.parameters()}], lr=0.1,
+                               weight_decay=0.1))
+    dense.grad = torch.randn(4)
+    emb(torch.tensor([1, 2])).sum().backward()
+    before = dense.grad.clone()
+    with pytest.raises(RuntimeError, match=r"param_groups\[1\] gradient 0 is a sparse"):
+        opt.step()
+    assert torch.equal(dense.grad, before)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.1]
+
+
 # --------------------------------------------------------------------------------------
 # The kept sweeps: norms and rewrite prepared once, rebound to each step's gradients
 # --------------------------------------------------------------------------------------
@@ -203,10 +234,10 @@ def _grads(ps, step, zero_row=1):
 def _each_larc(opt):
     """The same LARC, every list through the per-parameter rewrite (the path of lists the
     sweep does not take), as the yardstick: fp32 operations in the same order."""
-    def adapt(index, group, weight_decay):
+    def plan(index, group, weight_decay):
         ps = [p for p in group["params"] if p.grad is not None]
-        opt._adapt_each(ps, group, weight_decay)
-    opt._adapt = adapt
+        return [lambda: opt._adapt_each(ps, group, weight_decay)] if ps else []
+    opt._plan = plan
     return opt
 
 

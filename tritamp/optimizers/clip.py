@@ -1,5 +1,7 @@
 """Gradient clipping over many tensors without a host sync."""
 import operator
+import types
+import warnings
 
 import torch
 
@@ -67,7 +69,16 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     """
     # (a list: a generator such as amp.master_params(...) is read here and may still
     # have to be handed to torch's implementation below)
-    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    else:
+        generator = isinstance(parameters, types.GeneratorType)
+        parameters = list(parameters)
+        if generator and not parameters:  # (torch's warning)
+            warnings.warn("`parameters` is an empty generator, no gradient clipping will "
+                          "occur.", stacklevel=2)
+    if not isinstance(max_norm, torch.Tensor):
+        max_norm = float(max_norm)  # as torch's (a string of a number; None refused)
     grads = [p.grad for p in parameters if p.grad is not None]
     if float(norm_type) != 2.0 or error_if_nonfinite \
             or not set(map(_dtype_of, grads)) <= _SWEPT:

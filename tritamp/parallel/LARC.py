@@ -1,4 +1,6 @@
 """LARC: layer-wise adaptive rate control around any optimizer (Apex's ``apex.parallel.LARC``)."""
+import math
+import numbers
 import operator
 
 import torch
@@ -78,10 +80,13 @@ class LARC:
         if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "step"):
             raise TypeError(f"LARC wraps an optimizer (param_groups and step()); got "
                             f"{type(optimizer).__name__}")
-        if trust_coefficient <= 0:
-            raise ValueError(f"LARC: trust_coefficient must be > 0, got {trust_coefficient}")
-        if eps < 0:
-            raise ValueError(f"LARC: eps must be >= 0, got {eps}")
+        for name, value, low in (("trust_coefficient", trust_coefficient, "> 0"),
+                                 ("eps", eps, ">= 0")):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"LARC: {name} must be a number {low}, got "
+                                f"{type(value).__name__} {value!r}")
+            if not math.isfinite(value) or (value <= 0 if low == "> 0" else value < 0):
+                raise ValueError(f"LARC: {name} must be a finite number {low}, got {value}")
         self.optim = optimizer
         self.trust_coefficient = trust_coefficient
         self.eps = eps
@@ -136,31 +141,34 @@ class LARC:
             factor = torch.clamp(factor / group["lr"], max=1.0)
         return factor, (p_norm != 0) & (g_norm != 0)
 
-    @torch.no_grad()
-    def _adapt(self, index, group, weight_decay):
+    def _plan(self, index, group, weight_decay):
+        """The rewrites of group ``index``, validated (nothing written yet): a list of
+        callables that apply them, one per device."""
         ps = [p for p in group["params"] if p.grad is not None]
         if not ps:
-            return
+            return []
         devices = set(map(_device_of, ps))
         if len(devices) == 1:
-            self._adapt_list(index, devices.pop(), ps, group, weight_decay)
-            return
+            return [self._plan_list(index, devices.pop(), ps, group, weight_decay)]
         by_device = {}
         for p in ps:
             by_device.setdefault(p.device, []).append(p)
-        for device, same in by_device.items():
-            self._adapt_list(index, device, same, group, weight_decay)
+        return [self._plan_list(index, device, same, group, weight_decay)
+                for device, same in by_device.items()]
 
-    def _adapt_list(self, index, device, ps, group, weight_decay):
+    def _plan_list(self, index, device, ps, group, weight_decay):
         """The norms and the rewrite as kept multi-tensor sweeps: per step two norm
         launches, a few small vector ops and one rescale launch per dtype group, whatever
         the number of parameters; nothing validated, planned or uploaded again while the
         parameters stay and only the gradients' addresses move. Lists the rescale sweep
         does not take (float64, parameters or gradients that are not dense) are
-        rewritten per parameter (decided once per layout)."""
+        rewritten per parameter (decided once per layout). Returns the callable that
+        applies it (validated here: a refusal leaves every gradient as it was)."""
         grads = [p.grad for p in ps]
-        addresses, layout, triton = list_layout(grads, op="LARC")
-        key = (list_layout(ps, op="LARC")[:2], layout, weight_decay != 0)
+        addresses, layout, triton = list_layout(grads, op="LARC",
+                                                name=f"param_groups[{index}] gradient")
+        key = (list_layout(ps, op="LARC", name=f"param_groups[{index}] parameter")[:2],
+               layout, weight_decay != 0)
         kept_by_layout = self._kept.get((index, device))
         if kept_by_layout is None:
             kept_by_layout = self._kept[(index, device)] = KeptByLayout(2)
@@ -175,18 +183,20 @@ class LARC:
             addresses, key, triton, prepare,
             lambda kept, addresses: kept is None or kept.rebind(grads, addresses))
         if kept is None:
-            self._adapt_each(ps, group, weight_decay)
-            return
-        try:
-            _, p_norm = multi_tensor_l2norm_launch(kept.p_norm, per_tensor=True)
-            _, g_norm = multi_tensor_l2norm_launch(kept.g_norm, per_tensor=True)
-            factor, keep = self._factors(p_norm, g_norm, group, weight_decay)
-            torch.where(keep, factor, kept.one, out=kept.factor)
-            if kept.decay is not None:
-                torch.mul(keep, weight_decay, out=kept.decay)  # 0 where it is left alone
-            larc_rescale_launch(kept.rescale)
-        finally:
-            kept.release()
+            return lambda: self._adapt_each(ps, group, weight_decay)
+
+        def apply():
+            try:
+                _, p_norm = multi_tensor_l2norm_launch(kept.p_norm, per_tensor=True)
+                _, g_norm = multi_tensor_l2norm_launch(kept.g_norm, per_tensor=True)
+                factor, keep = self._factors(p_norm, g_norm, group, weight_decay)
+                torch.where(keep, factor, kept.one, out=kept.factor)
+                if kept.decay is not None:
+                    torch.mul(keep, weight_decay, out=kept.decay)  # 0 where left alone
+                larc_rescale_launch(kept.rescale)
+            finally:
+                kept.release()
+        return apply
 
     def _adapt_each(self, ps, group, weight_decay):
         """Tensors the rescale sweep does not take (float64, parameters or gradients that
@@ -225,12 +235,18 @@ class LARC:
             if any(index >= len(groups) for index, _ in self._kept):
                 # a group removed: its sweeps (and their scratch) go
                 self._kept = {k: v for k, v in self._kept.items() if k[0] < len(groups)}
-            for index, group in enumerate(groups):
-                # LARC applies the weight decay itself (inside the adaptive rate)
-                weight_decay = group.get("weight_decay", 0)
-                weight_decays.append(weight_decay)
-                group["weight_decay"] = 0
-                self._adapt(index, group, weight_decay)
+            # Every group's rewrite validated before any gradient is written (a refused
+            # later group left the earlier ones rewritten: a retry applied LARC twice)
+            plans = []
+            with torch.no_grad():
+                for index, group in enumerate(groups):
+                    plans.extend(self._plan(index, group, group.get("weight_decay", 0)))
+                for index, group in enumerate(groups):
+                    # LARC applies the weight decay itself (inside the adaptive rate)
+                    weight_decays.append(group.get("weight_decay", 0))
+                    group["weight_decay"] = 0
+                for apply in plans:
+                    apply()
             self.optim.step()
             return loss
         finally:
