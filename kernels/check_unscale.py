@@ -4,7 +4,7 @@
 every tensor ``x`` in ``srcs`` and in one launch per (dst, src, addend) dtype group:
 
     found_inf = 1.0                    if any element of x (or of add, when written
-                                       with adds) is inf or NaN           (found_inf given)
+                                       with adds, unless check_adds=False) is inf or NaN
     dst = (x * (1 / scale) [+ add])    cast to dst's dtype                (write=True)
 
 ``scale`` is a 0-d fp32 device tensor; ``1/scale`` is taken in fp64 and rounded to
@@ -74,6 +74,7 @@ def _check_unscale_sweep_kernel(
     CHECK: tl.constexpr,
     WRITE: tl.constexpr,
     HAS_ADDS: tl.constexpr,
+    CHECK_ADDS: tl.constexpr,      # the addends are checked too (CHECK and HAS_ADDS)
     VEC: tl.constexpr,             # > 1: every address 16-byte aligned, numel % VEC == 0
     EMULATE_BF16_ROUNDING: tl.constexpr,  # interpreter only: see _tl_utils
     BLOCK: tl.constexpr,
@@ -96,7 +97,7 @@ def _check_unscale_sweep_kernel(
             x = x * inv
         if HAS_ADDS:
             a = load_f32(column(row, _A, offs, add_proto, VEC), mask, EMULATE_BF16_ROUNDING)
-            if CHECK:
+            if CHECK_ADDS:
                 # the addend is checked too (what the step will read is their sum): an
                 # inf/NaN left in an earlier gradient must not pass as this backward's clean
                 bad_a = (a != a) | (tl.abs(a) == float("inf"))
@@ -372,22 +373,25 @@ def check_unscale_prepare(srcs, dsts=None, adds=None, write=True):
                                in_place=write and dsts is None and adds is None))
 
 
-def check_unscale_launch(prepared, scale=None, found_inf=None):
+def check_unscale_launch(prepared, scale=None, found_inf=None, check_adds=True):
     """One check/unscale over a prepared sweep: one launch per dtype group (none when
     there is nothing to do). On a device where Triton does not run, the torch reference.
-    Nothing is synchronised with the host."""
+    Nothing is synchronised with the host. ``check_adds=False``: the addends are not
+    checked (a caller whose addends an earlier check already judged)."""
     write = prepared.options["write"]
     if prepared.n == 0 or (not write and found_inf is None):
         return
     if not prepared.triton:
-        check_unscale_cpu(prepared, scale, found_inf)
+        check_unscale_cpu(prepared, scale, found_inf, check_adds)
         return
     anchor = prepared.anchor
     has_scale = write and scale is not None
     prepared.launch(_check_unscale_sweep_kernel, (
         scale if has_scale else anchor,
         found_inf if found_inf is not None else anchor), dict(
-        HAS_SCALE=has_scale, CHECK=found_inf is not None, WRITE=write))
+        HAS_SCALE=has_scale, CHECK=found_inf is not None, WRITE=write,
+        CHECK_ADDS=bool(check_adds) and found_inf is not None
+        and bool(prepared.options.get("adds", False))))
 
 
 # --- the production CPU path ---------------------------------------------------------------
@@ -439,7 +443,7 @@ class _CpuPlan:
         self.work = "dsts" if exact_in_dst else "scratch"
 
 
-def check_unscale_cpu(prepared, scale=None, found_inf=None):
+def check_unscale_cpu(prepared, scale=None, found_inf=None, check_adds=True):
     """The production CPU path of :func:`check_unscale_launch` over a prepared sweep (a
     :class:`LayoutPrepared` whose sweep runs on the CPU): per dtype group, a few of torch's
     multi-tensor CPU ops, no Python loop over the tensors, nothing read on the host.
@@ -487,7 +491,7 @@ def check_unscale_cpu(prepared, scale=None, found_inf=None):
                 work, flag, one if inv is None else inv)
         if adds is not None:
             if plan.add_into_dsts:
-                if found_inf is not None:  # the addends are checked too (the kernel's rule)
+                if found_inf is not None and check_adds:  # the addends too (the kernel's)
                     torch._amp_foreach_non_finite_check_and_unscale_(dsts, found_inf, one)
                 torch._foreach_add_(dsts, work)
                 return
@@ -496,8 +500,8 @@ def check_unscale_cpu(prepared, scale=None, found_inf=None):
                 widened = prepared.prepared.buffers(g, "adds", adds)
                 torch._foreach_copy_(widened, adds)
                 adds = widened
-            if found_inf is not None:  # the addends are checked too (a multiply by 1.0
-                # writes their own values back)
+            if found_inf is not None and check_adds:  # the addends too (a multiply by
+                # 1.0 writes their own values back)
                 torch._amp_foreach_non_finite_check_and_unscale_(adds, found_inf, one)
             torch._foreach_add_(work, adds)
         if work is not dsts:
@@ -507,7 +511,8 @@ def check_unscale_cpu(prepared, scale=None, found_inf=None):
 
 
 @torch.no_grad()
-def check_unscale(srcs, scale=None, found_inf=None, dsts=None, adds=None, write=True):
+def check_unscale(srcs, scale=None, found_inf=None, dsts=None, adds=None, write=True,
+                  check_adds=True):
     """Check ``srcs`` for inf/NaN into ``found_inf`` and write ``srcs * (1/scale) (+ adds)`` to ``dsts``.
 
     One kernel launch per dtype group on CUDA (or under the interpreter); the torch
@@ -515,11 +520,12 @@ def check_unscale(srcs, scale=None, found_inf=None, dsts=None, adds=None, write=
     synchronised with the host.
     """
     check_unscale_launch(check_unscale_prepare(srcs, dsts=dsts, adds=adds, write=write),
-                         scale=scale, found_inf=found_inf)
+                         scale=scale, found_inf=found_inf, check_adds=check_adds)
 
 
 @torch.no_grad()
-def check_unscale_ref(srcs, scale=None, found_inf=None, dsts=None, adds=None, write=True):
+def check_unscale_ref(srcs, scale=None, found_inf=None, dsts=None, adds=None, write=True,
+                      check_adds=True):
     """Torch reference of :func:`check_unscale` (same arithmetic, same rounding)."""
     srcs = list(srcs)
     if not srcs:
@@ -532,7 +538,7 @@ def check_unscale_ref(srcs, scale=None, found_inf=None, dsts=None, adds=None, wr
             continue
         if found_inf is not None:
             b = ~torch.isfinite(x).all()
-            if write and adds is not None:  # the addend too
+            if write and adds is not None and check_adds:  # the addend too
                 b = b | ~torch.isfinite(adds[i]).all()
             bad = b if bad is None else bad | b
         if write:

@@ -157,3 +157,25 @@ def test_flag_carried_over_zero_grad_is_dropped_by_an_accumulation_too(delay, ma
     assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     state = amp.state_dict()["loss_scaler0"]
     assert state["skipped"] == 1 and state["loss_scale"] == scale
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_one_overflowing_micro_batch_backs_the_scale_off_once(level, path):
+    # Accumulation without delay_unscale: every exit checks its own backward; the
+    # gradients an earlier exit of the step already judged are not judged again (their
+    # overflow stands in the pending flag), so one inf backs off once, as in Apex.
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    x, y = _batch()
+    scale = amp.state_dict()["loss_scaler0"]["loss_scale"]
+    before = [p.detach().clone() for p in model.parameters()]
+    for k in range(4):
+        loss = nn.functional.mse_loss(model(x[2 * k:2 * k + 2]).float(), y[2 * k:2 * k + 2])
+        with amp.scale_loss(loss * (float("inf") if k == 0 else 1.0), opt) as scaled:
+            scaled.backward()
+    opt.step()
+    assert amp.last_step_skipped(opt)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == scale / 2
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))

@@ -697,10 +697,13 @@ def test_norm_and_syncbn_cpu_paths_do_not_call_the_references(cpu_path, monkeypa
     ("in_place", torch.bfloat16),
     ("add_is_dst", torch.float32)])  # (an fp32 master gradient, its own addend)
 @pytest.mark.parametrize("bad", [math.inf, math.nan, None])
-def test_a_non_finite_addend_is_found_like_a_non_finite_source(mode, add_dtype, bad, path):
+@pytest.mark.parametrize("check_adds", [True, False])
+def test_a_non_finite_addend_is_found_like_a_non_finite_source(mode, add_dtype, bad,
+                                                               check_adds, path):
     # An inf/NaN left in an earlier gradient (a stash added back, a master gradient from
     # an earlier loss) is part of what the step will read: the sweep that adds it flags
-    # it, as it flags its sources (the sources here are finite).
+    # it, as it flags its sources (the sources here are finite); unless the caller says
+    # an earlier check already judged the addends (check_adds=False).
     gen = torch.Generator().manual_seed(5)
     srcs = [torch.randn(n, generator=gen).bfloat16() for n in (33, 1000, 5)]
     adds = [torch.randn(s.shape, generator=gen).to(add_dtype) for s in srcs]
@@ -717,9 +720,10 @@ def test_a_non_finite_addend_is_found_like_a_non_finite_source(mode, add_dtype, 
     ref_dsts = None if dsts is None else (ref_adds if mode == "add_is_dst" else clones(dsts))
     scale = torch.tensor(4.0)
     found, found_ref = torch.zeros(()), torch.zeros(())
-    check_unscale(srcs, scale, found, dsts=dsts, adds=adds)
-    check_unscale_ref(ref_srcs, scale, found_ref, dsts=ref_dsts, adds=ref_adds)
-    assert found.item() == found_ref.item() == (0.0 if bad is None else 1.0)
+    check_unscale(srcs, scale, found, dsts=dsts, adds=adds, check_adds=check_adds)
+    check_unscale_ref(ref_srcs, scale, found_ref, dsts=ref_dsts, adds=ref_adds,
+                      check_adds=check_adds)
+    assert found.item() == found_ref.item() == (0.0 if bad is None or not check_adds else 1.0)
     for a, r in zip(srcs if dsts is None else dsts, ref_srcs if dsts is None else ref_dsts):
         assert_bitwise(a, r, "result")
     if mode == "add":

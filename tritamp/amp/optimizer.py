@@ -92,7 +92,7 @@ class AmpStash:
         self.last_step = self.handoff.last_step if self.handoff is not None else LastStep()
 
     def _check_unscale(self, purpose, srcs, scale, found, dsts=None, adds=None, write=True,
-                       key=None, rebind_on=None, addresses=None):
+                       key=None, rebind_on=None, addresses=None, check_adds=True):
         """check_unscale over a sweep prepared once and kept while the tensors keep their
         addresses, strides, sizes and dtypes (the steady state of a training loop
         rebuilds nothing).
@@ -145,7 +145,8 @@ class AmpStash:
             # Only the gradients' addresses changed (on a CPU they do every step; under
             # FSDP2 the gradients are new tensors): the kept, validated check takes them.
             prepared = cache.prepared
-            K.check_unscale_launch(prepared, scale=scale, found_inf=found)
+            K.check_unscale_launch(prepared, scale=scale, found_inf=found,
+                                   check_adds=check_adds)
             if prepared.triton:
                 cache.key = key  # its tables now hold these addresses
             else:
@@ -159,7 +160,7 @@ class AmpStash:
             prepared = cache.put(key, K.check_unscale_prepare(
                 lent[:n], dsts=None if dsts is None else lent[n:n + m],
                 adds=None if adds is None else lent[n + m:], write=write))
-        K.check_unscale_launch(prepared, scale=scale, found_inf=found)
+        K.check_unscale_launch(prepared, scale=scale, found_inf=found, check_adds=check_adds)
 
     @staticmethod
     def _rebound(prepared, srcs, dsts, adds, write, addresses):
@@ -396,9 +397,15 @@ class AmpStash:
             self._check_unscale("unscale", srcs + plain_fresh, scale, found,
                                 dsts=dsts + plain_fresh)
         if acc:
+            # The gradients added to are checked too (what the step reads is the sum): an
+            # inf/NaN kept from a skipped step (no zero_grad since), or written by a
+            # backward outside scale_loss, must not pass as clean. Those an earlier exit
+            # of this step already checked are not (its verdict stands in the pending
+            # flag; checked again, one overflow would back the scale off at every exit).
             acc_srcs, acc_dsts, acc_adds = zip(*acc)
             self._check_unscale("accumulate", list(acc_srcs), scale, found,
-                                dsts=list(acc_dsts), adds=list(acc_adds))
+                                dsts=list(acc_dsts), adds=list(acc_adds),
+                                check_adds=not self.pending)
         if not self.pending:
             self._pending(carried if lazy else None, scaler)
 
