@@ -824,3 +824,14 @@ def test_gradient_that_cannot_be_written_back_is_named_by_group_and_position(nam
                            "below): "), text
     assert "grads[0] of shape (5,) has strides (0,)" in text
     assert_unchanged(before, opt)
+
+
+@pytest.mark.parametrize("bad", [dict(nesterov=True, momentum=0.0),
+                                 dict(nesterov=True, momentum=0.9, dampening=0.5)])
+def test_fused_sgd_add_param_group_refuses_what_its_constructor_refuses(bad):
+    opt = FusedSGD(params((3,)), lr=0.1)
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match="Nesterov momentum requires a momentum and zero "
+                                         "dampening; got"):
+        opt.add_param_group(dict(params=params((2,), seed=1), **bad))
+    assert_unchanged(before, opt)

@@ -394,9 +394,10 @@ def _set(key, index, value):
     return edit
 
 
-def _group(key, value):
+def _group(key, value, **more):
     def edit(sd):
         sd["param_groups"][0][key] = value
+        sd["param_groups"][0].update(more)
     return edit
 
 
@@ -484,8 +485,12 @@ def test_bad_state_dict_is_refused_and_changes_nothing(case):
     (lambda ps: FusedNovoGrad(ps), _group("norm_type", 1), r"norm_type"),
     (lambda ps: FusedLAMB(ps), _without("exp_avg_sq", 0),
      r"state of parameter 0 has 'exp_avg', 'step' but no 'exp_avg_sq'"),
+    (lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9), _group("nesterov", True, momentum=0.0),
+     r"Nesterov momentum requires a momentum and zero dampening; got momentum=0\.0"),
+    (lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9), _group("nesterov", True, dampening=0.5),
+     r"zero dampening; got momentum=0\.9, dampening=0\.5 \(parameter group 0 of the state"),
 ], ids=["sgd", "adagrad", "adagrad-lr-decay", "adagrad-w-mode", "novograd", "novograd-moment-shape",
-        "novograd-norm-type", "lamb"])
+        "novograd-norm-type", "lamb", "sgd-nesterov-no-momentum", "sgd-nesterov-dampening"])
 def test_every_optimizer_refuses_a_bad_state_and_changes_nothing(make, edit, match):
     ps = params()
     opt = make(ps)
@@ -564,3 +569,27 @@ def test_state_stays_fp32_for_half_parameters_and_loads_onto_their_layout():
     run(ps, opt, 2, 2)
     run(copy_ps, resumed, 2, 2)
     assert_same(copy_ps, ps)
+
+
+@pytest.mark.parametrize("cls,kw,bad,match", [
+    (FusedAdam, {}, lambda t: t.bool(),
+     r"state 'kahan_comp' of parameter 0 is a bool tensor of shape \(3, 4\), expected a "
+     r"floating-point tensor"),
+    (FusedSGD, dict(lr=0.1, momentum=0.9), lambda t: torch.ones(7, dtype=torch.int64),
+     r"'kahan_comp' of parameter 0 is a int64 tensor of shape \(7,\)"),
+    (FusedLAMB, {}, lambda t: "oops", r"'kahan_comp' of parameter 0 is str 'oops'"),
+    (FusedNovoGrad, {}, lambda t: t[:1].clone(), r"'kahan_comp' of parameter 0 has shape "
+                                                 r"\(1, 4\)"),
+    (FusedAdagrad, {}, lambda t: t.int(), r"'kahan_comp' of parameter 0 is a int32 tensor"),
+], ids=["adam-bool", "sgd-int64", "lamb-str", "novograd-shape", "adagrad-int32"])
+def test_a_kahan_compensation_that_is_not_a_float_tensor_is_refused(cls, kw, bad, match):
+    # (a bool one was loaded as 1.0 and moved the weights at a step with a zero gradient)
+    ps = params(dtypes=[torch.bfloat16] * len(SHAPES))
+    opt = cls(ps, kahan_summation=True, **kw)
+    run(ps, opt, 0, 2)
+    sd = saved(opt.state_dict())
+    sd["state"][0]["kahan_comp"] = bad(sd["state"][0]["kahan_comp"])
+    before = snapshot(opt)
+    with pytest.raises(ValueError if "has shape" in match else TypeError, match=match):
+        opt.load_state_dict(sd)
+    assert_unchanged(before, opt)

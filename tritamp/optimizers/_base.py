@@ -40,6 +40,9 @@ from tritamp.kernels.engine import (GradWrites, SweepCache, borrowed, check_grad
 
 _data_ptr = torch.Tensor.data_ptr
 _grad_of = operator.attrgetter("grad")
+# state every optimizer may hold beside its own keys, shaped like the parameter: checked
+# at load as its own keys are (a bool Kahan compensation loaded as 1.0 moved the weights)
+_PARAM_SHAPED = ("master_param", "kahan_comp")
 
 
 class _ParamLabels:
@@ -862,7 +865,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                             self._check_saved_scalar(
                                 v, k, f"state {k!r} of parameter {index}")
                         values[k] = v
-                    elif k in like or k == "master_param":
+                    elif k in like or k in _PARAM_SHAPED:
                         if not isinstance(v, torch.Tensor) or not v.is_floating_point():
                             raise TypeError(
                                 f"{name}.load_state_dict: state {k!r} of parameter {index} is "

@@ -42,6 +42,17 @@ class FusedSGD(FusedOptimizer):
 
     _TORCH_ALTERNATIVE = "torch.optim.SGD (fused=True or foreach=True)"
 
+    def _check_hyperparameters(self, group, where=""):
+        super()._check_hyperparameters(group, where)
+        # the constructor's Nesterov rule, for a group added or loaded too (the keys it
+        # lacks are the defaults')
+        defaults = getattr(self, "defaults", {})
+        get = lambda k, d: group.get(k, defaults.get(k, d))  # noqa: E731
+        momentum, dampening = get("momentum", 0), get("dampening", 0)
+        if get("nesterov", False) and (momentum <= 0 or dampening != 0):
+            raise ValueError(f"Nesterov momentum requires a momentum and zero dampening; got "
+                             f"momentum={momentum}, dampening={dampening}{where}")
+
     def _saved_keys(self):
         # torch.optim.SGD's and Apex's states hold the buffer alone: it has been used
         return ("momentum_buffer",), ("step",), ("step",)
