@@ -230,3 +230,45 @@ def test_a_backward_that_raises_inside_scale_loss_leaves_the_gradients(level):
         loss.backward()
     opt.step()
     assert not amp.last_step_skipped(opt)
+
+
+@pytest.mark.parametrize("touched", [False, True], ids=["zeros", "written-since"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_backward_that_raises_half_way_leaves_zeroed_or_written_gradients(touched, level):
+    # zero_grad(set_to_none=False) leaves zeros the next backward accumulates into; a
+    # backward that raises after reaching the last layer wrote into some of them: they
+    # are zeros again. Written since by a backward outside scale_loss, they are what
+    # that backward left.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    x = torch.randn(8, 3)
+    with amp.scale_loss(model(x).float().square().mean(), opt) as loss:
+        loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    if touched:
+        model(x).float().square().mean().backward()
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+    def fail(_):
+        raise RuntimeError("a hook failed half way")
+
+    # the hook on the hidden activation raises after the last layer's gradients were
+    # accumulated, before the first layer's
+    def on_hidden(module, inputs, out):
+        out.register_hook(fail)  # (returns None: the output stays as it is)
+
+    handle = model[1].register_forward_hook(on_hidden)
+    with pytest.raises(RuntimeError, match="half way"):
+        with amp.scale_loss(model(x).float().square().mean(), opt) as loss:
+            loss.backward()
+    handle.remove()
+    for g, p in zip(grads, model.parameters()):
+        assert (g is None and p.grad is None) or torch.equal(g, p.grad)
+    with amp.scale_loss(model(x).float().square().mean(), opt) as loss:
+        loss.backward()
+    opt.step()
+    assert not amp.last_step_skipped(opt)

@@ -253,9 +253,11 @@ class AmpStash:
         self.unscale_pending()
         zeroed, self.zeroed = self.zeroed, None
         # what undo_prepare puts back if the backward raises (the plain gradients are in
-        # plain_stash, or left in place below)
-        self._undo = (found, zeroed, list(map(_grad_of, self.model_params)))
-        if zeroed is not None and _untouched(zeroed, self.plain_params, self.model_params):
+        # plain_stash, or left in place below to be accumulated into)
+        untouched = zeroed is not None and _untouched(zeroed, self.plain_params,
+                                                      self.model_params)
+        self._undo = (found, zeroed, untouched, list(map(_grad_of, self.model_params)))
+        if untouched:
             # zero_grad(set_to_none=False) left zeros that nothing has written since: the
             # backward accumulates into them and they count as this backward's own (checked
             # read-only, never unscaled into fp32 copies, no stash to add back). Written
@@ -281,24 +283,21 @@ class AmpStash:
         undo, self._undo = self._undo, None
         if undo is None:
             return
-        found, zeroed, model_grads = undo
+        found, zeroed, untouched, model_grads = undo
         collections.deque(map(setattr, self.model_params, itertools.repeat("grad"),
                               model_grads), maxlen=0)
-        if any(map(_is_not_none, self.plain_stash)):
+        if untouched:
+            # the backward was accumulating into zero_grad's zeros: those it wrote into
+            # are zeroed again, and recorded as zeros again
+            grads, versions = zeroed
+            moved = [g for g, v in zip(grads, versions) if g is not None and g._version != v]
+            if moved:
+                zero_grads_(moved)
+            zeroed = _versions(self.plain_params, self.model_params)
+        else:
             collections.deque(map(setattr, self.plain_params, itertools.repeat("grad"),
                                   self.plain_stash), maxlen=0)
             self.plain_stash = [None] * len(self.plain_params)
-        if zeroed is not None:
-            grads, versions = zeroed
-            now = list(map(_grad_of, itertools.chain(self.plain_params, self.model_params)))
-            if all(map(operator.is_, now, grads)):
-                moved = [g for g, v in zip(grads, versions)
-                         if g is not None and g._version != v]
-                if moved:
-                    zero_grads_(moved)
-                zeroed = _versions(self.plain_params, self.model_params)
-            else:
-                zeroed = None
         self.zeroed = zeroed
         self.found_inf = found
 
