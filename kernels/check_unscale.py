@@ -161,7 +161,7 @@ def check_lists(op, lists, dtypes=HALF_OR_FLOAT):
                                  f"{device}; call it once per device")
             if col is not ref and t.shape != ref[i].shape:
                 raise ValueError(
-                    f"{op}: tensor {i} has shape {tuple(ref[i].shape)} but {name}[{i}] has shape "
+                    f"{op}: {first}[{i}] has shape {tuple(ref[i].shape)} but {name}[{i}] has shape "
                     f"{tuple(t.shape)}; each {name} entry must have its {first} entry's shape")
     return n
 

@@ -248,7 +248,7 @@ def test_wrong_shape_partner_is_refused_and_nothing_changes():
     outs = [torch.zeros(5, device=DEVICE), torch.zeros(3, 4, device=DEVICE)]
     before = [t.clone() for t in xs + ys + outs]
     f = flag(torch.float32)
-    with pytest.raises(ValueError, match=r"tensor 1 has shape \(3, 4\) but ys\[1\] has shape "
+    with pytest.raises(ValueError, match=r"xs\[1\] has shape \(3, 4\) but ys\[1\] has shape "
                        r"\(12,\)"):
         multi_tensor_axpby(xs, ys, outs, 1.0, 1.0, f)
     for t, b in zip(xs + ys + outs, before):

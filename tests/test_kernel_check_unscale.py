@@ -448,9 +448,9 @@ def _bad_calls():
         ("dsts has 1 tensors but srcs has 2", dict(srcs=[a, b], dsts=[a.clone()])),
         ("adds has 3 tensors but srcs has 2",
          dict(srcs=[a, b], adds=[a.clone(), b.clone(), b.clone()])),
-        (r"tensor 1 has shape \(3, 4\) but dsts\[1\] has shape \(12,\)",
+        (r"srcs\[1\] has shape \(3, 4\) but dsts\[1\] has shape \(12,\)",
          dict(srcs=[a, b], dsts=[a.clone(), torch.zeros(12, device=DEVICE)])),
-        (r"tensor 0 has shape \(5,\) but adds\[0\] has shape \(6,\)",
+        (r"srcs\[0\] has shape \(5,\) but adds\[0\] has shape \(6,\)",
          dict(srcs=[a], adds=[torch.zeros(6, device=DEVICE)])),
         (r"srcs\[1\] of shape \(4, 6\) has strides \(1, 0\): it overlaps itself.*"
          r"\.contiguous\(\)", dict(srcs=[a, overlapping])),
@@ -507,9 +507,9 @@ def test_wrong_shape_partner_leaves_every_tensor_and_found_inf_unchanged(launche
     before = clones(everything)
     for start in (0.0, 0.5):
         f = found(start)
-        with pytest.raises(ValueError, match=r"tensor 2 has shape \(5, 2\) but dsts\[2\]"):
+        with pytest.raises(ValueError, match=r"srcs\[2\] has shape \(5, 2\) but dsts\[2\]"):
             check_unscale(srcs, scale_tensor(4.0), f, dsts=dsts, adds=adds)
-        with pytest.raises(ValueError, match=r"tensor 2 has shape \(5, 2\) but dsts\[2\]"):
+        with pytest.raises(ValueError, match=r"srcs\[2\] has shape \(5, 2\) but dsts\[2\]"):
             check_unscale(srcs, scale_tensor(4.0), f, dsts=dsts, write=False)
         assert_bitwise(f, found(start), "found_inf after a refused call")
     for i, (t, o) in enumerate(zip(everything, before)):
