@@ -24,7 +24,8 @@ import torch
 from tritamp import compiled
 from tritamp import kernels as K
 from tritamp.contract import LastStep, StepState, handoff_of
-from tritamp.kernels.engine import SweepCache, borrowed, is_dense, layout_key, zero_grads_
+from tritamp.kernels.engine import (SweepCache, borrowed, is_dense, layout_key, sparse_error,
+                                    zero_grads_)
 from tritamp.sharding import is_dtensor, locals_of
 
 _grad_of = operator.attrgetter("grad")
@@ -301,6 +302,15 @@ class AmpStash:
         self.zeroed = zeroed
         self.found_inf = found
 
+    def _refuse_sparse_by_name(self):
+        """Raise layout_key's sparse-gradient refusal naming the parameter (its module
+        path, as the skip warning names it) instead of an index into the exit's list."""
+        for p in itertools.chain(self.model_params, self.plain_params):
+            g = p.grad
+            if g is not None and g.layout != torch.strided:
+                name = self.param_names.get(id(p), f"a parameter of shape {list(p.shape)}")
+                raise sparse_error("amp", f"the gradient of {name}", g) from None
+
     def post_backward(self, scaler):
         """Check (and unscale) this backward's gradients; record what step() needs.
 
@@ -327,7 +337,11 @@ class AmpStash:
             # strides, size and dtype: a parameter recast or narrowed through .data may
             # get a gradient of another dtype or size at the old one's address. (A
             # sparse gradient is refused by name here.)
-            key = layout_key(grads, op="amp")
+            try:
+                key = layout_key(grads, op="amp")
+            except RuntimeError:
+                self._refuse_sparse_by_name()
+                raise
             self._count_key = key  # (the key only: holding the gradients keeps them alive)
             own = not self.masters
             if check is not None or own:
@@ -373,7 +387,11 @@ class AmpStash:
         srcs = [g for _, g in master_fresh]
         # A sparse gradient is refused by name before anything below changes.
         checked = srcs + plain_fresh + [a[0] for a in acc]
-        layout_key(locals_of(checked) if self.sharded else checked, op="amp")
+        try:
+            layout_key(locals_of(checked) if self.sharded else checked, op="amp")
+        except RuntimeError:
+            self._refuse_sparse_by_name()
+            raise
         self.plain_stash = [None] * len(self.plain_params)
         for p, s in restore:
             p.grad = s
