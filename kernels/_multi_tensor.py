@@ -1045,14 +1045,16 @@ def _give_scratch(prepared, scratch):
 
 def zero_grads_(grads):
     """Zero gradients in place as ``Optimizer.zero_grad(set_to_none=False)`` does (each
-    detached from any graph first), with one foreach launch per (device, dtype)."""
+    detached from any graph first), with one foreach launch per (device, dtype, tensor
+    type): DTensor gradients (FSDP2) apart from plain ones, which a foreach op refuses
+    to mix."""
     by_kind = {}
     for g in grads:
         if g.grad_fn is not None:
             g.detach_()
         else:
             g.requires_grad_(False)
-        by_kind.setdefault((g.device, g.dtype), []).append(g)
+        by_kind.setdefault((g.device, g.dtype, type(g)), []).append(g)
     for same in by_kind.values():
         torch._foreach_zero_(same)
 

@@ -74,6 +74,12 @@ def test_a_plain_tensor_among_dtensors_is_refused_before_anything_changes(report
         assert r["unchanged"] and r["no_state"], r
 
 
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_zero_grad_zeroes_dtensor_and_plain_gradients_of_one_optimizer(reports, name):
+    for r in _both(reports, f"mixed/zero_grad/{name}"):
+        assert r["message"] is None and r["zeroed"], r
+
+
 def test_a_gradient_laid_out_unlike_its_parameter_is_refused(reports):
     for r in _both(reports, "refused/gradient"):
         assert "parameter 1 is a DTensor with placements (Shard(dim=0),) but its gradient " \

@@ -181,6 +181,28 @@ def refused(rank):
     return _step_refused(model, opt)
 
 
+def mixed_zero_grad(name, rank):
+    """A plain parameter sharing an element-wise optimizer with DTensors (documented):
+    zero_grad() that zeroes the gradients (FusedSGD's default) zeroes every one (one
+    foreach call over DTensor and plain gradients together raised)."""
+    model = make()
+    extra = nn.Parameter(torch.ones(3))
+    make_opt = {"sgd": lambda ps: FusedSGD(ps, lr=1e-2, momentum=0.9),
+                "adam": lambda ps: FusedAdam(ps, lr=1e-2, set_grad_none=False)}[name]
+    opt = make_opt(list(model.parameters()) + [extra])
+    x, y = batch(0)
+    (loss_of(model, x, y) + extra.sum()).backward()
+    opt.step()
+    try:
+        opt.zero_grad()
+        message = None
+    except RuntimeError as e:
+        message = str(e)
+    grads = [p.grad for p in list(model.parameters()) + [extra]]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    return dict(message=message, zeroed=all(bool((g == 0).all()) for g in local))
+
+
 def refused_gradient(rank):
     """A gradient laid out unlike its DTensor parameter: refused before anything changes."""
     from torch.distributed.tensor import Replicate
@@ -413,6 +435,8 @@ def cases(rank, out):
     yield "clip", lambda: clip(rank)
     yield "refused", lambda: refused(rank)
     yield "refused/gradient", lambda: refused_gradient(rank)
+    for name in ("sgd", "adam"):
+        yield f"mixed/zero_grad/{name}", lambda name=name: mixed_zero_grad(name, rank)
     for name in ("adam", "adagrad", "sgd"):
         yield f"refused/partial/{name}", lambda name=name: refused_partial(name, rank)
     yield "load/other_placements", lambda: load_other_placements(rank)
