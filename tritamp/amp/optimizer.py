@@ -257,7 +257,8 @@ class AmpStash:
         # plain_stash, or left in place below to be accumulated into)
         untouched = zeroed is not None and _untouched(zeroed, self.plain_params,
                                                       self.model_params)
-        self._undo = (found, zeroed, untouched, list(map(_grad_of, self.model_params)))
+        model_grads = list(map(_grad_of, self.model_params))
+        self._undo = (found, zeroed, untouched, model_grads)
         if untouched:
             # zero_grad(set_to_none=False) left zeros that nothing has written since: the
             # backward accumulates into them and they count as this backward's own (checked
@@ -271,7 +272,8 @@ class AmpStash:
                 # move them through momentum, weight decay or Adam's moments)
                 _clear_grads(self.model_params)
             return
-        _clear_grads(self.model_params)  # fresh half gradients; the masters' accumulate
+        if any(map(_is_not_none, model_grads)):  # (the steady state has none to clear)
+            _clear_grads(self.model_params)  # fresh half gradients; the masters' accumulate
         self.plain_stash = list(map(_grad_of, self.plain_params))
         _clear_grads(self.plain_params)
 
