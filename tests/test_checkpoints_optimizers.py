@@ -593,3 +593,29 @@ def test_a_kahan_compensation_that_is_not_a_float_tensor_is_refused(cls, kw, bad
     with pytest.raises(ValueError if "has shape" in match else TypeError, match=match):
         opt.load_state_dict(sd)
     assert_unchanged(before, opt)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1, adam_w_mode=False),
+    lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+    lambda ps: FusedLAMB(ps, lr=1e-2),
+    lambda ps: FusedNovoGrad(ps, lr=1e-2),
+    lambda ps: FusedAdagrad(ps, lr=1e-2, weight_decay=0.1, adagrad_w_mode=True),
+    lambda ps: FusedAdam(ps, lr=1e-2, master_weights=True),
+], ids=["adam-l2", "sgd-nesterov", "lamb", "novograd", "adagrad-w", "adam-masters"])
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_a_pickled_or_copied_optimizer_steps_on_as_the_original(make, how):
+    # torch's Optimizer pickles (defaults, state, param_groups) only: the optimizer's own
+    # settings (adam_w_mode, master_weights, the rounding mode) were lost, and the copy's
+    # first step raised
+    import pickle
+    dtypes = [torch.bfloat16, torch.float32, torch.float16]
+    ps = params(dtypes=dtypes)
+    opt = make(ps)
+    run(ps, opt, 0, 2)
+    ps2, opt2 = (pickle.loads(pickle.dumps((ps, opt))) if how == "pickle"
+                 else copy.deepcopy((ps, opt)))
+    run(ps, opt, 2, 2)
+    run(ps2, opt2, 2, 2)
+    for a, b in zip(ps, ps2):
+        assert_bits_equal(a.detach(), b.detach(), "parameter")

@@ -713,8 +713,30 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Something the cached step plans depend on changed: rebuild them at the next step."""
         self._generation = getattr(self, "_generation", 0) + 1
 
+    # Attributes a pickle or a deep copy leaves out: caches, step plans and handles made
+    # again after a load, and torch's hooks (which torch's own pickle leaves out too).
+    _NOT_PICKLED = frozenset((
+        "_links_cache", "_plans", "step_handoff", "_tritamp_step_handle",
+        "_tritamp_step_params", "_tritamp_step_token", "_rounding_checked",
+        "_weight_versions", "_shard_reduce_cache", "_number_kinds",
+        "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+        "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+        "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"))
+
+    def __getstate__(self):
+        # torch's (defaults, state, param_groups) and this optimizer's settings
+        # (adam_w_mode, master_weights, the rounding mode, ...): without them an unpickled
+        # or deep-copied optimizer could not step
+        state = super().__getstate__()
+        for k, v in self.__dict__.items():
+            if k not in state and k not in self._NOT_PICKLED:
+                state[k] = v
+        return state
+
     def __setstate__(self, state):
         super().__setstate__(state)
+        self._links_cache = {}
+        self._plans = {}
         if not isinstance(getattr(self, "step_handoff", None), StepHandoff):
             self.step_handoff = StepHandoff()
         self._track_state()
