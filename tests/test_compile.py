@@ -321,3 +321,40 @@ def test_a_refused_compiled_step_leaves_autograd_on(opt_cls, backend):
     with pytest.raises(RuntimeError, match="changed earlier in the same compiled region"):
         fn()
     assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("name", ["sgd", "lamb"])
+def test_step_hooks_run_once_per_compiled_step(name):
+    # The traced step is one call of the op, whose eager step() runs the hooks: traced
+    # through torch's hook wrapper too, they ran twice (a pre-hook that halves the
+    # gradients halved them twice: the update was a quarter of the eager one).
+    def run(compiled):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1, bias=False)
+        opt = (FusedSGD if name == "sgd" else FusedLAMB)(model.parameters(), lr=1.0)
+        counts = torch.zeros(2)
+
+        def pre(o, args, kwargs):
+            counts[0] += 1
+            for group in o.param_groups:
+                for p in group["params"]:
+                    p.grad.mul_(0.5)
+
+        def post(o, args, kwargs):
+            counts[1] += 1
+
+        opt.register_step_pre_hook(pre)
+        opt.register_step_post_hook(post)
+        step = torch.compile(opt.step, fullgraph=True, backend="eager") if compiled \
+            else opt.step
+        w0 = model.weight.detach().clone()
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.ones(1, 4)).sum().backward()
+            step()
+        return model.weight.detach() - w0, counts
+
+    (eager_delta, eager_counts), (comp_delta, comp_counts) = run(False), run(True)
+    assert eager_counts.tolist() == comp_counts.tolist() == [3.0, 3.0]
+    assert torch.equal(eager_delta, comp_delta)

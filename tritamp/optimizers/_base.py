@@ -148,14 +148,19 @@ def _describe(value):
 def _hook_step(func):
     """``func`` (a ``step``) with torch's step hooks, as ``Optimizer.profile_hook_step``
     gives it, but without entering a ``record_function`` on every call: that range is
-    opened only while a profiler records (or under ``torch.compile``), where torch's own
-    wrapper runs. Pre-hooks, post-hooks (global and per optimizer, in torch's order) and
+    opened only while a profiler records, where torch's own wrapper runs. Under
+    ``torch.compile`` the step traces to one custom op whose eager ``step()`` runs the
+    hooks: the traced call runs ``func`` alone. Pre-hooks, post-hooks (global and per optimizer, in torch's order) and
     ``_optimizer_step_code`` run as in torch."""
     profiled = torch.optim.Optimizer.profile_hook_step(func)
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
-        if torch.compiler.is_compiling() or _profiler_enabled():
+        if torch.compiler.is_compiling():
+            # Traced: the step is one custom op whose eager step() runs the hooks (run
+            # here too, they ran twice: a pre-hook that clips clipped twice)
+            return func(*args, **kwargs)
+        if _profiler_enabled():
             return profiled(*args, **kwargs)
         self = args[0]
         if _GLOBAL_PRE_HOOKS or self._optimizer_step_pre_hooks:
