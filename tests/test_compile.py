@@ -256,20 +256,31 @@ def _scale_then_none(model):
     model.bias.grad = None
 
 
-@pytest.mark.parametrize("level,edit", [("O1", None), (None, _grad_to_none),
-                                        (None, _scale_then_none)],
-                         ids=["amp-O1-clip", "grad-set-to-none", "scaled-then-none"])
+def _clip_model(model):
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+
+
+@pytest.mark.parametrize("level,edit", [("O1", None), ("O1", _clip_model),
+                                        (None, _grad_to_none), (None, _scale_then_none)],
+                         ids=["amp-O1-master-params", "amp-O1-clip", "grad-set-to-none",
+                              "scaled-then-none"])
 def test_a_compiled_step_after_changes_it_cannot_see_refuses(level, edit):
-    """Under amp the region also defers amp's own state (the unscale amp.master_params
-    did); a gradient set to None reaches .grad only after the step: refused, nothing
-    stepped, nothing written."""
+    """Under amp the region defers amp's gradients' changes too (a clip of them); a
+    gradient set to None reaches .grad only after the step: refused by the op, nothing
+    stepped, nothing written. amp.master_params is never traced: with fullgraph=True
+    Dynamo refuses the region before it runs."""
     from conftest import assert_bits_equal
     model, opt, fn = _clip_then_step_run(FusedSGD, True, level, edit)
     stepped = list(model.parameters()) + [p for g in opt.param_groups for p in g["params"]]
     before = [p.detach().clone() for p in stepped]
     grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match=r"changed earlier in the same compiled region.*"
-                                           r"Nothing was stepped"):
+    if level is not None and edit is None:
+        refusal = pytest.raises(torch._dynamo.exc.Unsupported,
+                                match=r"torch\.compiler\.disable")
+    else:
+        refusal = pytest.raises(RuntimeError, match=r"changed earlier in the same compiled "
+                                                    r"region.*Nothing was stepped")
+    with refusal:
         fn()
     for i, (a, b) in enumerate(zip(before, [p.detach() for p in stepped])):
         assert_bits_equal(a, b, f"tensor {i}")
@@ -358,3 +369,35 @@ def test_step_hooks_run_once_per_compiled_step(name):
     (eager_delta, eager_counts), (comp_delta, comp_counts) = run(False), run(True)
     assert eager_counts.tolist() == comp_counts.tolist() == [3.0, 3.0]
     assert torch.equal(eager_delta, comp_delta)
+
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_clip_of_master_params_then_step_in_one_region_steps_as_eager(level):
+    # amp.master_params runs eagerly where the region breaks (never traced): without
+    # fullgraph the clip and the step in one compiled region step as the eager code, every
+    # step (traced, its kept sweeps' addresses turned symbolic and Dynamo failed at the
+    # first recompile, after part of the region had run)
+    def run(compiled):
+        torch._dynamo.reset()
+        reset_amp()
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        opt = FusedAdam(model.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
+                                    loss_scale="dynamic", verbosity=0)
+
+        def clip_step():
+            torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.1)
+            opt.step()
+        fn = torch.compile(clip_step, backend="eager") if compiled else clip_step
+        for i in range(3):
+            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(i))
+            opt.zero_grad()
+            with amp.scale_loss(model(x).float().sum() * 10, opt) as scaled:
+                scaled.backward()
+            fn()
+        return [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)

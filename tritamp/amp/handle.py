@@ -169,6 +169,17 @@ def master_params(optimizer):
     the first backward (a list of the masters kept from set-up), it makes every
     ``scale_loss`` exit unscale into the masters' gradients, as Apex's did, so that the
     kept list clips what the step uses."""
+    _unscale_for_master_params(optimizer)
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+@torch.compiler.disable
+def _unscale_for_master_params(optimizer):
+    """:func:`master_params`' work on amp's state, never traced: under torch.compile it
+    runs eagerly where the region breaks (fullgraph=True refuses the region before it
+    runs). Traced, its kept sweeps' addresses became symbolic and Dynamo failed in them
+    on a recompile, after part of the region had run."""
     stash = getattr(optimizer, "_amp_stash", None)
     if stash is not None:
         if not stash.backward_seen and stash.masters and not stash.master_grads_wanted:
@@ -181,5 +192,3 @@ def master_params(optimizer):
                     "amp.master_params(optimizer) after scale_loss instead to keep the fused "
                     "step reading the half gradients in one pass.")
         stash.unscale_pending()
-    for group in optimizer.param_groups:
-        yield from group["params"]
