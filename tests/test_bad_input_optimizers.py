@@ -783,6 +783,17 @@ def test_a_group_naming_the_other_weight_decay_rule_is_refused(make, key, mine):
 
 
 # -- a refusal names the parameter as the user knows it ---------------------------------------
+def _refused_naming(opt, name, place):
+    """The step's ValueError, which must lead with the parameter's ``place`` and leave the
+    optimizer as it was; returns its text."""
+    before = snapshot(opt)
+    kind, text = message(opt.step)
+    assert kind is ValueError
+    assert text.startswith(f"{ALL[name].__name__}'s {place}: "), text
+    assert_unchanged(before, opt)
+    return text
+
+
 @pytest.mark.parametrize("name", list(ALL))
 def test_refused_gradient_is_named_by_group_and_position(name, path):
     # The step's sweep counts only the group's parameters with a gradient: its index alone
@@ -795,14 +806,9 @@ def test_refused_gradient_is_named_by_group_and_position(name, path):
     b.grad = torch.randn(3)
     c.grad = torch.randn(4)
     c.data = torch.randn(6)  # new data of another shape; its old gradient stays
-    before = snapshot(opt)
-    kind, text = message(opt.step)
-    assert kind is ValueError
-    assert text.startswith(f"{ALL[name].__name__}'s param_groups[1]['params'][2] (index 1 "
-                           "below): "), text
+    text = _refused_naming(opt, name, "param_groups[1]['params'][2] (index 1 below)")
     assert "grads[1] has shape (4,) but params[1] has shape (6,)" in text
     assert "zero_grad(set_to_none=True)" in text
-    assert_unchanged(before, opt)
     c.grad = None  # as the message says: the step goes through
     opt.step()
 
@@ -817,13 +823,8 @@ def test_gradient_that_cannot_be_written_back_is_named_by_group_and_position(nam
     c.grad = torch.full((1,), 4.0).expand(5)
     opt.grad_scale = torch.tensor(4.0)
     opt.found_inf = torch.tensor(0.0)
-    before = snapshot(opt)
-    kind, text = message(opt.step)
-    assert kind is ValueError
-    assert text.startswith(f"{ALL[name].__name__}'s param_groups[1]['params'][1] (index 0 "
-                           "below): "), text
+    text = _refused_naming(opt, name, "param_groups[1]['params'][1] (index 0 below)")
     assert "grads[0] of shape (5,) has strides (0,)" in text
-    assert_unchanged(before, opt)
 
 
 @pytest.mark.parametrize("bad", [dict(nesterov=True, momentum=0.0),

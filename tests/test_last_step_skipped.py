@@ -151,19 +151,36 @@ def test_an_optimizer_that_sits_out_updates_keeps_its_answer():
         assert amp.last_step_skipped()  # any optimizer's last step
 
 
+def _bn_net(level, momentum=0.0):
+    """A Linear-BatchNorm-Linear net (fp32 BatchNorm parameters at O2) with torch's SGD
+    through amp (bf16, dynamic scale), and a batch."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),
+                                torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    return model, opt, torch.randn(8, 3)
+
+
+def _assert_grads_kept_and_training_goes_on(model, opt, x, grads):
+    """The gradients are ``grads`` (a failed backward left them), and a clean backward
+    and step then go through."""
+    for g, p in zip(grads, model.parameters()):
+        assert (g is None and p.grad is None) or torch.equal(g, p.grad)
+    with amp.scale_loss(model(x).float().square().mean(), opt) as loss:
+        loss.backward()
+    opt.step()
+    assert not amp.last_step_skipped(opt)
+
+
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_an_inf_kept_from_a_skipped_step_skips_the_next_step_too(level):
     # No zero_grad after an overflowing step: the next backward adds its clean gradients
     # to the inf/NaN ones. The sweep that adds them checks what the step will read: the
     # step is skipped again (it wrote inf/NaN into the weights when only the new
     # gradients were checked), and a zero_grad lets the training go on.
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),
-                                torch.nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
-                                loss_scale="dynamic", verbosity=0)
-    x = torch.randn(8, 3)
+    model, opt, x = _bn_net(level)
 
     def step(factor=1.0):
         with amp.scale_loss(model(x).float().square().mean() * factor, opt) as loss:
@@ -184,13 +201,7 @@ def test_an_overflow_then_zero_grad_skips_the_step_at_O2_too():
     # Apex's skip lasted until the next step, zero_grad or not. At O2 the fp32 parameters
     # (BatchNorm) keep zeroed gradients: a step taken on them moved those parameters
     # through momentum.
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),
-                                torch.nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16,
-                                loss_scale="dynamic", verbosity=0)
-    x = torch.randn(8, 3)
+    model, opt, x = _bn_net("O2", momentum=0.9)
     for factor in (1.0, float("inf")):
         if factor != 1.0:
             opt.zero_grad()
@@ -211,25 +222,14 @@ def test_an_overflow_then_zero_grad_skips_the_step_at_O2_too():
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_a_backward_that_raises_inside_scale_loss_leaves_the_gradients(level):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),
-                                torch.nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
-                                loss_scale="dynamic", verbosity=0)
-    x = torch.randn(8, 3)
+    model, opt, x = _bn_net(level)
     with amp.scale_loss(model(x).float().square().mean(), opt) as loss:
         loss.backward()  # gradients kept (no step yet): accumulating
     grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match="does not require grad"):
         with amp.scale_loss(torch.tensor(1.0), opt) as loss:
             loss.backward()
-    for g, p in zip(grads, model.parameters()):
-        assert (g is None and p.grad is None) or torch.equal(g, p.grad)
-    with amp.scale_loss(model(x).float().square().mean(), opt) as loss:
-        loss.backward()
-    opt.step()
-    assert not amp.last_step_skipped(opt)
+    _assert_grads_kept_and_training_goes_on(model, opt, x, grads)
 
 
 @pytest.mark.parametrize("touched", [False, True], ids=["zeros", "written-since"])
@@ -266,9 +266,4 @@ def test_a_backward_that_raises_half_way_leaves_zeroed_or_written_gradients(touc
         with amp.scale_loss(model(x).float().square().mean(), opt) as loss:
             loss.backward()
     handle.remove()
-    for g, p in zip(grads, model.parameters()):
-        assert (g is None and p.grad is None) or torch.equal(g, p.grad)
-    with amp.scale_loss(model(x).float().square().mean(), opt) as loss:
-        loss.backward()
-    opt.step()
-    assert not amp.last_step_skipped(opt)
+    _assert_grads_kept_and_training_goes_on(model, opt, x, grads)
