@@ -87,8 +87,14 @@ def _check_unscale_sweep_kernel(
         if HAS_SCALE:
             inv = inv_scale(scale_ptr)
     x = load_f32(column(row, _S, offs, src_proto, VEC), mask, EMULATE_BF16_ROUNDING)
+    if HAS_ADDS:  # (a sweep that writes)
+        a = load_f32(column(row, _A, offs, add_proto, VEC), mask, EMULATE_BF16_ROUNDING)
     if CHECK:
         bad = (x != x) | (tl.abs(x) == float("inf"))
+        if CHECK_ADDS:
+            # the addend too, in the same reduction (what the step will read is the sum):
+            # an inf/NaN left in an earlier gradient must not pass as this backward's clean
+            bad = bad | (a != a) | (tl.abs(a) == float("inf"))
         if tl.max(bad.to(tl.int32), axis=0) > 0:
             # Every writer stores the same value, so the race is benign.
             tl.store(found_inf_ptr, 1.0)
@@ -96,13 +102,6 @@ def _check_unscale_sweep_kernel(
         if HAS_SCALE:
             x = x * inv
         if HAS_ADDS:
-            a = load_f32(column(row, _A, offs, add_proto, VEC), mask, EMULATE_BF16_ROUNDING)
-            if CHECK_ADDS:
-                # the addend is checked too (what the step will read is their sum): an
-                # inf/NaN left in an earlier gradient must not pass as this backward's clean
-                bad_a = (a != a) | (tl.abs(a) == float("inf"))
-                if tl.max(bad_a.to(tl.int32), axis=0) > 0:
-                    tl.store(found_inf_ptr, 1.0)
             x = x + a
         store_cast(column(row, _D, offs, dst_proto, VEC), x, mask, EMULATE_BF16_ROUNDING)
 

@@ -253,6 +253,10 @@ def _check_unscale_samples(device="cpu", shapes=SHAPES):
         out.append(Sample(f"unscale {n}", dt, (grads(),), amp()))
         out.append(Sample(f"unscale {n} into fp32", dt, (grads(),), dict(
             amp(), dsts=[torch.full(s, 7.0, device=device) for s in shapes])))
+        # a second loss into fp32 master gradients: the addends are checked too
+        out.append(Sample(f"accumulate {n} into fp32", dt, (grads(),), dict(
+            amp(), dsts=[torch.full(s, 7.0, device=device) for s in shapes],
+            adds=[torch.full(s, 0.5, device=device) for s in shapes])))
     return out
 
 

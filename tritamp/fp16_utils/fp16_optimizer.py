@@ -270,7 +270,6 @@ class FP16_Optimizer:
                 # The optimizer moved the masters since the last evaluation.
                 stash.master_to_model()
             temp_loss = closure()
-            self._fresh_grads = False
             while self.overflow:  # the closure protocol needs the answer on the host
                 scaler = self.loss_scaler
                 attempted, scale = float(scaler.used_scale), float(scaler.scale)
@@ -282,7 +281,6 @@ class FP16_Optimizer:
                 logger.warning("OVERFLOW within closure! Skipping step. Attempted loss scale: %s, "
                                "reducing to %s", attempted, scale)
                 temp_loss = closure()
-                self._fresh_grads = False
             self._require_updated("step(closure)")
             stash.unscale_pending()
             return temp_loss
@@ -292,6 +290,7 @@ class FP16_Optimizer:
             stash.master_to_model()
         finally:
             self.first_closure_call_this_step = True
+            self._fresh_grads = False  # (the closure's backward calls are this step's)
         stash.finish_step()
         return retval
 

@@ -44,6 +44,20 @@ _grad_of = operator.attrgetter("grad")
 # at load as its own keys are (a bool Kahan compensation loaded as 1.0 moved the weights)
 _PARAM_SHAPED = ("master_param", "kahan_comp")
 
+_is_not_none = functools.partial(operator.is_not, None)
+_is_none = functools.partial(operator.is_, None)
+_profiler_enabled = torch._C._autograd._profiler_enabled
+_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
+# torch's global step hooks (register_optimizer_step_pre_hook / _post_hook): dicts that
+# torch fills in place
+_GLOBAL_PRE_HOOKS = _torch_optimizer._global_optimizer_pre_hooks
+_GLOBAL_POST_HOOKS = _torch_optimizer._global_optimizer_post_hooks
+
+
+def _dtype_name(dtype):
+    return str(dtype).replace("torch.", "")
+
 
 class _ParamLabels:
     """The names a sweep's refusals give its rows: ``<optimizer>'s
@@ -58,19 +72,6 @@ class _ParamLabels:
 
     def __getitem__(self, i):
         return f"{self.owner}'s param_groups[{self.group}]['params'][{self.rows[i]}]"
-_is_not_none = functools.partial(operator.is_not, None)
-_is_none = functools.partial(operator.is_, None)
-_profiler_enabled = torch._C._autograd._profiler_enabled
-_grad_enabled = torch.is_grad_enabled
-_set_grad_enabled = torch._C._set_grad_enabled
-# torch's global step hooks (register_optimizer_step_pre_hook / _post_hook): dicts that
-# torch fills in place
-_GLOBAL_PRE_HOOKS = _torch_optimizer._global_optimizer_pre_hooks
-_GLOBAL_POST_HOOKS = _torch_optimizer._global_optimizer_post_hooks
-
-
-def _dtype_name(dtype):
-    return str(dtype).replace("torch.", "")
 
 
 def _host_value(value):
@@ -150,8 +151,8 @@ def _hook_step(func):
     gives it, but without entering a ``record_function`` on every call: that range is
     opened only while a profiler records, where torch's own wrapper runs. Under
     ``torch.compile`` the step traces to one custom op whose eager ``step()`` runs the
-    hooks: the traced call runs ``func`` alone. Pre-hooks, post-hooks (global and per optimizer, in torch's order) and
-    ``_optimizer_step_code`` run as in torch."""
+    hooks: the traced call runs ``func`` alone. Pre-hooks, post-hooks (global and per
+    optimizer, in torch's order) and ``_optimizer_step_code`` run as in torch."""
     profiled = torch.optim.Optimizer.profile_hook_step(func)
 
     @functools.wraps(func)

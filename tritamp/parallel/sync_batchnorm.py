@@ -115,7 +115,7 @@ def _dense_vector(t):
     contiguous vector copy of it (the caller copies an updated one back)."""
     if t is None or (t.dim() == 1 and t.is_contiguous()):
         return t
-    return t.reshape(-1).contiguous() if not t.is_contiguous() else t.view(-1)
+    return t.reshape(-1).contiguous()
 
 
 class SyncBatchnormFunction(torch.autograd.Function):
