@@ -424,7 +424,7 @@ REFUSED = {
     "integer-moment": (_set("exp_avg", 1, torch.zeros(5, dtype=torch.int64)), TypeError,
                        r"state 'exp_avg' of parameter 1 is a int64 tensor"),
     "negative-step": (_set("step", 1, torch.tensor(-1.0)), ValueError,
-                      r"state 'step' of parameter 1 is -1\.0; a step count is a finite number"),
+                      r"state 'step' of parameter 1 is -1\.0; a step count is a whole number"),
     "nan-step": (_set("step", 0, float("nan")), ValueError, r"state 'step' of parameter 0 is nan"),
     "two-element-step": (_set("step", 0, torch.tensor([1.0, 2.0])), ValueError,
                          r"state 'step' of parameter 0 has shape \(2,\), expected one element"),

@@ -176,7 +176,7 @@ def test_nan_hyperparameter_in_a_group_added_or_loaded_is_refused_unchanged(case
 
 @pytest.mark.parametrize("inf", [torch.tensor(math.inf), math.inf], ids=["tensor", "float"])
 def test_infinite_saved_step_count_is_refused_unchanged(inf, cpu_path):
-    """A step count is a finite number >= 0: +inf would turn bias correction off for good."""
+    """A step count is a whole number >= 0: +inf would turn bias correction off for good."""
     p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
     p.grad = torch.tensor([0.5, -1.0, 2.0])
     opt = FusedAdam([p], lr=1e-2)
@@ -187,10 +187,62 @@ def test_infinite_saved_step_count_is_refused_unchanged(inf, cpu_path):
     fresh = FusedAdam([q], lr=1e-2)
     before = snapshot(fresh)
     with pytest.raises(ValueError, match=r"state 'step' of parameter 0 is inf; a step count is "
-                                         r"a finite number >= 0"):
+                                         r"a whole number >= 0"):
         fresh.load_state_dict(sd)
     assert_unchanged(before, fresh)
     assert q not in fresh.state
+
+
+def test_fractional_saved_step_count_is_refused_unchanged(cpu_path):
+    """A step count of 1.5 is no count: refused at load (per parameter, and in a group,
+    where FusedMixedPrecisionLamb's int32 step would have truncated it to 1), the
+    optimizer as it was. torch's own float counts (3.0) load."""
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+    p.grad = torch.tensor([0.5, -1.0, 2.0])
+    opt = FusedAdam([p], lr=1e-2)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["step"] = torch.tensor(1.5)
+    fresh = FusedAdam([torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))], lr=1e-2)
+    before = snapshot(fresh)
+    with pytest.raises(ValueError, match=r"state 'step' of parameter 0 is 1\.5; a step count "
+                                         r"is a whole number >= 0"):
+        fresh.load_state_dict(sd)
+    assert_unchanged(before, fresh)
+    sd["state"][0]["step"] = torch.tensor(3.0)
+    fresh.load_state_dict(sd)  # torch's float count
+    w = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    lamb = FusedMixedPrecisionLamb([w], step=2)
+    sd = copy.deepcopy(lamb.state_dict())
+    sd["param_groups"][0]["step"] = torch.tensor([1.5])
+    before = snapshot(lamb)
+    with pytest.raises(ValueError, match=r"'step' of parameter group 0 is 1\.5; a step count "
+                                         r"is a whole number >= 0"):
+        lamb.load_state_dict(sd)
+    assert_unchanged(before, lamb)
+    assert lamb.param_groups[0]["step"].tolist() == [2]
+
+
+@pytest.mark.parametrize("bad", [NAN, math.inf, torch.tensor(NAN)], ids=["nan", "inf", "tensor"])
+def test_sgd_non_finite_dampening_is_refused_wherever_it_comes_in(bad):
+    """torch checks no dampening; a NaN or infinite one would turn every weight NaN from the
+    second momentum step on. Refused by the constructor, add_param_group and a load,
+    naming the value, the optimizer as it was."""
+    with pytest.raises(ValueError, match=r"Invalid dampening value: .*dampening must be a "
+                                         r"finite number"):
+        FusedSGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1, momentum=0.9, dampening=bad)
+    opt = FusedSGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1, momentum=0.9, dampening=0.5)
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=r"Invalid dampening value: .* \(parameter group 1\)"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "dampening": bad})
+    assert_unchanged(before, opt)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0]["dampening"] = bad
+    with pytest.raises(ValueError, match=r"Invalid dampening value: .* \(parameter group 0 "
+                                         r"of the state dict\)"):
+        opt.load_state_dict(sd)
+    assert_unchanged(before, opt)
+    assert opt.param_groups[0]["dampening"] == 0.5
 
 
 def test_sgd_group_with_negative_momentum_is_refused_when_added_or_loaded():
@@ -218,7 +270,7 @@ def test_sgd_group_with_negative_momentum_is_refused_when_added_or_loaded():
 def test_mixed_precision_lamb_refuses_a_step_tensor_that_is_not_one_integer(step, match):
     """FusedMixedPrecisionLamb's step (constructor or group): a bool tensor is not read
     as 1, and a tensor of several counts is refused by name, not by a reshape error."""
-    kinds = TypeError if step.dtype == torch.bool else (TypeError, ValueError)
+    kinds = TypeError if step.dtype == torch.bool else ValueError  # (a shape: as at load)
     with pytest.raises(kinds, match=match):
         FusedMixedPrecisionLamb([torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))],
                                 step=step)

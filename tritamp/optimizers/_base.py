@@ -971,9 +971,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         else:
             raise TypeError(f"{name}.load_state_dict: {what} is {_describe(value)}, expected "
                             "a number or a one-element tensor. Nothing was loaded.")
-        if key == "step" and not (math.isfinite(host) and host >= 0):
+        if key == "step" and not (math.isfinite(host) and host >= 0
+                                  and float(host).is_integer()):
+            # (torch saves its counts as float tensors: 3.0 is a count, 1.5 is none, and
+            # an int32 group step would truncate it)
             raise ValueError(f"{name}.load_state_dict: {what} is {host}; a step count is a "
-                             "finite number >= 0. Nothing was loaded.")
+                             "whole number >= 0. Nothing was loaded.")
 
     def _check_saved_group(self, saved, gi):
         """Checks of a saved group beyond the constructor's (see FusedAdam)."""

@@ -191,8 +191,10 @@ def _check_step(step, where=""):
     takes it."""
     value = step
     if isinstance(step, torch.Tensor):
-        if step.numel() != 1 or step.is_floating_point() or step.is_complex() \
-                or step.dtype == torch.bool:
+        if step.numel() != 1:  # (a ValueError, as torch's and the loaded step's shape checks)
+            raise ValueError(f"step must be a one-element integer tensor, got shape "
+                             f"{tuple(step.shape)}{where}")
+        if step.is_floating_point() or step.is_complex() or step.dtype == torch.bool:
             raise TypeError(f"step must be an integer or a one-element integer tensor, got a "
                             f"{str(step.dtype).replace('torch.', '')} tensor of shape "
                             f"{tuple(step.shape)}{where}")

@@ -1,4 +1,6 @@
 """FusedSGD: Apex's signature and defaults, one Triton launch per dtype group."""
+import math
+
 import torch
 from torch.optim.optimizer import required
 
@@ -29,7 +31,7 @@ class FusedSGD(FusedOptimizer):
             self._check_lr(lr)
         self._check_nonneg("momentum", momentum)
         self._check_nonneg("weight_decay", weight_decay)
-        self._one_element("dampening", dampening)
+        self._check_dampening(dampening)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
@@ -42,6 +44,15 @@ class FusedSGD(FusedOptimizer):
 
     _TORCH_ALTERNATIVE = "torch.optim.SGD (fused=True or foreach=True)"
 
+    @classmethod
+    def _check_dampening(cls, value, where=""):
+        # torch checks no dampening; a NaN or infinite one turns every weight NaN from the
+        # second momentum step on: refused (any finite value is torch's to take)
+        cls._one_element("dampening", value, where)
+        if not math.isfinite(value):
+            raise ValueError(f"Invalid dampening value: {value}{where}; dampening must be a "
+                             "finite number (torch's default is 0)")
+
     def _check_hyperparameters(self, group, where=""):
         super()._check_hyperparameters(group, where)
         # the constructor's Nesterov rule, for a group added or loaded too (the keys it
@@ -49,6 +60,8 @@ class FusedSGD(FusedOptimizer):
         defaults = getattr(self, "defaults", {})
         get = lambda k, d: group.get(k, defaults.get(k, d))  # noqa: E731
         momentum, dampening = get("momentum", 0), get("dampening", 0)
+        if "dampening" in group:
+            self._check_dampening(group["dampening"], where)
         if get("nesterov", False) and (momentum <= 0 or dampening != 0):
             raise ValueError(f"Nesterov momentum requires a momentum and zero dampening; got "
                              f"momentum={momentum}, dampening={dampening}{where}")
