@@ -15,10 +15,15 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import amp_step
 from tritamp import amp
 from tritamp.testing import amp_state, reset_amp
 
 INF = float("inf")
+
+
+def _sum(out, _y):
+    return out.sum()
 
 
 def _linear(seed=0):
@@ -37,12 +42,9 @@ def _o0_dynamic(**kwargs):
 def _step(model, opt, factor=1.0):
     """One step; ``factor=INF`` makes every gradient non-finite. Returns the floor
     warnings it raised."""
-    opt.zero_grad()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with amp.scale_loss(model(torch.ones(2, 3)).sum() * factor, opt) as scaled:
-            scaled.backward()
-        opt.step()
+        amp_step(model, opt, torch.ones(2, 3), loss_fn=_sum, factor=factor)
     return [w for w in caught if issubclass(w.category, RuntimeWarning)
             and "stayed at its floor" in str(w.message)]
 

@@ -60,8 +60,7 @@ class FusedSGD(FusedOptimizer):
         defaults = getattr(self, "defaults", {})
         get = lambda k, d: group.get(k, defaults.get(k, d))  # noqa: E731
         momentum, dampening = get("momentum", 0), get("dampening", 0)
-        if "dampening" in group:
-            self._check_dampening(group["dampening"], where)
+        self._check_dampening(dampening, where)
         if get("nesterov", False) and (momentum <= 0 or dampening != 0):
             raise ValueError(f"Nesterov momentum requires a momentum and zero dampening; got "
                              f"momentum={momentum}, dampening={dampening}{where}")
