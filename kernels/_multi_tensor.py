@@ -85,7 +85,7 @@ class Sweep:
     optionally ``check(sweep, lists)``, rules across columns that the per-column checks
     cannot say, run with them before anything is written."""
 
-    def __init__(self, name, columns, check=None):
+    def __init__(self, name, columns, check=None, writes=()):
         self.name = name
         self.check = check
         self.columns = tuple(columns)
@@ -93,6 +93,12 @@ class Sweep:
         if self.columns[0].role != "param":
             raise ValueError("the first column of a sweep is its anchor (role 'param')")
         self.ncols = len(self.columns)
+        unknown = [w for w in writes if w not in self.names]
+        if unknown:
+            raise ValueError(f"{name}: writes names {unknown}, which are not columns")
+        # the tensor columns the kernel writes: no two rows may share memory where one of
+        # them is written (see refuse_shared_rows; scalar columns are the sweep's own)
+        self.writes = frozenset(writes)
 
     def col(self, name):
         """The table column index of ``name``, as a constexpr for the kernel."""
@@ -104,7 +110,10 @@ class Sweep:
 
     def prepare(self, lists):
         """Validate ``lists`` (column name -> list of tensors, or None for an absent
-        optional column) and build the launch plans. Raises before anything is written."""
+        optional column) and build the launch plans. Raises before anything is written.
+        A sweep declared with ``writes`` also refuses rows that share memory where one
+        of them is written (:func:`refuse_shared_rows`); a sweep whose caller sweeps
+        stand-ins for its own tensors (check_unscale, axpby) checks the caller's."""
         rows = _validate(self, lists)
         return Prepared(self, lists, rows)
 
@@ -207,7 +216,12 @@ def _validate(sweep, lists):
         return 0
     lists["_writeback"], lists["_staged"] = [], []
     if _all_plain(sweep, lists, params):
+        if sweep.writes and n > 1:
+            _refuse_shared_columns(sweep, lists)
         return n
+    # (the caller's tensors, before any is replaced by a dense copy below)
+    originals = {name: lists[name] and list(lists[name]) for name in sweep.names
+                 if name in lists} if sweep.writes and n > 1 else None
     writeback, staged = [], []
     for i, p in enumerate(params):
         try:
@@ -219,7 +233,105 @@ def _validate(sweep, lists):
             raise type(e)(labelled(str(e), labels, i)) from None
     lists["_writeback"] = writeback
     lists["_staged"] = staged
+    if originals is not None:
+        _refuse_shared_columns(sweep, originals)
     return n
+
+
+def _refuse_shared_columns(sweep, lists):
+    """:func:`refuse_shared_rows` over a sweep's tensor columns (scalar ones left out)."""
+    refuse_shared_rows(sweep.name, [(c.name, lists.get(c.name), c.name in sweep.writes)
+                                    for c in sweep.columns if c.role != "scalar"])
+
+
+def _span(t):
+    """The bytes ``[first, end)`` that ``t``'s elements lie in: exactly its own for a dense
+    tensor (torch's strides are never negative, so ``data_ptr`` is the lowest)."""
+    start = t.data_ptr()
+    if _dense(t):
+        return start, start + t.numel() * t.element_size()
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 1)
+    return start, start + (last + 1) * t.element_size()
+
+
+_EXACT_LIMIT = 1 << 24  # bytes a strided view may span for the exact element test
+
+
+def _elements_meet(a, b):
+    """Whether ``a`` and ``b``, whose spans overlap and one of which is a strided view,
+    have a byte in common (their elements' byte offsets compared; conservatively True
+    for views spanning more than 16 MiB)."""
+    base = min(a.data_ptr(), b.data_ptr())
+    sets = []
+    for t in (a, b):
+        start, end = _span(t)
+        if end - start > _EXACT_LIMIT:
+            return True
+        offs = torch.zeros((), dtype=torch.int64)
+        for size, stride in zip(t.shape, t.stride()):
+            offs = offs.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+        size = t.element_size()
+        byte = (offs.reshape(-1, 1) * size + (start - base)
+                + torch.arange(size, dtype=torch.int64)).reshape(-1)
+        sets.append(byte)
+    return bool(torch.isin(sets[0], sets[1]).any())
+
+
+def refuse_shared_rows(op, columns):
+    """Refuse, with a ``ValueError`` naming both tensors and the fix, two tensors of
+    different rows that share memory where either is written: a sweep's rows run
+    concurrently on a GPU, so the result would depend on their order (and the paths
+    would disagree). ``columns``: ``[(name, tensors or None, written)]``, ``tensors``
+    one per row (None entries skipped); rows are named also by the caller's labels
+    (:func:`row_labels`). Tensors of one row may share memory (an in-place update, an
+    addend accumulated into its destination): each sweep says what it makes of that.
+    Only spans that overlap are examined further, so the usual lists (distinct
+    allocations, or disjoint views of one flat buffer) cost one sort."""
+    entries = []
+    for k, (name, tensors, written) in enumerate(columns):
+        if not tensors:
+            continue
+        for i, t in enumerate(tensors):
+            if t is not None and t.numel():
+                start, end = _span(t)
+                entries.append((start, end, i, k, t))
+    if not any(written for _, tensors, written in columns if tensors):
+        return
+    entries.sort(key=operator.itemgetter(0))
+    open_ = []  # entries whose span reaches past the current start
+    for e in entries:
+        start = e[0]
+        open_ = [o for o in open_ if o[1] > start]
+        for o in open_:
+            if o[2] == e[2] or not (columns[o[3]][2] or columns[e[3]][2]):
+                continue
+            a, b = o[4], e[4]
+            if (_dense(a) and _dense(b)) or _elements_meet(a, b):
+                _shared_error(op, columns, _ROW_LABELS.get(), o, e)
+        open_.append(e)
+
+
+class SharedMemoryError(ValueError):
+    """Two rows of a sweep share memory where one of them is written
+    (:func:`refuse_shared_rows`): a ``ValueError``, which callers may name in their own
+    words."""
+
+
+def _shared_error(op, columns, labels, a, b):
+    if (a[2], a[3]) > (b[2], b[3]):
+        a, b = b, a
+    names = []
+    for _, _, i, k, _ in (a, b):
+        where = f"{columns[k][0]}[{i}]"
+        if labels is not None and 0 <= i < len(labels):
+            where = f"{where} ({labels[i]})"
+        names.append(where)
+    written = [names[j] for j, e in enumerate((a, b)) if columns[e[3]][2]]
+    raise SharedMemoryError(
+        f"{op}: {names[0]} and {names[1]} share memory, and the sweep writes "
+        f"{' and '.join(written)}: its rows run concurrently on a GPU, so the result would "
+        "depend on their order. Nothing was written. Pass tensors that do not share "
+        f"memory (for example {columns[b[3]][0]}[{b[2]}].clone())")
 
 
 def _validate_row(sweep, lists, params, i, p, writeback, staged):
@@ -491,10 +603,16 @@ class Prepared:
     ``groups`` is empty on a device where the kernels do not run (the torch reference
     handles it)."""
     __slots__ = ("sweep", "_lists", "n", "groups", "writeback", "staged", "triton", "device",
-                 "empty_rows", "cpu_groups", "scratch", "_planned", "labels")
+                 "empty_rows", "cpu_groups", "scratch", "_planned", "labels", "written",
+                 "_nbytes")
 
     def __init__(self, sweep, lists, n):
         self.sweep = sweep
+        # the columns the kernel writes (a caller sweeping stand-ins of its own tensors
+        # sets them: check_unscale, axpby): a rebind that gives one of them new tensors
+        # checks that no two rows share memory
+        self.written = sweep.writes
+        self._nbytes = {}
         self.writeback = lists.pop("_writeback", [])
         self.staged = lists.pop("_staged", [])
         self._lists = lists
@@ -632,6 +750,10 @@ class Prepared:
                 # another dtype or size than the plan's (a gradient assigned with another
                 # dtype, or through .data): the caller prepares, and validates, again
                 return False
+        if self.written and not self._rebound_apart(cols):
+            # two rows' tensors share memory where one is written: preparing again
+            # refuses them by name (refuse_shared_rows)
+            return False
         if self.triton:
             for _, col, _ in cols:
                 if not self._on_device(col):
@@ -660,6 +782,38 @@ class Prepared:
                 for g in self.cpu_groups:
                     g.lists[n] = g.pick(col)
         return True
+
+    def _rebound_apart(self, cols):
+        """Whether the tensors of rebound columns (checked as planned) lie apart from row
+        to row, or no written column is rebound. One sort of their byte spans (each a
+        dense tensor: a sweep with stand-ins is not rebindable), a tensor given to two
+        columns of its row counted once; an overlap of any kind answers False (the
+        caller then prepares again, whose check is exact and names the tensors)."""
+        if not any(n in self.written for names, _, _ in cols for n in names):
+            return True
+        starts, ends = [], []
+        for names, col, addresses in cols:
+            size = self._nbytes.get(names[0])
+            if size is None:
+                dtypes, numels = self._planned[names[0]]
+                size = self._nbytes[names[0]] = np.array(
+                    [0 if k is None else k * d.itemsize for d, k in zip(dtypes, numels)],
+                    dtype=np.int64)
+            if addresses is None or len(addresses) != len(col):
+                addresses = [0 if t is None else t.data_ptr() for t in col]
+            start = np.asarray(addresses, dtype=np.int64)
+            keep = size > 0
+            for earlier in starts:  # (the same row's tensor at the same address: one)
+                keep &= start != earlier[0]
+            starts.append((start, keep))
+            ends.append(start + size)
+        s = np.concatenate([st[keep] for st, keep in starts])
+        if len(s) < 2:
+            return True
+        e = np.concatenate([en[keep] for en, (_, keep) in zip(ends, starts)])
+        order = np.argsort(s, kind="stable")
+        s, e = s[order], e[order]
+        return not bool((s[1:] < np.maximum.accumulate(e)[:-1]).any())
 
     def _as_planned(self, names, col):
         """``col`` has the dtypes and sizes every column of ``names`` was planned for

@@ -41,7 +41,8 @@ ADAM = Sweep("adam_step", [
     Column("exp_avg_sqs", "state", typed=True, dtypes=MOMENT_DTYPES),
     Column("copies", "copy", optional=True), Column("steps", "scalar"),
     *ROUNDING_COLUMNS,
-], check=check_rounding_rows)
+], check=check_rounding_rows,
+   writes=("params", "exp_avgs", "exp_avg_sqs", "copies", "comps"))
 _P, _G, _M, _V, _C, _S, _K, _R = (ADAM.col(n) for n in ADAM.names)
 _ROW = ADAM.row_width
 

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._multi_tensor import Column, Sweep, device_constants, scalar_arg
+from ._multi_tensor import Column, Sweep, device_constants, refuse_shared_rows, scalar_arg
 from ._tl_utils import column, load_f32, store_cast, sweep_block
 from .check_unscale import LayoutPrepared, Layouts, _same_view, check_lists
 
@@ -96,6 +96,9 @@ def _prepare(op, inputs, outs_name, outs):
     """Validate ``inputs`` ([(name, list or None)]: x first) against ``outs`` and plan
     the sweep (see the module docstring for layouts)."""
     n = check_lists(op, inputs[:1] + [(outs_name, outs)] + inputs[1:])
+    if n > 1:  # (the caller's tensors: what is swept below may be stand-ins)
+        refuse_shared_rows(op, [(outs_name, outs, True)]
+                           + [(name, col, False) for name, col in inputs])
     layouts = Layouts()
     cols = {"outs": [], "xs": [], "ys": None if len(inputs) < 2 else []}
     for i in range(n):
@@ -108,6 +111,7 @@ def _prepare(op, inputs, outs_name, outs):
         if cols["ys"] is not None:
             cols["ys"].append(layouts.source(reads[1], w, anchor))
     prepared = AXPBY.prepare(cols)
+    prepared.written = frozenset(("outs",))  # (what a rebind must keep apart)
     lists = {name: col for name, col in inputs}
     lists[outs_name] = outs
     return LayoutPrepared(prepared, lists, layouts, dict(op=op, has_y=len(inputs) > 1))

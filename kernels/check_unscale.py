@@ -44,8 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._multi_tensor import (HALF_OR_FLOAT, Column, Sweep, _dense, device_constants, same_layout,
-                            sparse_error)
+from ._multi_tensor import (HALF_OR_FLOAT, Column, Sweep, _dense, device_constants,
+                            refuse_shared_rows, same_layout, sparse_error)
 from ._tl_utils import column, inv_scale, load_f32, store_cast, sweep_block
 
 CHECK_UNSCALE = Sweep("check_unscale", [
@@ -350,6 +350,10 @@ def check_unscale_prepare(srcs, dsts=None, adds=None, write=True):
     op = CHECK_UNSCALE.name
     n = check_lists(op, [("srcs", srcs), ("dsts", dsts), ("adds", adds)])
     write = bool(write)
+    if write and n > 1:  # (the caller's tensors: what is swept below may be stand-ins)
+        refuse_shared_rows(op, [("srcs", srcs, True)] if dsts is None else
+                           [("dsts", dsts, True), ("srcs", srcs, False)]
+                           + [("adds", adds, False)])
     layouts = Layouts()
     if not write:
         swept = [layouts.checked(s) for s in srcs]
@@ -366,6 +370,8 @@ def check_unscale_prepare(srcs, dsts=None, adds=None, write=True):
             if adds is not None:
                 cols["adds"].append(layouts.source(adds[i], w, a))
     prepared = CHECK_UNSCALE.prepare(cols)
+    if write:  # (what a rebind must keep apart from row to row)
+        prepared.written = frozenset(("dsts",))
     lists = dict(srcs=srcs, dsts=dsts, adds=adds if write else None, write=write)
     return LayoutPrepared(prepared, lists, layouts,
                           dict(write=write, adds=write and adds is not None,

@@ -15,7 +15,9 @@ fp16_utils) and the tests build on, without reaching into the kernels' private m
   benchmarks use to take one path on any device (:func:`force_cpu_path`,
   :func:`force_gpu_path`, :func:`cpu_path_forced`, :func:`gpu_path_forced`).
 - Refusals in the caller's words: :func:`row_labels` (a sweep prepared inside it names
-  its row ``i`` also by the caller's label, ``param_groups[g]['params'][k]``).
+  its row ``i`` also by the caller's label, ``param_groups[g]['params'][k]``);
+  :func:`refuse_shared_rows` and its :class:`SharedMemoryError` (rows that share memory
+  where one is written).
 - The sweep itself, for tests of its validation: :class:`Sweep`, :class:`Column`; and
   :func:`recording_uploads`, which lists the launch tables uploaded inside a block;
   :func:`cpu_step_ranges`, the size of the ranges a big group's CPU step runs in.
@@ -28,14 +30,15 @@ from . import _cpu_optim, _multi_tensor
 from ._cpu_optim import GradWrites, check_grads_writable, take_grad_writes
 from ._dispatch import (cdiv, cpu_path_forced, force_cpu_path, force_gpu_path, gpu_code_path,
                         gpu_path_forced, interpreter_on, next_power_of_2, sm_count, use_triton)
-from ._multi_tensor import (Column, KeptByLayout, Sweep, SweepCache, borrowed, layout_key,
-                            list_layout, restride_like, row_labels, same_layout, sparse_error,
-                            zero_grads_)
+from ._multi_tensor import (Column, KeptByLayout, SharedMemoryError, Sweep, SweepCache,
+                            borrowed, layout_key, list_layout, refuse_shared_rows,
+                            restride_like, row_labels, same_layout, sparse_error, zero_grads_)
 from ._multi_tensor import _dense as is_dense
 
 __all__ = [
     "layout_key", "list_layout", "SweepCache", "KeptByLayout", "borrowed", "is_dense",
-    "same_layout", "restride_like", "row_labels", "sparse_error",
+    "same_layout", "restride_like", "row_labels", "sparse_error", "refuse_shared_rows",
+    "SharedMemoryError",
     "zero_grads_", "GradWrites", "check_grads_writable", "take_grad_writes",
     "use_triton", "interpreter_on", "force_cpu_path", "force_gpu_path", "cpu_path_forced",
     "gpu_path_forced", "gpu_code_path", "sm_count", "Sweep", "Column", "recording_uploads",

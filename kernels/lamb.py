@@ -69,7 +69,8 @@ LAMB = Sweep("lamb_step", [
     Column("params", "param"), Column("grads", "grad"), Column("exp_avgs", "state"),
     Column("exp_avg_sqs", "state"), Column("copies", "copy", optional=True),
     Column("steps", "scalar"), *ROUNDING_COLUMNS,
-], check=check_rounding_rows)
+], check=check_rounding_rows,
+   writes=("params", "exp_avgs", "exp_avg_sqs", "copies", "comps"))
 _P, _G, _M, _V, _C, _S, _K, _R = (LAMB.col(n) for n in LAMB.names)
 _ROW = LAMB.row_width
 

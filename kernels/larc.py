@@ -49,7 +49,7 @@ LARC_RESCALE = Sweep("larc_rescale", [
     # which it writes at every step (so never moved into a buffer of the sweep's own)
     Column("factors", "scalar", rehome=False),
     Column("decays", "scalar", optional=True, rehome=False),
-])
+], writes=("grads",))
 _P, _G, _F, _D = (LARC_RESCALE.col(n) for n in LARC_RESCALE.names)
 _ROW = LARC_RESCALE.row_width
 

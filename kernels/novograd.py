@@ -66,7 +66,8 @@ NOVOGRAD = Sweep("novograd_step", [
     Column("copies", "copy", optional=True),
     Column("exp_avg_sqs", "scalar"),   # the per-tensor second moment: one fp32 value
     Column("steps", "scalar"), *ROUNDING_COLUMNS,
-], check=check_rounding_rows)
+], check=check_rounding_rows,
+   writes=("params", "exp_avgs", "copies", "comps"))
 _P, _G, _M, _C, _VS, _S, _K, _R = (NOVOGRAD.col(n) for n in NOVOGRAD.names)
 _ROW = NOVOGRAD.row_width
 

@@ -24,7 +24,8 @@ import torch
 from tritamp import compiled
 from tritamp import kernels as K
 from tritamp.contract import LastStep, StepState, handoff_of
-from tritamp.kernels.engine import (SweepCache, borrowed, is_dense, layout_key, sparse_error,
+from tritamp.kernels.engine import (SharedMemoryError, SweepCache, borrowed, is_dense,
+                                    layout_key, refuse_shared_rows, row_labels, sparse_error,
                                     zero_grads_)
 from tritamp.sharding import is_dtensor, locals_of
 
@@ -158,9 +159,14 @@ class AmpStash:
             # Borrowed tensors: the kept sweep must not keep this step's gradients alive.
             lent = borrowed(list(srcs) + list(dsts or ()) + list(adds or ()))
             n, m = len(srcs), len(dsts or ())
-            prepared = cache.put(key, K.check_unscale_prepare(
-                lent[:n], dsts=None if dsts is None else lent[n:n + m],
-                adds=None if adds is None else lent[n + m:], write=write))
+            try:
+                made = K.check_unscale_prepare(
+                    lent[:n], dsts=None if dsts is None else lent[n:n + m],
+                    adds=None if adds is None else lent[n + m:], write=write)
+            except SharedMemoryError:
+                self._refuse_shared_by_name()
+                raise
+            prepared = cache.put(key, made)
         K.check_unscale_launch(prepared, scale=scale, found_inf=found, check_adds=check_adds)
 
     @staticmethod
@@ -312,6 +318,19 @@ class AmpStash:
             if g is not None and g.layout != torch.strided:
                 name = self.param_names.get(id(p), f"a parameter of shape {list(p.shape)}")
                 raise sparse_error("amp", f"the gradient of {name}", g) from None
+
+    def _refuse_shared_by_name(self):
+        """Raise the refusal of gradients that share memory naming the parameters (as the
+        skip warning names them) instead of indices into the exit's lists, when it is
+        two parameters' gradients that do (a gradient assigned to two parameters)."""
+        params = [p for p in itertools.chain(self.model_params, self.plain_params)
+                  if p.grad is not None]
+        names = [self.param_names.get(id(p), f"a parameter of shape {list(p.shape)}")
+                 for p in params]
+        grads = [p.grad for p in params]
+        with row_labels(names):
+            refuse_shared_rows("amp", [("gradients", locals_of(grads) if self.sharded
+                                        else grads, True)])
 
     def post_backward(self, scaler):
         """Check (and unscale) this backward's gradients; record what step() needs.

@@ -1,0 +1,178 @@
+"""Rows of a multi-tensor sweep that share memory where one of them is written.
+
+A sweep's rows run concurrently on a GPU, so a tensor one row writes and another row reads
+or writes would give a result that depends on their order (and the interpreted kernels,
+the production CPU path and the reference disagreed). Every sweep that writes refuses
+such rows before anything is written, naming both tensors; disjoint views of one buffer,
+interleaved strided views and tensors shared by rows that only read them are accepted.
+A kept sweep rebound to new tensors that share memory goes back to the refusal.
+"""
+import pytest
+import torch
+
+from tritamp import amp
+from tritamp.kernels.adam import adam_step
+from tritamp.kernels.axpby import multi_tensor_axpby, multi_tensor_scale
+from tritamp.kernels.check_unscale import (check_unscale, check_unscale_launch,
+                                           check_unscale_prepare, check_unscale_ref)
+from tritamp.kernels.engine import SharedMemoryError, refuse_shared_rows, row_labels
+from tritamp.kernels.larc import larc_rescale
+from tritamp.optimizers import FusedSGD
+
+SCALE = torch.tensor(4.0)
+
+
+def _snapshot(*tensors):
+    return [t.clone() for t in tensors]
+
+
+def _unchanged(before, *tensors):
+    return all(torch.equal(b, t) for b, t in zip(before, tensors))
+
+
+def test_destinations_that_overlap_across_rows_are_refused_before_anything_is_written(path):
+    buf = torch.arange(8.0)
+    dsts = [buf[:4], buf[2:6]]
+    found = torch.zeros(())
+    before = _snapshot(buf, found)
+    with pytest.raises(SharedMemoryError, match=r"check_unscale: dsts\[0\] and dsts\[1\] share "
+                       r"memory.*Nothing was written.*dsts\[1\]\.clone\(\)"):
+        check_unscale([torch.ones(4), torch.full((4,), float("inf"))], SCALE, found, dsts=dsts)
+    assert _unchanged(before, buf, found)
+
+
+def test_an_addend_or_source_that_is_another_rows_destination_is_refused(path):
+    s = [torch.full((4,), 4.0), torch.full((4,), 8.0)]
+    d = [torch.full((4,), 1.0), torch.full((4,), 2.0)]
+    before = _snapshot(*d)
+    with pytest.raises(SharedMemoryError, match=r"dsts\[0\] and adds\[1\] share memory, and the "
+                       r"sweep writes dsts\[0\]"):
+        check_unscale(s, SCALE, None, dsts=d, adds=[torch.zeros(4), d[0]])
+    with pytest.raises(SharedMemoryError, match=r"dsts\[0\] and srcs\[1\] share memory"):
+        check_unscale([s[0], d[0]], SCALE, None, dsts=d)
+    assert _unchanged(before, *d)
+
+
+def test_one_tensor_unscaled_in_place_in_two_rows_is_refused(path):
+    g = torch.full((4,), 8.0)
+    with pytest.raises(SharedMemoryError, match=r"srcs\[0\] and srcs\[1\] share memory"):
+        check_unscale([g, g], SCALE, torch.zeros(()))
+    assert torch.equal(g, torch.full((4,), 8.0))  # (not divided twice)
+
+
+def test_rows_apart_in_one_buffer_are_accepted_and_match_the_reference(path):
+    # adjacent slices of one flat buffer, and interleaved columns of one matrix: spans
+    # that touch or interleave, no element in common
+    flat, flat_ref = torch.zeros(8), torch.zeros(8)
+    srcs = [torch.arange(4.0), torch.arange(4.0, 8.0)]
+    check_unscale(srcs, SCALE, None, dsts=[flat[:4], flat[4:]])
+    check_unscale_ref(srcs, SCALE, None, dsts=[flat_ref[:4], flat_ref[4:]])
+    assert torch.equal(flat, flat_ref) and torch.equal(flat, torch.arange(8.0) / 4)
+    w = torch.zeros(3, 4)
+    srcs = [torch.full((3, 2), 4.0), torch.full((3, 2), 8.0)]
+    check_unscale(srcs, SCALE, None, dsts=[w[:, 0::2], w[:, 1::2]])
+    assert torch.equal(w, torch.tensor([[1.0, 2.0] * 2] * 3))
+
+
+def test_rows_that_only_read_a_shared_tensor_are_accepted(path):
+    g = torch.full((4,), 8.0)
+    d = [torch.zeros(4), torch.zeros(4)]
+    check_unscale([g, g], SCALE, None, dsts=d)  # one source read by two rows
+    assert torch.equal(d[0], torch.full((4,), 2.0)) and torch.equal(d[1], d[0])
+    found = torch.zeros(())
+    check_unscale([g, g], None, found, write=False)  # a check-only sweep writes nothing
+    assert found.item() == 0.0
+
+
+def test_axpby_and_scale_refuse_outputs_shared_across_rows(path):
+    out = torch.zeros(6)
+    x = [torch.ones(4), torch.ones(4)]
+    with pytest.raises(SharedMemoryError, match=r"multi_tensor_axpby: outs\[0\] and outs\[1\]"):
+        multi_tensor_axpby(x, x, [out[:4], out[2:]], 1.0, 1.0, torch.zeros(1, dtype=torch.int))
+    with pytest.raises(SharedMemoryError, match=r"multi_tensor_scale: dsts\[0\] and srcs\[1\]"):
+        multi_tensor_scale([x[0], out[:4]], [out[:4], torch.zeros(4)], 2.0,
+                           torch.zeros(1, dtype=torch.int))
+    assert torch.equal(out, torch.zeros(6))
+
+
+def test_optimizer_and_larc_sweeps_refuse_state_or_gradients_shared_across_rows(path):
+    params = [torch.zeros(4), torch.zeros(4)]
+    grads = [torch.ones(4), torch.ones(4)]
+    shared = torch.zeros(4)
+    steps = [torch.zeros(()), torch.zeros(())]
+    before = _snapshot(*params, shared)
+    with row_labels(["first", "second"]):
+        with pytest.raises(SharedMemoryError, match=r"adam_step: exp_avgs\[0\] \(first\) and "
+                           r"exp_avgs\[1\] \(second\) share memory"):
+            adam_step(params, grads, [shared, shared], [torch.zeros(4), torch.zeros(4)],
+                      steps, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    assert _unchanged(before, *params, shared) and all(s.item() == 0 for s in steps)
+    g = torch.ones(6)
+    with pytest.raises(SharedMemoryError, match=r"larc_rescale: grads\[0\] and grads\[1\]"):
+        larc_rescale(params, [g[:4], g[2:]], torch.ones(2))
+    assert torch.equal(g, torch.ones(6))
+
+
+def test_a_kept_sweep_rebound_to_tensors_that_share_memory_goes_back_to_the_refusal(path):
+    a, b = torch.full((4,), 8.0), torch.full((4,), 8.0)
+    prepared = check_unscale_prepare([a, b])
+    assert prepared.rebindable_in_place
+    c = torch.full((4,), 8.0)
+    assert not prepared.rebind_sources([c, c])  # (preparing again refuses them by name)
+    d, e = torch.full((4,), 8.0), torch.full((4,), 8.0)
+    assert prepared.rebind_sources([d, e])
+    check_unscale_launch(prepared, SCALE, torch.zeros(()))
+    assert torch.equal(d, torch.full((4,), 2.0)) and torch.equal(e, d)
+    assert torch.equal(c, torch.full((4,), 8.0))
+    # destinations and addends: an addend that is another row's destination
+    srcs, dsts = [torch.ones(4), torch.ones(4)], [torch.zeros(4), torch.zeros(4)]
+    kept = check_unscale_prepare(srcs, dsts=dsts, adds=[torch.zeros(4), torch.zeros(4)])
+    assert kept.rebindable_writes
+    assert not kept.rebind_lists(srcs, dsts, adds=[dsts[1], torch.zeros(4)])
+    assert kept.rebind_lists(srcs, dsts, adds=[dsts[0], dsts[1]])  # (each its own row's)
+
+
+def test_strided_views_are_judged_element_by_element():
+    w = torch.zeros(4, 6)
+    # every other column, and the columns between: spans overlap, elements do not
+    refuse_shared_rows("t", [("outs", [w[:, 0::2], w[:, 1::2]], True)])
+    with pytest.raises(SharedMemoryError):  # every other column and every third meet
+        refuse_shared_rows("t", [("outs", [w[:, 0::2], w[:, 0::3]], True)])
+    # a tensor viewed as another dtype still shares its bytes
+    with pytest.raises(SharedMemoryError, match=r"outs\[0\] and ins\[1\]"):
+        refuse_shared_rows("t", [("outs", [w[0], torch.zeros(6)], True),
+                                 ("ins", [torch.zeros(6), w[0].view(torch.int32)], False)])
+    # the same row may share memory with itself (an in-place update)
+    refuse_shared_rows("t", [("outs", [w[0], w[1]], True), ("ins", [w[0], w[1]], False)])
+
+
+def test_amp_refuses_one_gradient_given_to_two_parameters_by_name(cpu_path):
+    """Before the check, amp's steady-state unscale (a kept sweep rebound to the step's
+    gradients) divided the shared gradient by the loss scale twice on a CPU."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    opt = FusedSGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0, loss_scale=8.0)
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        opt.zero_grad()
+        with amp.scale_loss(model(x).float().sum(), opt) as loss:
+            loss.backward()
+        opt.step()
+    opt.zero_grad()
+    weights = _snapshot(*model.parameters())
+    with pytest.raises(SharedMemoryError, match=r"amp: gradients\[1\] \(0\.bias\) and "
+                       r"gradients\[3\] \(1\.bias\) share memory"):
+        with amp.scale_loss(model(x).float().sum(), opt) as loss:
+            loss.backward()
+            model[1].bias.grad = model[0].bias.grad
+            shared = model[0].bias.grad.clone()
+    assert torch.equal(model[0].bias.grad, shared)  # still scaled, not divided twice
+    assert _unchanged(weights, *model.parameters())
+    # the next step, with gradients of their own, runs
+    model[1].bias.grad = None
+    opt.zero_grad()
+    with amp.scale_loss(model(x).float().sum(), opt) as loss:
+        loss.backward()
+    opt.step()
+    assert not _unchanged(weights, *model.parameters())
