@@ -284,14 +284,15 @@ class AmpOptimizer:
 
         With a ``clip_grad_norm`` configured (naive mode) ``step()`` clips, and this
         accepts only that same value, as ColossalAI's naive optimizer did, returning None
-        (the clipping happens in the step)."""
-        self._unscale()
-        if self.max_norm > 0.0:
-            if float(max_norm) == self.max_norm:
-                return None
+        (the clipping happens in the step). A refused value is refused before the step's
+        pending unscale: the gradients and the loss scaler stay as they were."""
+        if self.max_norm > 0.0 and float(max_norm) != self.max_norm:
             raise RuntimeError("This optimizer clips gradients during step() (clip_grad_norm="
                                f"{self.max_norm} in the amp config), so clip_grad_norm("
                                f"max_norm={max_norm}) is not allowed. Drop one of the two.")
+        self._unscale()
+        if self.max_norm > 0.0:
+            return None
         if max_norm > 0:
             return clip_grad_norm_(amp.master_params(self.optim), max_norm)
         return None
