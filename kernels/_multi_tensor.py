@@ -791,7 +791,7 @@ class Prepared:
         caller then prepares again, whose check is exact and names the tensors)."""
         if not any(n in self.written for names, _, _ in cols for n in names):
             return True
-        starts, ends = [], []
+        starts, sizes, rows = [], [], []  # (rows: each column's starts, row by row)
         for names, col, addresses in cols:
             size = self._nbytes.get(names[0])
             if size is None:
@@ -801,19 +801,27 @@ class Prepared:
                     dtype=np.int64)
             if addresses is None or len(addresses) != len(col):
                 addresses = [0 if t is None else t.data_ptr() for t in col]
-            start = np.asarray(addresses, dtype=np.int64)
-            keep = size > 0
-            for earlier in starts:  # (the same row's tensor at the same address: one)
-                keep &= start != earlier[0]
-            starts.append((start, keep))
-            ends.append(start + size)
-        s = np.concatenate([st[keep] for st, keep in starts])
+            start = np.array(addresses, dtype=np.int64)
+            rows.append(start)
+            if len(rows) > 1:  # (the same row's tensor at the same address: counted once)
+                keep = start != rows[0]
+                for earlier in rows[1:-1]:
+                    keep &= start != earlier
+                start, size = start[keep], size[keep]
+            starts.append(start)
+            sizes.append(size)
+        s = starts[0] if len(starts) == 1 else np.concatenate(starts)
+        e = s + (sizes[0] if len(sizes) == 1 else np.concatenate(sizes))
         if len(s) < 2:
             return True
-        e = np.concatenate([en[keep] for en, (_, keep) in zip(ends, starts)])
-        order = np.argsort(s, kind="stable")
+        order = s.argsort()
         s, e = s[order], e[order]
-        return not bool((s[1:] < np.maximum.accumulate(e)[:-1]).any())
+        # sorted by start, spans are apart exactly when each starts at or after the end
+        # of the one before it (an empty tensor's span is empty and touches nothing)
+        empty = s == e
+        if empty.any():
+            s, e = s[~empty], e[~empty]
+        return bool((s[1:] >= e[:-1]).all())
 
     def _as_planned(self, names, col):
         """``col`` has the dtypes and sizes every column of ``names`` was planned for

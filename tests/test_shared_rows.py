@@ -130,6 +130,16 @@ def test_a_kept_sweep_rebound_to_tensors_that_share_memory_goes_back_to_the_refu
     assert kept.rebindable_writes
     assert not kept.rebind_lists(srcs, dsts, adds=[dsts[1], torch.zeros(4)])
     assert kept.rebind_lists(srcs, dsts, adds=[dsts[0], dsts[1]])  # (each its own row's)
+    # a row unscaled in place beside one that is not, with addends: rows apart rebind
+    # and run; an addend at the other row's destination goes back to the refusal
+    a, b, d = torch.full((4,), 8.0), torch.full((4,), 8.0), torch.zeros(4)
+    kept = check_unscale_prepare([a, b], dsts=[a, d], adds=[torch.zeros(4), torch.zeros(4)])
+    # (a rebound sweep holds no tensor on the Triton path: the caller keeps them alive)
+    a, b, d, one = torch.full((4,), 8.0), torch.full((4,), 8.0), torch.zeros(4), torch.ones(4)
+    assert kept.rebindable_writes and kept.rebind_lists([a, b], [a, d], adds=[a, one])
+    check_unscale_launch(kept, SCALE, None)
+    assert a.tolist() == [10.0] * 4 and d.tolist() == [3.0] * 4  # (8 / 4 + 8; 8 / 4 + 1)
+    assert not kept.rebind_lists([a, b], [a, d], adds=[d, one])
 
 
 def test_strided_views_are_judged_element_by_element():
