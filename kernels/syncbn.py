@@ -762,9 +762,9 @@ def syncbn_forward(x, mean, invstd, weight=None, bias=None, z=None, relu=False, 
     _check_partner("out", out, x)
     if out is not None and out.dtype != x.dtype:
         raise ValueError(f"syncbn_forward: out must be {x.dtype}, got {out.dtype}")
+    geo = _Geometry.of(x)  # a canonical view on every path (the CPU path's too)
     if not use_triton(x):
         return syncbn_forward_cpu(x, mean, invstd, weight, bias, z, relu, out)
-    geo = _Geometry.of(x)
     y = torch.empty_like(x) if out is None else out
     if x.numel() == 0:
         return y
@@ -782,6 +782,7 @@ def syncbn_backward_reduce(dy, x, mean, invstd, weight=None, bias=None, z=None, 
     """Local reductions of the backward: ``(sums, grad_weight, grad_bias)`` with ``sums``
     the fp32 ``[2C]`` tensor ``(sum_dy, sum_dy_xmu)``. ``bias`` and ``z`` are needed only
     to recompute the ReLU mask (``relu``)."""
+    _Geometry.of(x)  # a canonical view on every path (the CPU path's too)
     c = _channels(x)
     _params(x, c, mean, invstd, weight, bias)
     _check_partner("dy", dy, x)
@@ -831,6 +832,7 @@ def syncbn_backward_input(dy, x, mean, invstd, weight=None, sums=None, count=Non
     """``(dx, dz)``: the input gradient (``sums`` / ``count`` global, from the all_reduce
     and :func:`syncbn_finalize`; ``sums=None`` when running statistics normalised) and,
     when ``need_dz``, the residual's gradient (the ReLU-masked ``dy``), else None."""
+    _Geometry.of(x)  # a canonical view on every path (the CPU path's too)
     c = _channels(x)
     _params(x, c, mean, invstd, weight, bias)
     _check_partner("dy", dy, x)
