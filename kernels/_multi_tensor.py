@@ -277,6 +277,16 @@ def _elements_meet(a, b):
     return bool(torch.isin(sets[0], sets[1]).any())
 
 
+def shares_memory(a, b):
+    """Whether tensors ``a`` and ``b`` have a byte of memory in common (dense ones by their
+    byte ranges; strided views element by element)."""
+    a_start, a_end = _span(a)
+    b_start, b_end = _span(b)
+    if a_start >= b_end or b_start >= a_end or not a.numel() or not b.numel():
+        return False
+    return (_dense(a) and _dense(b)) or _elements_meet(a, b)
+
+
 def refuse_shared_rows(op, columns):
     """Refuse, with a ``ValueError`` naming both tensors and the fix, two tensors of
     different rows that share memory where either is written: a sweep's rows run

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from ._multi_tensor import (HALF_OR_FLOAT, Column, Sweep, _dense, device_constants,
-                            refuse_shared_rows, same_layout, sparse_error)
+                            refuse_shared_rows, same_layout, shares_memory, sparse_error)
 from ._tl_utils import column, inv_scale, load_f32, store_cast, sweep_block
 
 CHECK_UNSCALE = Sweep("check_unscale", [
@@ -204,11 +204,18 @@ class Layouts:
     def source(self, t, w, anchor):
         """What the sweep reads for ``t`` in a row written through ``anchor`` (the stand-in
         of ``w``, or ``w``): ``t`` when laid out as ``anchor``, else a dense copy in its
-        layout, refreshed before every launch."""
+        layout, refreshed before every launch. A ``t`` that shares memory with the ``w``
+        written in place without being the same view (``w = buf[1:5]``, ``t = buf[:4]``)
+        is read through such a copy too: the row reads the values the call was given,
+        as the reference does (the kernel's blocks would otherwise read elements another
+        block already wrote)."""
         if t is None:
             return None
         if same_layout(t, anchor):
-            return t
+            if anchor is not w or _same_view(t, w) or not shares_memory(t, w):
+                return t
+            buf = torch.empty_like(anchor, dtype=t.dtype, memory_format=torch.preserve_format)
+            return self._read_copy(t, buf)
         if w is not None and _same_view(t, w):
             return self._read_copy(w, anchor)
         buf = torch.empty_like(anchor, dtype=t.dtype, memory_format=torch.preserve_format)

@@ -5,7 +5,9 @@ or writes would give a result that depends on their order (and the interpreted k
 the production CPU path and the reference disagreed). Every sweep that writes refuses
 such rows before anything is written, naming both tensors; disjoint views of one buffer,
 interleaved strided views and tensors shared by rows that only read them are accepted.
-A kept sweep rebound to new tensors that share memory goes back to the refusal.
+A kept sweep rebound to new tensors that share memory goes back to the refusal. Within one
+row, a source shifted against its own destination is read as it was given (the reference's
+values) on both paths.
 """
 import pytest
 import torch
@@ -186,3 +188,31 @@ def test_amp_refuses_one_gradient_given_to_two_parameters_by_name(cpu_path):
         loss.backward()
     opt.step()
     assert not _unchanged(weights, *model.parameters())
+
+
+N_SHIFTED = 5000  # (more than one block of the kernels: a later block reads what an
+#                   earlier one wrote if the source is not read through a copy)
+
+
+def test_a_source_or_addend_shifted_against_its_own_destination_reads_the_values_given(path):
+    want = torch.arange(N_SHIFTED + 1.0)
+    check_unscale_ref([want[:-1]], SCALE, None, dsts=[want[1:]])
+    buf = torch.arange(N_SHIFTED + 1.0)
+    found = torch.zeros(())
+    check_unscale([buf[:-1]], SCALE, found, dsts=[buf[1:]])
+    assert torch.equal(buf, want) and found.item() == 0.0
+    src = torch.full((N_SHIFTED,), 8.0)
+    want = torch.arange(N_SHIFTED + 1.0)
+    check_unscale_ref([src], SCALE, None, dsts=[want[1:]], adds=[want[:-1]])
+    buf = torch.arange(N_SHIFTED + 1.0)
+    check_unscale([src], SCALE, None, dsts=[buf[1:]], adds=[buf[:-1]])
+    assert torch.equal(buf, want)
+
+
+def test_axpby_with_an_input_shifted_against_its_output_reads_the_values_given(path):
+    buf = torch.arange(N_SHIFTED + 1.0)
+    y = torch.ones(N_SHIFTED)
+    want = buf.clone()
+    want[1:] = 2.0 * want[:-1] + y
+    multi_tensor_axpby([buf[:-1]], [y], [buf[1:]], 2.0, 1.0, torch.zeros(1, dtype=torch.int))
+    assert torch.equal(buf, want)
