@@ -216,12 +216,12 @@ def _validate(sweep, lists):
         return 0
     lists["_writeback"], lists["_staged"] = [], []
     if _all_plain(sweep, lists, params):
-        if sweep.writes and n > 1:
+        if sweep.writes:
             _refuse_shared_columns(sweep, lists)
         return n
     # (the caller's tensors, before any is replaced by a dense copy below)
     originals = {name: lists[name] and list(lists[name]) for name in sweep.names
-                 if name in lists} if sweep.writes and n > 1 else None
+                 if name in lists} if sweep.writes else None
     writeback, staged = [], []
     for i, p in enumerate(params):
         try:
@@ -241,7 +241,8 @@ def _validate(sweep, lists):
 def _refuse_shared_columns(sweep, lists):
     """:func:`refuse_shared_rows` over a sweep's tensor columns (scalar ones left out)."""
     refuse_shared_rows(sweep.name, [(c.name, lists.get(c.name), c.name in sweep.writes)
-                                    for c in sweep.columns if c.role != "scalar"])
+                                    for c in sweep.columns if c.role != "scalar"],
+                       within_rows=True)
 
 
 def _span(t):
@@ -287,16 +288,22 @@ def shares_memory(a, b):
     return (_dense(a) and _dense(b)) or _elements_meet(a, b)
 
 
-def refuse_shared_rows(op, columns):
+def refuse_shared_rows(op, columns, within_rows=False):
     """Refuse, with a ``ValueError`` naming both tensors and the fix, two tensors of
     different rows that share memory where either is written: a sweep's rows run
     concurrently on a GPU, so the result would depend on their order (and the paths
     would disagree). ``columns``: ``[(name, tensors or None, written)]``, ``tensors``
     one per row (None entries skipped); rows are named also by the caller's labels
     (:func:`row_labels`). Tensors of one row may share memory (an in-place update, an
-    addend accumulated into its destination): each sweep says what it makes of that.
-    Only spans that overlap are examined further, so the usual lists (distinct
-    allocations, or disjoint views of one flat buffer) cost one sort."""
+    addend accumulated into its destination): a sweep that reads such a tensor through
+    a copy says so; with ``within_rows`` (the optimizers' and LARC's sweeps, which read
+    every tensor where it is) a row's two tensors that share memory are refused as well
+    when one is written, unless they are the same view and only one of them is written
+    (a gradient that is its parameter: each element is read, then written). Only spans
+    that overlap are examined further, so the usual lists (distinct allocations, or
+    disjoint views of one flat buffer) cost one sort."""
+    if not any(written for _, tensors, written in columns if tensors):
+        return
     entries = []
     for k, (name, tensors, written) in enumerate(columns):
         if not tensors:
@@ -305,20 +312,28 @@ def refuse_shared_rows(op, columns):
             if t is not None and t.numel():
                 start, end = _span(t)
                 entries.append((start, end, i, k, t))
-    if not any(written for _, tensors, written in columns if tensors):
-        return
     entries.sort(key=operator.itemgetter(0))
     open_ = []  # entries whose span reaches past the current start
     for e in entries:
         start = e[0]
         open_ = [o for o in open_ if o[1] > start]
         for o in open_:
-            if o[2] == e[2] or not (columns[o[3]][2] or columns[e[3]][2]):
+            written = (columns[o[3]][2], columns[e[3]][2])
+            if not (written[0] or written[1]):
                 continue
             a, b = o[4], e[4]
+            if o[2] == e[2]:
+                if not within_rows or (_same_view(a, b) and not (written[0] and written[1])):
+                    continue
             if (_dense(a) and _dense(b)) or _elements_meet(a, b):
                 _shared_error(op, columns, _ROW_LABELS.get(), o, e)
         open_.append(e)
+
+
+def _same_view(a, b):
+    """``a`` and ``b`` are the same elements (one tensor, or two views of it)."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype
+                      and a.shape == b.shape and a.stride() == b.stride())
 
 
 class SharedMemoryError(ValueError):
@@ -339,8 +354,8 @@ def _shared_error(op, columns, labels, a, b):
     written = [names[j] for j, e in enumerate((a, b)) if columns[e[3]][2]]
     raise SharedMemoryError(
         f"{op}: {names[0]} and {names[1]} share memory, and the sweep writes "
-        f"{' and '.join(written)}: its rows run concurrently on a GPU, so the result would "
-        "depend on their order. Nothing was written. Pass tensors that do not share "
+        f"{' and '.join(written)}: its blocks run concurrently on a GPU, so the result "
+        "would depend on their order. Nothing was written. Pass tensors that do not share "
         f"memory (for example {columns[b[3]][0]}[{b[2]}].clone())")
 
 

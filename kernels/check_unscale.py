@@ -44,8 +44,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._multi_tensor import (HALF_OR_FLOAT, Column, Sweep, _dense, device_constants,
-                            refuse_shared_rows, same_layout, shares_memory, sparse_error)
+from ._multi_tensor import (HALF_OR_FLOAT, Column, Sweep, _dense, _same_view,
+                            device_constants, refuse_shared_rows, same_layout, shares_memory,
+                            sparse_error)
 from ._tl_utils import column, inv_scale, load_f32, store_cast, sweep_block
 
 CHECK_UNSCALE = Sweep("check_unscale", [
@@ -117,12 +118,6 @@ def _non_overlapping(t):
             return False
         extent += stride * (size - 1)
     return True
-
-
-def _same_view(a, b):
-    """``a`` and ``b`` are the same elements (one tensor, or two views of it)."""
-    return a is b or (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype
-                      and a.shape == b.shape and a.stride() == b.stride())
 
 
 def check_lists(op, lists, dtypes=HALF_OR_FLOAT):

@@ -7,7 +7,8 @@ such rows before anything is written, naming both tensors; disjoint views of one
 interleaved strided views and tensors shared by rows that only read them are accepted.
 A kept sweep rebound to new tensors that share memory goes back to the refusal. Within one
 row, a source shifted against its own destination is read as it was given (the reference's
-values) on both paths.
+values) on both paths, and an optimizer sweep refuses a row's tensors that share memory
+where one is written (a gradient that is its parameter aside).
 """
 import pytest
 import torch
@@ -216,3 +217,27 @@ def test_axpby_with_an_input_shifted_against_its_output_reads_the_values_given(p
     want[1:] = 2.0 * want[:-1] + y
     multi_tensor_axpby([buf[:-1]], [y], [buf[1:]], 2.0, 1.0, torch.zeros(1, dtype=torch.int))
     assert torch.equal(buf, want)
+
+
+def test_an_optimizer_sweep_refuses_tensors_of_one_row_that_share_memory(path):
+    """The optimizer sweeps read every tensor where it is: a gradient shifted over its own
+    parameter, or one tensor given as both moments, is refused; a gradient that is its
+    parameter (each element read, then written) is accepted, as torch's fused step takes it."""
+    kw = dict(lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    base = torch.arange(6.0)
+    before = base.clone()
+    with pytest.raises(SharedMemoryError, match=r"adam_step: params\[0\] and grads\[0\] share "
+                       r"memory, and the sweep writes params\[0\]"):
+        adam_step([base[1:5]], [base[:4]], [torch.zeros(4)], [torch.zeros(4)],
+                  [torch.zeros(())], **kw)
+    moment = torch.zeros(4)
+    with pytest.raises(SharedMemoryError, match=r"exp_avgs\[0\] and exp_avg_sqs\[0\]"):
+        adam_step([torch.zeros(4)], [torch.ones(4)], [moment, ], [moment], [torch.zeros(())],
+                  **kw)
+    assert torch.equal(base, before) and torch.equal(moment, torch.zeros(4))
+    p = torch.full((4,), 2.0)
+    want = torch.full((4,), 2.0)
+    adam_step([want], [torch.full((4,), 2.0)], [torch.zeros(4)], [torch.zeros(4)],
+              [torch.zeros(())], **kw)
+    adam_step([p], [p], [torch.zeros(4)], [torch.zeros(4)], [torch.zeros(())], **kw)
+    assert torch.equal(p, want)
