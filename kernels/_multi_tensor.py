@@ -255,27 +255,62 @@ def _span(t):
     return start, start + (last + 1) * t.element_size()
 
 
-_EXACT_LIMIT = 1 << 24  # bytes a strided view may span for the exact element test
+_EXACT_LIMIT = 1 << 24  # elements a strided view may have for the element-by-element test
+
+
+def _lattice_meet(a, b):
+    """For ``a`` and ``b`` of one dtype, shape and strides (column chunks of one matrix,
+    say), neither overlapping itself: whether they share an element, in time linear in
+    the number of dimensions. ``b``'s first element lies ``d`` elements from ``a``'s; they
+    share one exactly when ``d = sum(i_k * stride_k)`` with ``|i_k| < size_k``, and as
+    every stride exceeds the extent of the smaller ones, only the two nearest multiples
+    of each stride can lead there. None where that does not apply."""
+    diff = b.data_ptr() - a.data_ptr()
+    size = a.element_size()
+    if diff % size:
+        return None
+    dims = sorted((st, n) for n, st in zip(a.shape, a.stride()) if n > 1)
+    extent = 0
+    for st, n in dims:
+        if st <= extent:
+            return None  # (overlapping itself, or a stride of 0)
+        extent += st * (n - 1)
+    dims.reverse()
+
+    def meet(r, k):
+        if k == len(dims):
+            return r == 0
+        st, n = dims[k]
+        q = r // st
+        return any(-n < i < n and meet(r - i * st, k + 1) for i in (q, q + 1))
+
+    return meet(diff // size, 0)
+
+
+def _starts(t, base):
+    """The sorted byte offsets from ``base`` at which ``t``'s elements start."""
+    offs = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride()):
+        offs = offs.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    return (offs.reshape(-1) * t.element_size() + (t.data_ptr() - base)).unique()
 
 
 def _elements_meet(a, b):
     """Whether ``a`` and ``b``, whose spans overlap and one of which is a strided view,
-    have a byte in common (their elements' byte offsets compared; conservatively True
-    for views spanning more than 16 MiB)."""
+    have a byte in common: by the lattice of their strides when they share a layout
+    (:func:`_lattice_meet`), else by their elements' sorted start bytes (each element of
+    ``b`` against the last element of ``a`` that starts before it ends); conservatively
+    True for views of more than 2**24 elements in another layout."""
+    if a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride():
+        met = _lattice_meet(a, b)
+        if met is not None:
+            return met
+    if a.numel() > _EXACT_LIMIT or b.numel() > _EXACT_LIMIT:
+        return True
     base = min(a.data_ptr(), b.data_ptr())
-    sets = []
-    for t in (a, b):
-        start, end = _span(t)
-        if end - start > _EXACT_LIMIT:
-            return True
-        offs = torch.zeros((), dtype=torch.int64)
-        for size, stride in zip(t.shape, t.stride()):
-            offs = offs.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
-        size = t.element_size()
-        byte = (offs.reshape(-1, 1) * size + (start - base)
-                + torch.arange(size, dtype=torch.int64)).reshape(-1)
-        sets.append(byte)
-    return bool(torch.isin(sets[0], sets[1]).any())
+    sa, sb = _starts(a, base), _starts(b, base)
+    i = torch.searchsorted(sa, sb + b.element_size()) - 1
+    return bool(((i >= 0) & (sa[i.clamp(min=0)] + a.element_size() > sb)).any())
 
 
 def shares_memory(a, b):
@@ -617,6 +652,9 @@ class GroupPlan:
         self.meta.copy_(host, non_blocking=True)
 
 
+_APART = object()  # (Prepared._rebind_cache's key for the addresses last found apart)
+
+
 class Prepared:
     """A validated sweep, grouped and planned: launch it any number of times.
 
@@ -629,7 +667,7 @@ class Prepared:
     handles it)."""
     __slots__ = ("sweep", "_lists", "n", "groups", "writeback", "staged", "triton", "device",
                  "empty_rows", "cpu_groups", "scratch", "_planned", "labels", "written",
-                 "_nbytes")
+                 "_rebind_cache")
 
     def __init__(self, sweep, lists, n):
         self.sweep = sweep
@@ -637,7 +675,7 @@ class Prepared:
         # sets them: check_unscale, axpby): a rebind that gives one of them new tensors
         # checks that no two rows share memory
         self.written = sweep.writes
-        self._nbytes = {}
+        self._rebind_cache = {}  # per column its bytes and dtypes per row; per rebind its kept spans
         self.writeback = lists.pop("_writeback", [])
         self.staged = lists.pop("_staged", [])
         self._lists = lists
@@ -809,44 +847,88 @@ class Prepared:
         return True
 
     def _rebound_apart(self, cols):
-        """Whether the tensors of rebound columns (checked as planned) lie apart from row
-        to row, or no written column is rebound. One sort of their byte spans (each a
-        dense tensor: a sweep with stand-ins is not rebindable), a tensor given to two
-        columns of its row counted once; an overlap of any kind answers False (the
+        """Whether the tensors of rebound columns (checked as planned) lie apart, as
+        :func:`refuse_shared_rows` asks, from the other rows' and from the tensors the
+        sweep keeps: a rebound column that is written against every other tensor, one
+        that is only read against the written ones. Sorted byte spans (a rebindable
+        sweep's tensors are dense), a tensor given to two columns of its row (same
+        address, size and dtype) counted once; an overlap of any kind answers False (the
         caller then prepares again, whose check is exact and names the tensors)."""
-        if not any(n in self.written for names, _, _ in cols for n in names):
-            return True
-        starts, sizes, rows = [], [], []  # (rows: each column's starts, row by row)
-        for names, col, addresses in cols:
-            size = self._nbytes.get(names[0])
-            if size is None:
-                dtypes, numels = self._planned[names[0]]
-                size = self._nbytes[names[0]] = np.array(
-                    [0 if k is None else k * d.itemsize for d, k in zip(dtypes, numels)],
-                    dtype=np.int64)
+        at = []
+        for names_, col, addresses in cols:
             if addresses is None or len(addresses) != len(col):
                 addresses = [0 if t is None else t.data_ptr() for t in col]
-            start = np.array(addresses, dtype=np.int64)
-            rows.append(start)
-            if len(rows) > 1:  # (the same row's tensor at the same address: counted once)
-                keep = start != rows[0]
-                for earlier in rows[1:-1]:
-                    keep &= start != earlier
-                start, size = start[keep], size[keep]
-            starts.append(start)
-            sizes.append(size)
-        s = starts[0] if len(starts) == 1 else np.concatenate(starts)
-        e = s + (sizes[0] if len(sizes) == 1 else np.concatenate(sizes))
-        if len(s) < 2:
+            at.append((names_, tuple(addresses)))
+        at = tuple(at)
+        if at == self._rebind_cache.get(_APART):
+            return True  # (the addresses last found apart: a CPU allocator hands the
+            #               same blocks back step after step)
+        names = frozenset(n for names, _, _ in cols for n in names)
+        writes = not names.isdisjoint(self.written)
+        kept = self._kept_spans(names, writes)
+        if not writes and kept is None:
             return True
-        order = s.argsort()
-        s, e = s[order], e[order]
-        # sorted by start, spans are apart exactly when each starts at or after the end
-        # of the one before it (an empty tensor's span is empty and touches nothing)
-        empty = s == e
-        if empty.any():
-            s, e = s[~empty], e[~empty]
-        return bool((s[1:] >= e[:-1]).all())
+        starts, ends, firsts = [], [], []
+        for names_, addresses in at:
+            size, dtypes = self._row_bytes(names_[0])
+            start = np.array(addresses, dtype=np.int64)
+            keep = size > 0
+            for first, first_size, first_dtypes in firsts:
+                # (the same row's tensor given to two columns: counted once)
+                keep &= (start != first) | (size != first_size) | (dtypes != first_dtypes)
+            firsts.append((start, size, dtypes))
+            starts.append(start[keep])
+            ends.append(start[keep] + size[keep])
+        s = starts[0] if len(starts) == 1 else np.concatenate(starts)
+        e = ends[0] if len(ends) == 1 else np.concatenate(ends)
+        if writes and len(s) > 1:
+            order = s.argsort()
+            # sorted by start, spans are apart exactly when each starts at or after the
+            # end of the one before it
+            if not bool((s[order][1:] >= e[order][:-1]).all()):
+                return False
+        if kept is not None and len(s):
+            kept_starts, kept_reach = kept
+            i = np.searchsorted(kept_starts, e) - 1
+            # (the kept spans starting before a rebound one ends reach kept_reach[i])
+            if bool(((i >= 0) & (kept_reach[np.maximum(i, 0)] > s)).any()):
+                return False
+        self._rebind_cache[_APART] = at
+        return True
+
+    def _row_bytes(self, name):
+        """Column ``name``'s planned bytes per row (0 where absent) and dtype codes."""
+        got = self._rebind_cache.get(name)
+        if got is None:
+            dtypes, numels = self._planned[name]
+            got = self._rebind_cache[name] = (
+                np.array([0 if k is None else k * d.itemsize for d, k in zip(dtypes, numels)],
+                         dtype=np.int64),
+                np.array([0 if d is None else hash(d) for d in dtypes], dtype=np.int64))
+        return got
+
+    def _kept_spans(self, rebound, writes):
+        """The byte spans of the tensors a rebind of the columns ``rebound`` leaves in
+        place (every one when the rebind writes, else the written ones; scalar columns
+        aside), sorted by start with each one's furthest reach so far: None if none."""
+        key = (rebound, writes)
+        if key in self._rebind_cache:
+            return self._rebind_cache[key]
+        spans = []
+        for c in self.sweep.columns:
+            col = self._lists.get(c.name)
+            if c.name in rebound or c.role == "scalar" or not col \
+                    or not (writes or c.name in self.written):
+                continue
+            spans.extend(_span(t) for t in col if t is not None and t.numel())
+        kept = None
+        if spans:
+            spans.sort()
+            starts = np.array([a for a, _ in spans], dtype=np.int64)
+            kept = (starts, np.maximum.accumulate(np.array([b for _, b in spans],
+                                                           dtype=np.int64)))
+        self._rebind_cache[key] = kept
+        return kept
 
     def _as_planned(self, names, col):
         """``col`` has the dtypes and sizes every column of ``names`` was planned for

@@ -353,9 +353,9 @@ def check_unscale_prepare(srcs, dsts=None, adds=None, write=True):
     n = check_lists(op, [("srcs", srcs), ("dsts", dsts), ("adds", adds)])
     write = bool(write)
     if write and n > 1:  # (the caller's tensors: what is swept below may be stand-ins)
-        refuse_shared_rows(op, [("srcs", srcs, True)] if dsts is None else
-                           [("dsts", dsts, True), ("srcs", srcs, False)]
-                           + [("adds", adds, False)])
+        written = [("srcs", srcs, True)] if dsts is None else \
+            [("dsts", dsts, True), ("srcs", srcs, False)]
+        refuse_shared_rows(op, written + [("adds", adds, False)])
     layouts = Layouts()
     if not write:
         swept = [layouts.checked(s) for s in srcs]

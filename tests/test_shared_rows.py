@@ -20,7 +20,7 @@ from tritamp.kernels.check_unscale import (check_unscale, check_unscale_launch,
                                            check_unscale_prepare, check_unscale_ref)
 from tritamp.kernels.engine import SharedMemoryError, refuse_shared_rows, row_labels
 from tritamp.kernels.larc import larc_rescale
-from tritamp.optimizers import FusedSGD
+from tritamp.optimizers import FusedAdam, FusedSGD
 
 SCALE = torch.tensor(4.0)
 
@@ -241,3 +241,75 @@ def test_an_optimizer_sweep_refuses_tensors_of_one_row_that_share_memory(path):
               [torch.zeros(())], **kw)
     adam_step([p], [p], [torch.zeros(4)], [torch.zeros(4)], [torch.zeros(())], **kw)
     assert torch.equal(p, want)
+
+
+def test_an_in_place_unscale_refuses_an_addend_that_is_another_rows_source(path):
+    a, b = torch.full((4,), 8.0), torch.full((4,), 8.0)
+    with pytest.raises(SharedMemoryError, match=r"srcs\[0\] and adds\[1\] share memory"):
+        check_unscale([a, b], SCALE, None, adds=[torch.zeros(4), a])
+    assert torch.equal(a, torch.full((4,), 8.0)) and torch.equal(b, a)
+
+
+def test_an_optimizer_given_a_gradient_that_is_another_parameter_refuses_it_at_any_step(path):
+    """The optimizers rebind a kept sweep to each step's gradients: a gradient that
+    appears at a later step inside memory the step writes is refused there too."""
+    torch.manual_seed(0)
+    w0, w1 = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
+    opt = FusedAdam([w0, w1], lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        (w0 * w1).sum().backward()
+        opt.step()
+    opt.zero_grad()
+    (w0 * w1).sum().backward()
+    w1.grad = w0.detach()  # (read while w0 is written)
+    before = _snapshot(w0, w1, *[v for s in opt.state.values() for v in s.values()])
+    with pytest.raises(SharedMemoryError, match=r"share memory"):
+        opt.step()
+    assert _unchanged(before, w0, w1, *[v for s in opt.state.values() for v in s.values()])
+
+
+def test_a_rebound_destination_at_its_sources_address_but_wider_is_not_taken_as_in_place(path):
+    src = [torch.ones(8, dtype=torch.float16), torch.ones(8, dtype=torch.float16)]
+    kept = check_unscale_prepare(src, dsts=[torch.zeros(8), torch.zeros(8)])
+    assert kept.rebindable_writes
+    wide = torch.zeros(8)  # fp32: twice the bytes of an fp16 source at its address
+    narrow = wide.view(torch.float16)[:8]
+    assert not kept.rebind_lists([src[0], narrow], [torch.zeros(8), wide])
+
+
+def test_strided_views_are_judged_exactly_and_cheaply_when_they_share_a_layout():
+    import itertools
+    import random
+    rng = random.Random(0)
+    buf = torch.zeros(256, dtype=torch.float64)
+
+    def view(dtype, shape, stride):
+        v = buf.view(dtype)
+        room = v.numel() - 1 - sum((n - 1) * s for n, s in zip(shape, stride))
+        return v.as_strided(shape, stride, rng.randint(0, min(room, 120)))
+
+    def elements(t):
+        size = t.element_size()
+        return {b for idx in itertools.product(*map(range, t.shape))
+                for off in [t.storage_offset() + sum(i * s for i, s in zip(idx, t.stride()))]
+                for b in range(off * size, off * size + size)}
+
+    for _ in range(300):
+        dtype = rng.choice([torch.float64, torch.float32, torch.float16])
+        shape = [rng.choice([1, 2, 3, 5]) for _ in range(rng.randint(1, 3))]
+        stride = [rng.choice([1, 2, 3, 7, 13]) for _ in shape]
+        a = view(dtype, shape, stride)
+        b = view(dtype, shape, stride) if rng.random() < 0.6 else \
+            view(rng.choice([torch.float32, torch.float16]), [rng.choice([2, 3])],
+                 [rng.choice([1, 2, 5])])
+        want = bool(elements(a) & elements(b))
+        try:
+            refuse_shared_rows("t", [("outs", [a, b], True)])
+            got = False
+        except SharedMemoryError:
+            got = True
+        assert got == want, (a.shape, a.stride(), b.shape, b.stride())
+    # the halves of a 16 MiB matrix, interleaved column by column, share nothing
+    w = torch.zeros(1024, 4100)
+    refuse_shared_rows("t", [("outs", [w[:, 0::2], w[:, 1::2]], True)])
