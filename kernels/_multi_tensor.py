@@ -239,9 +239,11 @@ def _validate(sweep, lists):
 
 
 def _refuse_shared_columns(sweep, lists):
-    """:func:`refuse_shared_rows` over a sweep's tensor columns (scalar ones left out)."""
+    """:func:`refuse_shared_rows` over a sweep's tensor columns and the scalar columns it
+    writes (a step count shared by two rows would be advanced by both)."""
     refuse_shared_rows(sweep.name, [(c.name, lists.get(c.name), c.name in sweep.writes)
-                                    for c in sweep.columns if c.role != "scalar"],
+                                    for c in sweep.columns
+                                    if c.role != "scalar" or c.name in sweep.writes],
                        within_rows=True)
 
 

@@ -42,7 +42,7 @@ ADAGRAD = Sweep("adagrad_step", [
     Column("copies", "copy", optional=True), Column("steps", "scalar", optional=True),
     *ROUNDING_COLUMNS,
 ], check=check_rounding_rows,
-   writes=("params", "sums", "copies", "comps"))
+   writes=("params", "sums", "copies", "comps", "steps"))
 _P, _G, _H, _C, _S, _K, _R = (ADAGRAD.col(n) for n in ADAGRAD.names)
 _ROW = ADAGRAD.row_width
 

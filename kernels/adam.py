@@ -42,7 +42,7 @@ ADAM = Sweep("adam_step", [
     Column("copies", "copy", optional=True), Column("steps", "scalar"),
     *ROUNDING_COLUMNS,
 ], check=check_rounding_rows,
-   writes=("params", "exp_avgs", "exp_avg_sqs", "copies", "comps"))
+   writes=("params", "exp_avgs", "exp_avg_sqs", "copies", "comps", "steps"))
 _P, _G, _M, _V, _C, _S, _K, _R = (ADAM.col(n) for n in ADAM.names)
 _ROW = ADAM.row_width
 

@@ -70,7 +70,7 @@ LAMB = Sweep("lamb_step", [
     Column("exp_avg_sqs", "state"), Column("copies", "copy", optional=True),
     Column("steps", "scalar"), *ROUNDING_COLUMNS,
 ], check=check_rounding_rows,
-   writes=("params", "exp_avgs", "exp_avg_sqs", "copies", "comps"))
+   writes=("params", "exp_avgs", "exp_avg_sqs", "copies", "comps", "steps"))
 _P, _G, _M, _V, _C, _S, _K, _R = (LAMB.col(n) for n in LAMB.names)
 _ROW = LAMB.row_width
 

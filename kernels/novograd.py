@@ -67,7 +67,7 @@ NOVOGRAD = Sweep("novograd_step", [
     Column("exp_avg_sqs", "scalar"),   # the per-tensor second moment: one fp32 value
     Column("steps", "scalar"), *ROUNDING_COLUMNS,
 ], check=check_rounding_rows,
-   writes=("params", "exp_avgs", "copies", "comps"))
+   writes=("params", "exp_avgs", "copies", "comps", "exp_avg_sqs", "steps"))
 _P, _G, _M, _C, _VS, _S, _K, _R = (NOVOGRAD.col(n) for n in NOVOGRAD.names)
 _ROW = NOVOGRAD.row_width
 

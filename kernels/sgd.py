@@ -42,7 +42,7 @@ SGD = Sweep("sgd_step", [
     Column("momentum_buffers", "state", optional=True), Column("copies", "copy", optional=True),
     Column("steps", "scalar", optional=True), *ROUNDING_COLUMNS,
 ], check=check_rounding_rows,
-   writes=("params", "momentum_buffers", "copies", "comps"))
+   writes=("params", "momentum_buffers", "copies", "comps", "steps"))
 _P, _G, _B, _C, _S, _K, _R = (SGD.col(n) for n in SGD.names)
 _ROW = SGD.row_width
 

@@ -313,3 +313,16 @@ def test_strided_views_are_judged_exactly_and_cheaply_when_they_share_a_layout()
     # the halves of a 16 MiB matrix, interleaved column by column, share nothing
     w = torch.zeros(1024, 4100)
     refuse_shared_rows("t", [("outs", [w[:, 0::2], w[:, 1::2]], True)])
+
+
+def test_one_step_count_given_to_two_rows_is_refused(path):
+    """The step counts are written (advanced) by the sweep: one tensor for two rows would
+    be advanced twice, the rows seeing different steps on one path and the same on the
+    other."""
+    s = torch.zeros(())
+    ps = [torch.ones(4), torch.ones(4)]
+    with pytest.raises(SharedMemoryError, match=r"adam_step: steps\[0\] and steps\[1\]"):
+        adam_step(ps, [torch.ones(4), torch.ones(4)], [torch.zeros(4), torch.zeros(4)],
+                  [torch.zeros(4), torch.zeros(4)], [s, s], lr=0.1, beta1=0.9, beta2=0.999,
+                  eps=1e-8, weight_decay=0.0)
+    assert s.item() == 0.0 and all(torch.equal(p, torch.ones(4)) for p in ps)
