@@ -27,10 +27,12 @@ The result, a :class:`Prepared`, is what a caller (an optimizer's parameter grou
 scaler) keeps and reuses while its tensors stay the same: launching it uploads and
 re-derives nothing. Kernels read columns by name through :meth:`Sweep.col`.
 """
+import bisect
 import collections
 import contextlib
 import contextvars
 import functools
+import itertools
 import operator
 
 import numpy as np
@@ -852,10 +854,11 @@ class Prepared:
         """Whether the tensors of rebound columns (checked as planned) lie apart, as
         :func:`refuse_shared_rows` asks, from the other rows' and from the tensors the
         sweep keeps: a rebound column that is written against every other tensor, one
-        that is only read against the written ones. Sorted byte spans (a rebindable
-        sweep's tensors are dense), a tensor given to two columns of its row (same
-        address, size and dtype) counted once; an overlap of any kind answers False (the
-        caller then prepares again, whose check is exact and names the tensors)."""
+        that is only read against the written ones. Byte spans (a rebindable sweep's
+        tensors are dense) in plain Python, a few tenths of a microsecond a row: a tensor
+        given to two columns of its row (same address, size and dtype) counted once; an
+        overlap of any kind answers False (the caller then prepares again, whose check is
+        exact and names the tensors)."""
         at = []
         for names_, col, addresses in cols:
             if addresses is None or len(addresses) != len(col):
@@ -863,50 +866,48 @@ class Prepared:
             at.append((names_, tuple(addresses)))
         at = tuple(at)
         if at == self._rebind_cache.get(_APART):
-            return True  # (the addresses last found apart: a CPU allocator hands the
-            #               same blocks back step after step)
+            return True  # (the addresses last found apart)
         names = frozenset(n for names, _, _ in cols for n in names)
         writes = not names.isdisjoint(self.written)
         kept = self._kept_spans(names, writes)
         if not writes and kept is None:
             return True
-        starts, ends, firsts = [], [], []
+        spans = []
+        firsts = []
         for names_, addresses in at:
-            size, dtypes = self._row_bytes(names_[0])
-            start = np.array(addresses, dtype=np.int64)
-            keep = size > 0
-            for first, first_size, first_dtypes in firsts:
+            sizes, dtypes = self._row_bytes(names_[0])
+            if not firsts:
+                spans.extend(zip(addresses, sizes))
+            else:
                 # (the same row's tensor given to two columns: counted once)
-                keep &= (start != first) | (size != first_size) | (dtypes != first_dtypes)
-            firsts.append((start, size, dtypes))
-            starts.append(start[keep])
-            ends.append(start[keep] + size[keep])
-        s = starts[0] if len(starts) == 1 else np.concatenate(starts)
-        e = ends[0] if len(ends) == 1 else np.concatenate(ends)
-        if writes and len(s) > 1:
-            order = s.argsort()
-            # sorted by start, spans are apart exactly when each starts at or after the
-            # end of the one before it
-            if not bool((s[order][1:] >= e[order][:-1]).all()):
-                return False
-        if kept is not None and len(s):
+                spans.extend((a, n) for j, (a, n, d) in enumerate(zip(addresses, sizes, dtypes))
+                             if not any(f[0][j] == a and f[1][j] == n and f[2][j] == d
+                                        for f in firsts))
+            firsts.append((addresses, sizes, dtypes))
+        if writes and len(spans) > 1:
+            spans.sort()
+            end = 0
+            for a, n in spans:
+                if n:
+                    if a < end:
+                        return False
+                    end = a + n
+        if kept is not None:
             kept_starts, kept_reach = kept
-            i = np.searchsorted(kept_starts, e) - 1
-            # (the kept spans starting before a rebound one ends reach kept_reach[i])
-            if bool(((i >= 0) & (kept_reach[np.maximum(i, 0)] > s)).any()):
-                return False
+            for a, n in spans:
+                i = bisect.bisect_left(kept_starts, a + n) - 1
+                if n and i >= 0 and kept_reach[i] > a:
+                    return False
         self._rebind_cache[_APART] = at
         return True
 
     def _row_bytes(self, name):
-        """Column ``name``'s planned bytes per row (0 where absent) and dtype codes."""
+        """Column ``name``'s planned bytes per row (0 where absent) and dtypes."""
         got = self._rebind_cache.get(name)
         if got is None:
             dtypes, numels = self._planned[name]
             got = self._rebind_cache[name] = (
-                np.array([0 if k is None else k * d.itemsize for d, k in zip(dtypes, numels)],
-                         dtype=np.int64),
-                np.array([0 if d is None else hash(d) for d in dtypes], dtype=np.int64))
+                [0 if k is None else k * d.itemsize for d, k in zip(dtypes, numels)], dtypes)
         return got
 
     def _kept_spans(self, rebound, writes):
@@ -926,9 +927,8 @@ class Prepared:
         kept = None
         if spans:
             spans.sort()
-            starts = np.array([a for a, _ in spans], dtype=np.int64)
-            kept = (starts, np.maximum.accumulate(np.array([b for _, b in spans],
-                                                           dtype=np.int64)))
+            kept = ([a for a, _ in spans], list(itertools.accumulate((b for _, b in spans),
+                                                                     max)))
         self._rebind_cache[key] = kept
         return kept
 
