@@ -364,7 +364,7 @@ def refuse_shared_rows(op, columns, within_rows=False):
             if o[2] == e[2]:
                 if not within_rows or (_same_view(a, b) and not (written[0] and written[1])):
                     continue
-            if (_dense(a) and _dense(b)) or _elements_meet(a, b):
+            if shares_memory(a, b):
                 _shared_error(op, columns, _ROW_LABELS.get(), o, e)
         open_.append(e)
 

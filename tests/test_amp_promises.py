@@ -399,12 +399,13 @@ def test_a_float64_parameter_is_refused_by_name():
 
 # -- the skip warning -------------------------------------------------------------------------
 
-def test_the_skip_warning_names_eight_gradients_and_counts_the_rest(caplog):
+@pytest.mark.parametrize("layers", [5, 4])
+def test_the_skip_warning_names_eight_gradients_and_counts_the_rest(caplog, layers):
     """With 10 gradients overflowing, the skip warning names 8 of them and ends with
-    ', and 2 more'."""
+    ', and 2 more'; with exactly 8 it names them all and counts no more."""
     caplog.set_level(logging.WARNING, logger="tritamp.amp")
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(5)])  # 10 parameters
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(layers)])  # 2 parameters each
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16,
                                 loss_scale="dynamic", verbosity=1)
@@ -416,4 +417,7 @@ def test_the_skip_warning_names_eight_gradients_and_counts_the_rest(caplog):
     assert len(skips) == 1
     names = skips[0].split("non-finite gradients on rank 0: ")[1]
     assert len(re.findall(r"\(\d+ values?\)", names)) == 8
-    assert names.endswith(", and 2 more")
+    if layers == 5:
+        assert names.endswith(", and 2 more")
+    else:
+        assert "more" not in names

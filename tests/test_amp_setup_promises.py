@@ -3,14 +3,13 @@ table against Apex's (None, False and True told apart) and its bf16 variant; the
 register_* functions and decorators with three arguments or an integer index among
 them; O1's refusal of master_weights / keep_batchnorm_fp32 even when False (Apex's
 rule); cast_model_outputs without a cast or patched functions; the default loss-scale
-ceiling (Apex's 2**24); the overflow names (exactly eight gradients, a half parameter
-only the optimizer holds, nonfinite_gradients after a skipped O2 step); and
+ceiling (Apex's 2**24); the overflow names (a half parameter only the optimizer holds,
+nonfinite_gradients after a skipped O2 step); and
 ``tritamp.testing.stash_of`` on an optimizer amp never saw.
 
 Everything runs on a CPU in fp32 or bf16 (autocast on the CPU); tensors are tiny.
 """
 import logging
-import re
 
 import pytest
 import torch
@@ -146,23 +145,6 @@ def test_nonfinite_gradients_after_a_skipped_o2_step_reads_the_half_gradients():
     opt.zero_grad()
     model(torch.ones(1, 2)).float().sum().backward()  # a plain backward, outside scale_loss
     assert amp.nonfinite_gradients(opt) == [("weight", 4)]
-
-
-def test_a_skip_warning_with_exactly_eight_overflowing_gradients_counts_no_more(caplog):
-    caplog.set_level(logging.WARNING, logger="tritamp.amp")
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])  # 8 parameters
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16,
-                                loss_scale="dynamic", verbosity=1)
-    amp_step(model, opt, torch.ones(1, 2), loss_fn=lambda out, _y: out.float().sum(),
-             factor=float("inf"))
-    skips = [r.getMessage() for r in caplog.records
-             if r.getMessage().startswith("Gradient overflow")]
-    assert len(skips) == 1
-    names = skips[0].split("non-finite gradients on rank 0: ")[1]
-    assert len(re.findall(r"\(\d+ values?\)", names)) == 8
-    assert "more" not in names
 
 
 def test_the_skip_warning_names_a_half_parameter_outside_the_models_by_its_group(caplog):
