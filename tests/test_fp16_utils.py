@@ -788,6 +788,31 @@ def test_zero_grad_keeps_an_unused_parameters_zero_gradient_as_apex():
         torch.testing.assert_close(ours, theirs, **TOL[torch.bfloat16])
 
 
+def test_zero_grad_zeroes_gradients_that_are_views_of_one_buffer():
+    """Gradients that are views of one flat buffer (DDP's gradient_as_bucket_view) are
+    zeroed in place, as torch's Optimizer.zero_grad zeroes them: detaching a view in
+    place raises, so only a gradient with a graph is detached. The views stay views of
+    the buffer."""
+    model = FP16Model(_net(), dtype=torch.bfloat16)
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), verbose=False)
+    x, y = _batches(1)[0]
+    opt.backward(nn.functional.mse_loss(model(x).float(), y))
+    opt.step()
+    params = list(model.parameters())  # (bf16, and batch norm's fp32: one bucket each)
+    buckets = {dt: torch.ones(sum(p.numel() for p in params if p.dtype is dt), dtype=dt)
+               for dt in {p.dtype for p in params}}
+    assert len(buckets) == 2
+    views, at = [], dict.fromkeys(buckets, 0)
+    for p in params:
+        p.grad = buckets[p.dtype][at[p.dtype]:at[p.dtype] + p.numel()].view_as(p)
+        views.append(p.grad)
+        at[p.dtype] += p.numel()
+    opt.zero_grad()
+    assert not any(b.any() for b in buckets.values())
+    assert all(p.grad is v and p.grad._base is buckets[p.dtype] for p, v in zip(params, views))
+    assert all(not m.grad.any() for m in _masters(opt) if m.grad is not None)
+
+
 def test_fp16_optimizer_wraps_larc_as_apex_documents():
     """Apex's LARC docstring: ``optim = LARC(optim); optim = FP16_Optimizer(optim)``. The
     bf16 model's masters follow an fp32 LARC(SGD) on the same data (bf16's tolerance),

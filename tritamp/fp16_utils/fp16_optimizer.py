@@ -25,6 +25,7 @@ import torch
 from tritamp import kernels as K
 from tritamp.amp.optimizer import AmpStash, _versions, amp_step
 from tritamp.amp.scaler import check_number
+from tritamp.kernels.engine import zero_grads_
 from tritamp.parallel.LARC import LARC
 
 from .fp16util import clip_grad_norm
@@ -158,12 +159,14 @@ class FP16_Optimizer:
         """Zero (or drop, ``set_grads_to_None=True``) the gradients of the masters, the
         fp32 parameters and the half model parameters."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        for p in params + self.all_fp16_params:
-            if set_grads_to_None:
+        if set_grads_to_None:
+            for p in params + self.all_fp16_params:
                 p.grad = None
-            elif p.grad is not None:
-                p.grad.detach_()
-                p.grad.zero_()
+        else:
+            # detached as torch's Optimizer.zero_grad does: a gradient that is a view (DDP's
+            # gradient_as_bucket_view) cannot be detached in place
+            zero_grads_([p.grad for p in params + self.all_fp16_params
+                        if p.grad is not None])
         stash = self._stash
         stash.finish_step()
         self._fresh_grads = False
