@@ -326,3 +326,53 @@ def test_one_step_count_given_to_two_rows_is_refused(path):
                   [torch.zeros(4), torch.zeros(4)], [s, s], lr=0.1, beta1=0.9, beta2=0.999,
                   eps=1e-8, weight_decay=0.0)
     assert s.item() == 0.0 and all(torch.equal(p, torch.ones(4)) for p in ps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_clip_grad_norm_refuses_one_gradient_given_to_two_parameters_by_place(dtype, path):
+    """A gradient given to two parameters would be scaled twice (and counted twice in the
+    norm), on the sweeps' path and on torch's, which float64 gradients take: refused on
+    both, naming the parameters' places, before anything is written; also when the kept
+    sweeps of an earlier call would be rebound to the shared gradient."""
+    from tritamp.optimizers import clip_grad_norm_
+    params = [torch.nn.Parameter(torch.zeros(4, dtype=dtype)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.full((4,), 10.0, dtype=dtype)
+    clip_grad_norm_(params, 1.0)  # (apart: clipped; kept for the next call's rebind)
+    shared = torch.full((4,), 10.0, dtype=dtype)
+    params[0].grad = torch.full((4,), 10.0, dtype=dtype)
+    params[1].grad = params[2].grad = shared
+    with pytest.raises(SharedMemoryError, match=r"clip_grad_norm_: gradients\[1\] "
+                       r"\(parameters\[1\]\) and gradients\[2\] \(parameters\[2\]\) share"):
+        clip_grad_norm_(params, 1.0)
+    assert torch.equal(shared, torch.full((4,), 10.0, dtype=dtype))
+    assert torch.equal(params[0].grad, torch.full((4,), 10.0, dtype=dtype))
+    params[0].grad = None  # (the places count every parameter, with a gradient or not)
+    with pytest.raises(SharedMemoryError, match=r"gradients\[0\] \(parameters\[1\]\)"):
+        clip_grad_norm_(params, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_larc_refuses_one_gradient_given_to_two_parameters_by_place(dtype, path):
+    """LARC rescales each gradient in place: one given to two parameters would be
+    rescaled twice. Refused on the sweep's path and on the per-parameter rewrite that
+    float64 takes, naming the parameters' places in their group, before anything is
+    written; also after a step whose gradients were apart (the kept rewrite rebound)."""
+    from tritamp.parallel import LARC
+    params = [torch.nn.Parameter(torch.full((4,), float(i + 1), dtype=dtype))
+              for i in range(3)]
+    opt = LARC(torch.optim.SGD([{"params": params[:1]}, {"params": params[1:]}], lr=0.1))
+    for p in params:
+        p.grad = torch.full((4,), 0.5, dtype=dtype)
+    opt.step()
+    shared = torch.full((4,), 0.5, dtype=dtype)
+    params[0].grad = torch.full((4,), 0.5, dtype=dtype)
+    params[1].grad = params[2].grad = shared
+    before = _snapshot(*params)
+    with pytest.raises(SharedMemoryError, match=r"LARC: gradients\[0\] \(param_groups\[1\]"
+                       r"\['params'\]\[0\]\) and gradients\[1\] \(param_groups\[1\]"
+                       r"\['params'\]\[1\]\) share memory"):
+        opt.step()
+    assert _unchanged(before, *params)
+    assert torch.equal(shared, torch.full((4,), 0.5, dtype=dtype))
+    assert torch.equal(params[0].grad, torch.full((4,), 0.5, dtype=dtype))

@@ -6,7 +6,8 @@ import warnings
 import torch
 
 from tritamp.kernels.axpby import multi_tensor_scale_launch, multi_tensor_scale_prepare
-from tritamp.kernels.engine import KeptByLayout, borrowed, list_layout
+from tritamp.kernels.engine import (KeptByLayout, SharedMemoryError, borrowed, list_layout,
+                                    refuse_shared_rows, row_labels)
 from tritamp.kernels.l2norm import multi_tensor_l2norm_launch, multi_tensor_l2norm_prepare
 from tritamp.sharding import ShardReduce, locals_of
 
@@ -18,17 +19,31 @@ _dtype_of = operator.attrgetter("dtype")
 _KEPT = KeptByLayout(4)
 
 
-def _sweeps(grads):
+def _refuse_shared_grads(parameters, grads):
+    """Refuse gradients that share memory (one gradient given to two parameters, say):
+    each would be scaled once per parameter, and counted twice in the norm. The
+    parameters are named by their place in ``parameters``."""
+    labels = [f"parameters[{i}]" for i, p in enumerate(parameters) if p.grad is not None]
+    with row_labels(labels):
+        refuse_shared_rows("clip_grad_norm_", [("gradients", grads, True)])
+
+
+def _sweeps(parameters, grads):
     """The norm and scale sweeps over ``grads``, prepared once per list layout and kept
     (borrowed: no gradient kept alive between calls). When only the addresses changed
     (new gradient tensors each step: on a CPU always, on a GPU whose allocator hands out
     other blocks), the kept sweeps take the new ones instead of being validated and
-    planned again."""
+    planned again (a rebind to gradients that share memory prepares again, and is
+    refused here)."""
     addresses, layout, triton = list_layout(grads, op="clip_grad_norm_")
 
     def prepare():
         lent = borrowed(grads)
-        return multi_tensor_l2norm_prepare(lent), multi_tensor_scale_prepare(lent, lent)
+        try:
+            return multi_tensor_l2norm_prepare(lent), multi_tensor_scale_prepare(lent, lent)
+        except SharedMemoryError:
+            _refuse_shared_grads(parameters, grads)  # (the refusal in the caller's names)
+            raise
 
     def rebind(kept, addresses):
         norm, scale = kept  # (scale: grads * coef into grads)
@@ -82,7 +97,9 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     grads = [p.grad for p in parameters if p.grad is not None]
     if float(norm_type) != 2.0 or error_if_nonfinite \
             or not set(map(_dtype_of, grads)) <= _SWEPT:
-        # (float64 gradients: the sweeps compute in float32)
+        # (float64 gradients: the sweeps compute in float32.) torch's would scale a
+        # gradient shared by two parameters twice: refused as the sweeps refuse it.
+        _refuse_shared_grads(parameters, locals_of(grads))
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type,
                                               error_if_nonfinite=error_if_nonfinite,
                                               foreach=foreach)
@@ -93,7 +110,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
                          "parameters separately, or use torch.nn.utils.clip_grad_norm_")
     reduce = ShardReduce.for_params(grads, "clip_grad_norm_")  # None: nothing to reduce
     grads = locals_of(grads)  # (a DTensor's local tensor: in place, its shard is clipped)
-    norm, scale = _sweeps(grads)
+    norm, scale = _sweeps(parameters, grads)
     try:
         total, _ = multi_tensor_l2norm_launch(norm)
         if reduce is not None:

@@ -6,7 +6,8 @@ import operator
 import torch
 
 from tritamp.kernels import multi_tensor_l2norm
-from tritamp.kernels.engine import KeptByLayout, borrowed, is_dense, list_layout
+from tritamp.kernels.engine import (KeptByLayout, borrowed, is_dense, list_layout,
+                                    refuse_shared_rows, row_labels)
 from tritamp.kernels.l2norm import multi_tensor_l2norm_launch, multi_tensor_l2norm_prepare
 from tritamp.kernels.larc import larc_rescale_launch, larc_rescale_prepare
 
@@ -173,15 +174,31 @@ class LARC:
         if kept_by_layout is None:
             kept_by_layout = self._kept[(index, device)] = KeptByLayout(2)
 
+        def refuse_shared():
+            # Rows that share memory where a gradient is written (one gradient given to
+            # two parameters would be rescaled twice), whichever rewrite runs; named by
+            # the parameters' places in the group
+            labels = [f"param_groups[{index}]['params'][{k}]"
+                      for k, p in enumerate(group["params"])
+                      if p.grad is not None and p.device == device]
+            with row_labels(labels):
+                refuse_shared_rows("LARC", [("parameters", ps, False), ("gradients", grads, True)],
+                                   within_rows=True)
+
         def prepare():
+            refuse_shared()
             if all(p.dtype in _SWEPT and is_dense(p) for p in ps) \
                     and all(g.dtype in _SWEPT and is_dense(g) for g in grads):
                 return _Kept(ps, grads, weight_decay != 0)
             return None  # the per-parameter rewrite, for this layout
 
-        kept = kept_by_layout.get(
-            addresses, key, triton, prepare,
-            lambda kept, addresses: kept is None or kept.rebind(grads, addresses))
+        def rebind(kept, addresses):
+            if kept is None:  # (the per-parameter rewrite: checked again, nothing kept)
+                refuse_shared()
+                return True
+            return kept.rebind(grads, addresses)  # (False for shared rows: prepared again)
+
+        kept = kept_by_layout.get(addresses, key, triton, prepare, rebind)
         if kept is None:
             return lambda: self._adapt_each(ps, group, weight_decay)
 
