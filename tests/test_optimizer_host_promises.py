@@ -9,8 +9,7 @@ tensors; expected values come from torch.optim or are written out from the updat
 import pytest
 import torch
 
-from tritamp.optimizers import (FusedAdagrad, FusedAdam, FusedLAMB, FusedMixedPrecisionLamb,
-                                FusedNovoGrad, FusedSGD)
+from tritamp.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 
