@@ -654,6 +654,25 @@ def test_overlapping_parameter_views_are_refused_unchanged(name, dtype, path):
 
 
 @pytest.mark.parametrize("name", sorted(MAKERS))
+def test_parameter_views_are_judged_by_the_elements_they_share(name, path):
+    # base[0::2] holds elements 0, 2, 4, 6: it shares 4 and 6 with base[4:] (refused as
+    # sharing memory, though its first and last bytes lie before base[4:]'s last) and
+    # nothing with base[1::2] (refused only as not dense, which every sweep refuses)
+    base = torch.arange(8.0)
+    keep = base.clone()
+    for other, match in ((base[4:], r"parameter 0 \(shape \(4,\)\) and parameter 1 "
+                                    r"\(shape \(4,\)\) " + SHARE),
+                         (base[1::2], r"params\[0\] of shape \(4,\) has strides \(2,\): "
+                                      r"not dense")):
+        a, b = torch.nn.Parameter(base[0::2]), torch.nn.Parameter(other)
+        opt = MAKERS[name]([a, b])
+        a.grad, b.grad = torch.ones(4), torch.ones(4)
+        with pytest.raises(ValueError, match=match):
+            opt.step()
+        assert_bits_equal(keep, base, "the parameters' memory after the refused step")
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
 def test_adjacent_views_of_one_buffer_step_as_separate_tensors(name, path):
     # views that tile one flat buffer without overlapping (a flattened-parameter layout)
     flat = torch.randn(14)

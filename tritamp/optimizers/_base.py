@@ -36,7 +36,8 @@ from tritamp.contract import StepHandoff
 from tritamp.sharding import (ShardReduce, any_dtensor, check_shards, is_dtensor, local,
                               locals_of, shard_index)
 from tritamp.kernels.engine import (GradWrites, SweepCache, borrowed, check_grads_writable,
-                                    layout_key, restride_like, row_labels, zero_grads_)
+                                    layout_key, memory_span, restride_like, row_labels,
+                                    shares_memory, zero_grads_)
 
 _data_ptr = torch.Tensor.data_ptr
 _grad_of = operator.attrgetter("grad")
@@ -670,8 +671,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         are one tensor (``state["exp_avg_sq"] = state["exp_avg"]``). One multi-tensor
         pass would update the shared elements once per view in an order of its own (on
         the CPU path a half parameter's fp32 copy written back last wins; on a GPU two
-        programs race). Checked when a plan is prepared: the memory spans of the dense
-        tensors, sorted by address."""
+        programs race). Checked when a plan is prepared: the tensors' memory spans,
+        sorted by address, and where two overlap, whether they share an element (views
+        that interleave without sharing one, which the sweeps refuse as not dense, are
+        left to that refusal)."""
         spans = []
         for r, i in enumerate(rows):
             if copies[r] is None:
@@ -685,22 +688,23 @@ class FusedOptimizer(torch.optim.Optimizer):
             named += [(v, f"state[{k!r}] of parameter {i}") for k, v in states[r].items()
                       if isinstance(v, torch.Tensor) and k != "master_param"]
             for t, what in named:
-                nbytes, start = t.numel() * t.element_size(), t.data_ptr()
-                if nbytes and start:  # (no memory: empty, or meta, which the sweep refuses)
-                    spans.append((start, start + nbytes, what, t))
+                if t.numel() and t.data_ptr():  # (no memory: empty, or meta, refused later)
+                    start, end = memory_span(t)
+                    spans.append((start, end, what, t))
         spans.sort(key=operator.itemgetter(0))
-        reach = None  # the span reaching furthest so far
+        open_ = []  # the spans reaching past the current start
         for span in spans:
-            if reach is not None and span[0] < reach[1]:
-                raise ValueError(
-                    f"{type(self).__name__}: in parameter group {gi}, {reach[2]} (shape "
-                    f"{tuple(reach[3].shape)}) and {span[2]} (shape {tuple(span[3].shape)}) "
-                    "share memory; one step would update the shared elements twice, in an "
-                    "order of its own, and on a GPU two programs of its multi-tensor kernel "
-                    "would race on them: give each its own memory (parameters that are "
-                    "views of one tensor: p.data = p.data.clone() for each)")
-            if reach is None or span[1] > reach[1]:
-                reach = span
+            open_ = [o for o in open_ if o[1] > span[0]]
+            for o in open_:
+                if shares_memory(o[3], span[3]):
+                    raise ValueError(
+                        f"{type(self).__name__}: in parameter group {gi}, {o[2]} (shape "
+                        f"{tuple(o[3].shape)}) and {span[2]} (shape {tuple(span[3].shape)}) "
+                        "share memory; one step would update the shared elements twice, in "
+                        "an order of its own, and on a GPU two programs of its multi-tensor "
+                        "kernel would race on them: give each its own memory (parameters "
+                        "that are views of one tensor: p.data = p.data.clone() for each)")
+            open_.append(span)
 
     # -- zero_grad / state --------------------------------------------------------------------
     def zero_grad(self, set_to_none=None):
