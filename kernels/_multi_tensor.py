@@ -1346,6 +1346,31 @@ def device_constants(device, values, dtype=torch.float64):
     return t
 
 
+_AMP_ARGS = {"grad_scale": "the loss scale", "found_inf": "the overflow flag",
+             "global_grad_norm": "the gradients' total norm"}
+
+
+def check_amp_args(device, **tensors):
+    """Refuse (``ValueError``) an amp tensor given to an optimizer step (``grad_scale``,
+    ``found_inf``, ``global_grad_norm``) that is not one element on ``device``: the
+    kernels and torch's fused CPU ops read one value there, and one on another device or
+    of another size was read wrongly or refused by torch after part of the step was
+    written. None (not given) is accepted."""
+    for name, x in tensors.items():
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a one-element tensor or None, got "
+                            f"{type(x).__name__}")
+        if x.numel() != 1:
+            raise ValueError(f"{name} must be a one-element tensor, got shape "
+                             f"{tuple(x.shape)}; pass {_AMP_ARGS.get(name, 'it')} as one "
+                             "value")
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device} but the tensors are on {device}; pass "
+                             f"a tensor on {device}")
+
+
 def scalar_arg(x, name, device):
     """A float hyperparameter or a one-element device tensor on ``device`` (read there)."""
     if isinstance(x, torch.Tensor):

@@ -32,7 +32,7 @@ from ._cpu_optim import (advance_counts, amp_flags, decay_factor, fp32_work, run
                          take_grad_writes, write_back, write_staged_grads)
 from .rounding import (ROUNDING_COLUMNS, check_rounding_rows, load_compensated_ref, load_param,
                        row_rounding_ref, step_key, store_rounded_ref, store_updated)
-from ._multi_tensor import Column, Sweep, scalar_arg
+from ._multi_tensor import Column, Sweep, check_amp_args, scalar_arg
 from ._ref_utils import advance_steps, f32 as _f32, sqrt_rn as _sqrt_rn
 from ._tl_utils import (column, column_f32, finish_tensor_step, load_grad, load_lr,
                         store_cast, sweep_block, tensor_step, unscale_factor)
@@ -123,6 +123,8 @@ def adagrad_launch(prepared, *, lr, eps, weight_decay=0.0, adagrad_w_mode=False,
     prepared, write_grads = take_grad_writes(prepared, write_grads)
     if prepared.n == 0:
         return
+    # (checked before anything is written, whichever path runs)
+    check_amp_args(prepared.device, grad_scale=grad_scale, found_inf=found_inf)
     write_grads = write_grads and grad_scale is not None
     if not prepared.triton:
         adagrad_step_cpu(prepared, lr=lr, eps=eps, weight_decay=weight_decay,

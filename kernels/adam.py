@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ._cpu_optim import (advance_counts, amp_flags, fp32_work, run_in_parts, take_grad_writes,
                          write_back, write_staged_grads)
-from ._multi_tensor import Column, Sweep, device_constants, scalar_arg
+from ._multi_tensor import Column, Sweep, check_amp_args, device_constants, scalar_arg
 from ._ref_utils import advance_steps, f32 as _f32, sqrt_rn as _sqrt_rn
 from ._tl_utils import (bias_corrections, column, finish_tensor_step, load_f32,
                         load_grad, load_lr, store_cast, sweep_block, tensor_step,
@@ -145,6 +145,8 @@ def adam_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=Tr
     prepared, write_grads = take_grad_writes(prepared, write_grads)
     if prepared.n == 0:
         return
+    # (checked before anything is written, whichever path runs)
+    check_amp_args(prepared.device, grad_scale=grad_scale, found_inf=found_inf)
     write_grads = write_grads and grad_scale is not None
     if not prepared.triton:
         adam_step_cpu(prepared, lr=lr, beta1=beta1, beta2=beta2, eps=eps,

@@ -53,7 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._multi_tensor import Column, StagedPrepared, Sweep, device_constants, scalar_arg
+from ._multi_tensor import (Column, StagedPrepared, Sweep, check_amp_args, device_constants,
+                            scalar_arg)
 from ._ref_utils import advance_steps, f32 as _f32
 from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step,
                         load_grad, load_lr, scalar_ptr, store_cast, sweep_block,
@@ -293,6 +294,9 @@ def lamb_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=Tr
     prepared, write_grads = take_grad_writes(prepared, write_grads)
     if prepared.n == 0:
         return
+    # (checked before anything is written, whichever path runs)
+    check_amp_args(prepared.device, grad_scale=grad_scale, found_inf=found_inf, global_grad_norm=global_grad_norm)
+    lr = scalar_arg(lr, "lr", prepared.device)
     write_grads = write_grads and grad_scale is not None
     if not prepared.triton:
         lamb_step_cpu(prepared, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
@@ -660,8 +664,9 @@ def _lamb_moments_foreach(engine, g, plan, p, u, grads, bias_correction, *, beta
     factor = inv if clip is None else (clip.reciprocal() if inv is None else inv / clip)
     grad = fp32_grads(engine, g, grads, factor, skip, u)
     if l2:
-        torch._foreach_addcmul_(grad, p, [gated(fp32_scalar(weight_decay, p[0].device), keep,
-                                                0.0)] * len(p))
+        # grad += weight_decay * p, nothing at all on a skipped step: adding a gated
+        # 0 * p to the -0.0 gradient would give +0.0, and the moments' sign bits with it
+        _sgd_(grad, p, -float(weight_decay), skip)
     m, v = g["exp_avgs"], g["exp_avg_sqs"]
     first_moment(m, grad, beta1, False, keep)
     torch._foreach_mul_(v, gated(beta2, keep, 1.0))

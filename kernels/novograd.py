@@ -47,7 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._multi_tensor import Column, StagedPrepared, Sweep, _upload, device_constants, scalar_arg
+from ._multi_tensor import (Column, StagedPrepared, Sweep, _upload, check_amp_args,
+                            device_constants, scalar_arg)
 from .launch import kept_kernel
 from ._ref_utils import advance_steps, f32 as _f32
 from ._tl_utils import (bias_corrections, column, column_f32, finish_tensor_step,
@@ -58,7 +59,7 @@ from .rounding import (ROUNDING_COLUMNS, check_rounding_rows, load_compensated_r
                        row_rounding_ref, step_key, store_rounded_ref, store_updated)
 from .l2norm import (SEGMENT_BLOCK, SegmentLayout, SquareSums, bias_correction_terms,
                      reduced_by_row, scalar_views)
-from .lamb import (_CpuLists, bias_correction_f32, cpu_lists, first_moment, fp32_grads,
+from .lamb import (_CpuLists, _sgd_, bias_correction_f32, cpu_lists, first_moment, fp32_grads,
                    fp32_params, fp32_scalar, gated, unscaled_grads, write_params)
 
 NOVOGRAD = Sweep("novograd_step", [
@@ -322,6 +323,9 @@ def novograd_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, reg_inside
     prepared, write_grads = take_grad_writes(prepared, write_grads)
     if prepared.n == 0:
         return
+    # (checked before anything is written, whichever path runs)
+    check_amp_args(prepared.device, grad_scale=grad_scale, found_inf=found_inf)
+    lr = scalar_arg(lr, "lr", prepared.device)
     write_grads = write_grads and grad_scale is not None
     if not prepared.triton:
         novograd_step_cpu(prepared, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
@@ -480,10 +484,9 @@ def novograd_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay,
     skip, keep = amp_flags(found_inf)
     lr32 = fp32_scalar(lr, device)
     inv = None if grad_scale is None else grad_scale.double().reciprocal().float().reshape(())
-    decay = None
-    if weight_decay != 0:
-        decay = (gated(fp32_scalar(weight_decay, device), keep, 0.0) if reg_inside_moment
-                 else gated(torch.rsub(lr32 * weight_decay, 1.0), keep, 1.0))
+    decay = None  # (the decoupled decay's factor; inside the moment it is added below)
+    if weight_decay != 0 and not reg_inside_moment:
+        decay = gated(torch.rsub(lr32 * weight_decay, 1.0), keep, 1.0)
     plans = cpu_lists(prepared, _NovoGradCpuLists)
     write_grads = write_grads and inv is not None
     read_inv = None if write_grads else inv
@@ -534,8 +537,10 @@ def novograd_step_cpu(prepared, *, lr, beta1, beta2, eps, weight_decay,
         if reg_inside_moment:
             # A skipped step divides its -0.0 gradient by 1 (a zero denominator: NaN).
             torch._foreach_div_(grad, gated(denom, keep, 1.0).unbind(0))
-            if decay is not None:
-                torch._foreach_addcmul_(grad, p, [decay] * n)
+            if weight_decay != 0:
+                # grad += weight_decay * p, nothing at all on a skipped step (a gated
+                # 0 * p would turn the -0.0 gradient, and the moment's sign bits, to +0.0)
+                _sgd_(grad, p, -float(weight_decay), skip)
             first_moment(m, grad, beta1, grad_averaging, keep)
             step = lr32 if bc1 is None else lr32 / bc1
         else:

@@ -32,7 +32,7 @@ from ._cpu_optim import (advance_counts, amp_flags, decay_factor, fp32_work, run
                          take_grad_writes, write_back, write_staged_grads)
 from .rounding import (ROUNDING_COLUMNS, check_rounding_rows, load_compensated_ref, load_param,
                        row_rounding_ref, step_key, store_rounded_ref, store_updated)
-from ._multi_tensor import Column, Sweep, scalar_arg
+from ._multi_tensor import Column, Sweep, check_amp_args, scalar_arg
 from ._ref_utils import advance_steps, f32
 from ._tl_utils import (column, column_f32, finish_tensor_step, load_grad, load_lr,
                         store_cast, sweep_block, tensor_step, unscale_factor)
@@ -158,6 +158,8 @@ def sgd_launch(prepared, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, n
     prepared, write_grads = take_grad_writes(prepared, write_grads)
     if prepared.n == 0:
         return
+    # (checked before anything is written, whichever path runs)
+    check_amp_args(prepared.device, grad_scale=grad_scale, found_inf=found_inf)
     write_grads = write_grads and grad_scale is not None
     if momentum != 0:
         missing = _missing_buffer(prepared)

@@ -17,6 +17,7 @@ import torch
 from conftest import (all_tensors, assert_bits_unchanged, assert_close_to_ref, clone_lists,
                       snapshot)
 from tritamp.kernels import rounding
+from tritamp.kernels.adagrad import adagrad_step
 from tritamp.kernels.adam import adam_step, adam_step_ref
 from tritamp.kernels.lamb import lamb_step, lamb_step_ref
 from tritamp.kernels.novograd import novograd_step, novograd_step_ref
@@ -122,10 +123,15 @@ def test_novograd_write_grads_unscales_once(reg_inside_moment, cpu_path):
         assert_close_to_ref(a, b, name)
 
 
-@pytest.mark.parametrize("op", ["lamb", "novograd"])
-def test_skipped_step_keeps_negative_zero_moments(op, cpu_path):
+@pytest.mark.parametrize("op,decay_in_gradient", [("lamb", False), ("lamb", True),
+                                                   ("novograd", False), ("novograd", True)],
+                         ids=["lamb", "lamb-l2", "novograd", "novograd-reg_inside"])
+def test_skipped_step_keeps_negative_zero_moments(op, decay_in_gradient, cpu_path):
     # The gated gradient of a skipped step is -0.0: m + (-0.0) keeps a -0.0 moment's sign.
+    # With the decay added to the gradient (LAMB's L2 mode, NovoGrad's reg_inside_moment)
+    # a gated 0 * p added to it gave +0.0, and a +0.0 moment.
     params, grads, (m, v), steps = _lists(((6,),), 2)
+    params[0][:3] = torch.tensor([1.0, 2.0, -1.0])
     m[0][:3] = -0.0
     grads[0][1] = math.inf
     if op == "novograd":
@@ -136,10 +142,72 @@ def test_skipped_step_keeps_negative_zero_moments(op, cpu_path):
     found = torch.tensor(1.0)
     if op == "lamb":  # without grad averaging: LAMB's foreach moments, gated gradient
         lamb_step(params, grads, m, v, steps, **LAMB, weight_decay=0.01, grad_averaging=False,
-                  found_inf=found)
+                  adam_w_mode=not decay_in_gradient, found_inf=found)
     else:
-        novograd_step(params, grads, m, v, steps, **NOVOGRAD, found_inf=found)
+        novograd_step(params, grads, m, v, steps, **NOVOGRAD, found_inf=found,
+                      reg_inside_moment=decay_in_gradient)
     assert_bits_unchanged(start, everything)
+
+
+def _one_step(op, **amp):
+    """One step of ``op`` on fresh tiny lists: (every tensor it may write, the call)."""
+    params, grads, (m, v), steps = _lists(((5,), (3,)), 2)
+    if op == "novograd":
+        v = [torch.full((), 0.5), torch.full((), 0.5)]
+    calls = {
+        "adam": lambda: adam_step(params, grads, m, v, steps, **ADAM, **amp),
+        "sgd": lambda: sgd_step(params, grads, m, lr=0.1, momentum=0.9, steps=steps, **amp),
+        "adagrad": lambda: adagrad_step(params, grads, m, lr=0.1, eps=1e-8, steps=steps,
+                                        **amp),
+        "lamb": lambda: lamb_step(params, grads, m, v, steps, **LAMB, weight_decay=0.01,
+                                  **amp),
+        "novograd": lambda: novograd_step(params, grads, m, v, steps, **NOVOGRAD, **amp)}
+    return all_tensors(params, grads, m, v, steps), calls[op]
+
+
+AMP_ARGS = [("adam", "grad_scale"), ("adam", "found_inf"), ("sgd", "grad_scale"),
+            ("sgd", "found_inf"), ("adagrad", "grad_scale"), ("adagrad", "found_inf"),
+            ("lamb", "grad_scale"), ("lamb", "found_inf"), ("lamb", "global_grad_norm"),
+            ("novograd", "grad_scale"), ("novograd", "found_inf")]
+
+
+@pytest.mark.parametrize("op,name", AMP_ARGS, ids=["-".join(a) for a in AMP_ARGS])
+def test_amp_tensors_not_one_value_on_the_tensors_device_are_refused_by_name(op, name,
+                                                                            path):
+    # One on the meta device was read as no scale (Adam advanced its step counts and
+    # updated nothing, LAMB updated p but not m); two values were refused by torch after
+    # part of the step, in words that named nothing.
+    for bad, match in ((torch.tensor(1.0, device="meta"), rf"{name} is on meta but the "
+                        r"tensors are on cpu; pass a tensor on cpu"),
+                       (torch.tensor([1.0, 1.0]), rf"{name} must be a one-element tensor, "
+                        r"got shape \(2,\); pass the"),
+                       (1.0, rf"{name} must be a one-element tensor or None, got float")):
+        everything, step = _one_step(op, **{name: bad})
+        start = snapshot(everything)
+        with pytest.raises((ValueError, TypeError), match=match):
+            step()
+        assert_bits_unchanged(start, everything)
+
+
+@pytest.mark.parametrize("op", ["lamb", "novograd"])
+def test_lamb_and_novograd_refuse_a_bad_lr_tensor_before_anything_is_written(op, path):
+    # (their CPU path converted lr without the check the other steps make: m was updated,
+    # and LAMB's step counts advanced, before torch refused an lr on another device)
+    for bad, match in ((torch.tensor(0.1, device="meta"), r"lr is on meta but the tensors "
+                        r"are on cpu"),
+                       (torch.tensor([0.1, 0.1]), r"lr must be a float or a one-element "
+                        r"tensor, got shape \(2,\)")):
+        params, grads, (m, v), steps = _lists(((5,),), 2)
+        if op == "novograd":
+            v = [torch.full((), 0.5)]
+        everything = all_tensors(params, grads, m, v, steps)
+        start = snapshot(everything)
+        kw = dict(LAMB, weight_decay=0.01) if op == "lamb" else dict(NOVOGRAD)
+        kw["lr"] = bad
+        step = lamb_step if op == "lamb" else novograd_step
+        with pytest.raises(ValueError, match=match):
+            step(params, grads, m, v, steps, **kw, found_inf=torch.tensor(0.0))
+        assert_bits_unchanged(start, everything)
 
 
 def test_sgd_one_element_parameter_without_momentum_buffer_is_refused(cpu_path):
