@@ -1346,7 +1346,8 @@ def device_constants(device, values, dtype=torch.float64):
     return t
 
 
-_AMP_ARGS = {"grad_scale": "the loss scale", "found_inf": "the overflow flag",
+_AMP_ARGS = {"grad_scale": "the loss scale", "scale": "the loss scale",
+             "found_inf": "the overflow flag",
              "global_grad_norm": "the gradients' total norm"}
 
 

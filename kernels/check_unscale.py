@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._multi_tensor import (HALF_OR_FLOAT, Column, Sweep, _dense, _same_view,
+from ._multi_tensor import (HALF_OR_FLOAT, Column, Sweep, _dense, _same_view, check_amp_args,
                             device_constants, refuse_shared_rows, same_layout, shares_memory,
                             sparse_error)
 from ._tl_utils import column, inv_scale, load_f32, store_cast, sweep_block
@@ -388,6 +388,9 @@ def check_unscale_launch(prepared, scale=None, found_inf=None, check_adds=True):
     write = prepared.options["write"]
     if prepared.n == 0 or (not write and found_inf is None):
         return
+    # (one value each on the sweep's device, whichever path runs: one on another device
+    # was read as no scale, or refused by torch in words that named nothing)
+    check_amp_args(prepared.device, scale=scale, found_inf=found_inf)
     if not prepared.triton:
         check_unscale_cpu(prepared, scale, found_inf, check_adds)
         return

@@ -38,7 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._multi_tensor import Column, StagedPrepared, Sweep, _dense, _upload, device_constants
+from ._multi_tensor import (Column, StagedPrepared, Sweep, _dense, _upload, check_amp_args,
+                            device_constants)
 from .launch import kept_kernel
 from ._ref_utils import sqrt_rn
 from ._tl_utils import column, inv_scale, load_f32, sweep_block
@@ -285,6 +286,7 @@ def multi_tensor_l2norm_prepare(tensors):
 def multi_tensor_l2norm_launch(prepared, per_tensor=False, scale=None, found_inf=None):
     """(total norm 0-d fp32, per-tensor norms fp32 [n] or None) of a prepared list: one
     launch per dtype group and one small launch for the totals. No host sync."""
+    check_amp_args(prepared.device, scale=scale, found_inf=found_inf)
     if not prepared.triton:
         return multi_tensor_l2norm_cpu(prepared, per_tensor, scale, found_inf)
     prepared.prepared.launch(_l2norm_partial_kernel,

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._multi_tensor import Column, Sweep, _dense
+from ._multi_tensor import Column, Sweep, _dense, check_amp_args
 from ._tl_utils import column, load_f32, sweep_block
 from .check_unscale import LayoutPrepared, Layouts, check_lists
 
@@ -110,6 +110,10 @@ def count_nonfinite_launch(prepared, counts, found_inf):
     group on the Triton path; nothing synchronised with the host."""
     _check_counts(counts, prepared.options["index"], prepared.device,
                   prepared.options["default"])
+    if not isinstance(found_inf, torch.Tensor):
+        raise TypeError("count_nonfinite: found_inf must be a one-element tensor (the "
+                        f"overflow flag the counts are kept for), got {type(found_inf).__name__}")
+    check_amp_args(prepared.device, found_inf=found_inf)
     if prepared.n == 0:
         return
     if not prepared.triton:

@@ -464,3 +464,49 @@ def test_count_nonfinite_refuses_a_bad_index(index):
         count_nonfinite([torch.full((3,), math.inf), torch.zeros(2)], counts, torch.ones(()),
                         index=index)
     assert torch.equal(counts, torch.zeros(4, dtype=torch.int32))
+
+
+# -- the one-value tensors a sweep reads (a loss scale, an overflow flag) ------------------
+def _value_sweeps():
+    from tritamp.kernels import multi_tensor_l2norm
+    from tritamp.kernels.overflow import count_nonfinite
+
+    srcs = [torch.full((3,), 4.0), torch.full((2,), 4.0)]
+
+    def unscale(**kw):
+        check_unscale(srcs, **kw)
+        assert False, "refused before this"
+
+    def norm(**kw):
+        return multi_tensor_l2norm([torch.full((3,), 4.0)], **kw)
+
+    def count(found_inf):
+        counts = torch.zeros(1, dtype=torch.int32)
+        count_nonfinite([torch.tensor([math.inf, 1.0])], counts, found_inf)
+        return counts
+
+    scale, flag = torch.tensor(2.0), torch.zeros(())
+    return srcs, [("check_unscale-scale", lambda v: unscale(scale=v, found_inf=flag), "scale"),
+            ("check_unscale-found_inf", lambda v: unscale(scale=scale, found_inf=v),
+             "found_inf"),
+            ("l2norm-scale", lambda v: norm(scale=v), "scale"),
+            ("l2norm-found_inf", lambda v: norm(found_inf=v), "found_inf"),
+            ("count_nonfinite", count, "found_inf")]
+
+
+@pytest.mark.parametrize("case", range(5), ids=[c[0] for c in _value_sweeps()[1]])
+def test_a_scale_or_flag_not_one_value_on_the_tensors_device_is_refused_by_name(case, path):
+    # check_unscale read one on the meta device as no scale at all (nothing unscaled, no
+    # flag set) on the CPU path; two values were taken as the first in the kernels and
+    # refused by torch's op ("inv_scale must be a 1-element tensor.") on the CPU path
+    srcs, cases = _value_sweeps()
+    _, call, name = cases[case]
+    for bad, match in ((torch.tensor(1.0, device="meta"), rf"{name} is on meta but the "
+                        r"tensors are on cpu; pass a tensor on cpu"),
+                       (torch.zeros(2), rf"{name} must be a one-element tensor, got shape "
+                        r"\(2,\); pass the (loss scale|overflow flag) as one value")):
+        with pytest.raises(ValueError, match=match):
+            call(bad)
+    with pytest.raises(TypeError, match=rf"{name} must be a one-element tensor"):
+        call(2.0)
+    assert all(torch.equal(t, torch.full_like(t, 4.0)) for t in srcs), "unscaled anyway"
