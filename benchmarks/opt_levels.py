@@ -666,6 +666,9 @@ def parse_args(argv=None):
     unknown = [s for s in levels if s not in CONFIGS]
     if unknown:
         p.error(f"unknown configuration(s) {unknown}; choose from {list(CONFIGS)}")
+    twice = sorted({s for s in levels if levels.count(s) > 1})
+    if twice:  # (two workers would share one row and one round's median)
+        p.error(f"configuration(s) {twice} named more than once in --levels; name each once")
     args.levels = levels
     return args
 

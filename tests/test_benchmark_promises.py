@@ -89,6 +89,13 @@ def test_zero_rounds_steps_or_repeats_are_refused(flag, capsys):
     assert "must be >= 1" in capsys.readouterr().err
 
 
+def test_a_configuration_named_twice_is_refused(capsys):
+    # (two workers under one name would share a row, and each round two medians)
+    with pytest.raises(SystemExit):
+        opt_levels.parse_args(["--device", "cpu", "--levels", "O0,torch.amp-bf16,O0"])
+    assert "['O0'] named more than once in --levels" in capsys.readouterr().err
+
+
 class _FakeWorker:
     """A configuration's worker: each run answers [1, 5, 2] ms (median 2 ms, min 1 ms)."""
     calls = []
