@@ -31,7 +31,7 @@ from ._cpu_optim import GradWrites, check_grads_writable, take_grad_writes
 from ._dispatch import (cdiv, cpu_path_forced, force_cpu_path, force_gpu_path, gpu_code_path,
                         gpu_path_forced, interpreter_on, next_power_of_2, sm_count, use_triton)
 from ._multi_tensor import (Column, KeptByLayout, SharedMemoryError, Sweep, SweepCache,
-                            borrowed, layout_key, list_layout, refuse_shared_rows,
+                            borrowed, check_amp_args, layout_key, list_layout, refuse_shared_rows,
                             restride_like, row_labels, same_layout, shares_memory,
                             sparse_error, zero_grads_)
 from ._multi_tensor import _dense as is_dense
@@ -40,7 +40,7 @@ from ._multi_tensor import _span as memory_span
 __all__ = [
     "layout_key", "list_layout", "SweepCache", "KeptByLayout", "borrowed", "is_dense",
     "same_layout", "restride_like", "row_labels", "sparse_error", "refuse_shared_rows",
-    "SharedMemoryError", "shares_memory", "memory_span",
+    "SharedMemoryError", "shares_memory", "memory_span", "check_amp_args",
     "zero_grads_", "GradWrites", "check_grads_writable", "take_grad_writes",
     "use_triton", "interpreter_on", "force_cpu_path", "force_gpu_path", "cpu_path_forced",
     "gpu_path_forced", "gpu_code_path", "sm_count", "Sweep", "Column", "recording_uploads",

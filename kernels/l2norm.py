@@ -286,7 +286,8 @@ def multi_tensor_l2norm_prepare(tensors):
 def multi_tensor_l2norm_launch(prepared, per_tensor=False, scale=None, found_inf=None):
     """(total norm 0-d fp32, per-tensor norms fp32 [n] or None) of a prepared list: one
     launch per dtype group and one small launch for the totals. No host sync."""
-    check_amp_args(prepared.device, scale=scale, found_inf=found_inf)
+    if prepared.n:  # (an empty list has no device, and nothing is read)
+        check_amp_args(prepared.device, scale=scale, found_inf=found_inf)
     if not prepared.triton:
         return multi_tensor_l2norm_cpu(prepared, per_tensor, scale, found_inf)
     prepared.prepared.launch(_l2norm_partial_kernel,

@@ -510,3 +510,11 @@ def test_a_scale_or_flag_not_one_value_on_the_tensors_device_is_refused_by_name(
     with pytest.raises(TypeError, match=rf"{name} must be a one-element tensor"):
         call(2.0)
     assert all(torch.equal(t, torch.full_like(t, 4.0)) for t in srcs), "unscaled anyway"
+
+
+def test_the_l2_norm_of_an_empty_list_takes_a_scale_and_a_flag():
+    # (an empty list has no device to check a scale or a flag against: its norm is 0)
+    from tritamp.kernels import multi_tensor_l2norm
+    for kw in (dict(scale=torch.ones(())), dict(found_inf=torch.zeros(()))):
+        total, per_tensor = multi_tensor_l2norm([], **kw)
+        assert total.item() == 0.0 and per_tensor is None

@@ -855,3 +855,28 @@ def test_fused_sgd_add_param_group_refuses_what_its_constructor_refuses(bad):
                                          "dampening; got"):
         opt.add_param_group(dict(params=params((2,), seed=1), **bad))
     assert_unchanged(before, opt)
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedLAMB], ids=["adam", "lamb"])
+def test_a_bad_amp_scale_is_refused_before_the_masters_follow_their_weights(cls, path):
+    # The step's amp tensors were checked in each group's launch: after the fp32 masters
+    # had taken the weights written since the last step (a refused step moved them), and
+    # after FusedLAMB's norm over the groups had read the scale (its refusal then named
+    # the norm's `scale`, not the step's `grad_scale`).
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = cls([p], lr=0.1, master_weights=True)
+    p.grad = torch.ones(4, dtype=torch.bfloat16)
+    opt.step()
+    master = opt.state[p]["master_param"]
+    with torch.no_grad():
+        p.fill_(5.0)  # a weight written between steps: the next step's master follows it
+    p.grad = torch.ones(4, dtype=torch.bfloat16)
+    before = master.clone(), p.detach().clone()
+    for bad, err, match in ((torch.tensor(2.0, device="meta"), ValueError,
+                             r"grad_scale is on meta but the tensors are on cpu"),
+                            (2.0, TypeError, r"grad_scale must be a one-element tensor")):
+        opt.grad_scale, opt.found_inf = bad, torch.zeros(())
+        with pytest.raises(err, match=match):
+            opt.step()
+        assert_bits_equal(before[0], master, "the master after the refused step")
+        assert_bits_equal(before[1], p.detach(), "the parameter after the refused step")

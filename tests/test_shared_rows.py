@@ -376,3 +376,23 @@ def test_larc_refuses_one_gradient_given_to_two_parameters_by_place(dtype, path)
     assert _unchanged(before, *params)
     assert torch.equal(shared, torch.full((4,), 0.5, dtype=dtype))
     assert torch.equal(params[0].grad, torch.full((4,), 0.5, dtype=dtype))
+
+
+def test_clip_grad_norm_still_hands_sparse_and_meta_gradients_to_torch(path):
+    """The shared-gradient check of clip_grad_norm_'s fallback (torch's clipping, for
+    another norm type) skips gradients that have no memory to share: a sparse one, which
+    torch clips, and meta ones."""
+    from tritamp.optimizers import clip_grad_norm_
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    twin = torch.nn.Embedding(10, 4, sparse=True)
+    twin.load_state_dict(emb.state_dict())
+    twin(torch.tensor([1, 2])).sum().backward()
+    ours = clip_grad_norm_(emb.parameters(), 0.5, norm_type=float("inf"))
+    theirs = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.5, norm_type=float("inf"))
+    assert torch.equal(ours, theirs)
+    assert torch.equal(emb.weight.grad.to_dense(), twin.weight.grad.to_dense())
+    metas = [torch.nn.Parameter(torch.empty(3, device="meta")) for _ in range(2)]
+    for p in metas:
+        p.grad = torch.empty(3, device="meta")
+    clip_grad_norm_(metas, 1.0, norm_type=float("inf"))  # (as torch's: no refusal)

@@ -35,8 +35,8 @@ from tritamp import compiled
 from tritamp.contract import StepHandoff
 from tritamp.sharding import (ShardReduce, any_dtensor, check_shards, is_dtensor, local,
                               locals_of, shard_index)
-from tritamp.kernels.engine import (GradWrites, SweepCache, borrowed, check_grads_writable,
-                                    layout_key, memory_span, restride_like, row_labels,
+from tritamp.kernels.engine import (GradWrites, SweepCache, borrowed, check_amp_args,
+                                    check_grads_writable, layout_key, memory_span, restride_like, row_labels,
                                     shares_memory, zero_grads_)
 
 _data_ptr = torch.Tensor.data_ptr
@@ -1346,6 +1346,12 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self._check_step_options(gi, group)
             plans = [self._group_plan(gi, group, grad_scale, write_grads, fresh)
                      for gi, group in enumerate(self.param_groups)]
+            # amp's scale and flag, before the masters follow their weights and before a
+            # norm over the groups reads them (each launcher checks them again)
+            for plan in plans:
+                if plan is not None:
+                    check_amp_args(getattr(plan, "prepared", plan).device,
+                                   grad_scale=grad_scale, found_inf=found_inf)
         except Exception:
             handoff.reset()
             if fresh:  # a refused step leaves no state behind, in any group

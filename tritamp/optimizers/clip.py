@@ -24,6 +24,8 @@ def _refuse_shared_grads(parameters, grads):
     each would be scaled once per parameter, and counted twice in the norm. The
     parameters are named by their place in ``parameters``."""
     labels = [f"parameters[{i}]" for i, p in enumerate(parameters) if p.grad is not None]
+    # (no memory to share: sparse gradients, which torch's clipping takes, and meta ones)
+    grads = [g if g.layout == torch.strided and not g.is_meta else None for g in grads]
     with row_labels(labels):
         refuse_shared_rows("clip_grad_norm_", [("gradients", grads, True)])
 
