@@ -725,3 +725,53 @@ def test_every_order_of_three_optimizers_skips_together():
             o.step()
         for b, m in zip(before, models):
             assert torch.equal(b, m.weight.detach()), perm
+
+
+# -- a loss on a device the scaler cannot follow it to -------------------------------------
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_loss_on_the_meta_device_is_refused_and_the_scaler_stays_usable(level):
+    # The scaler's state followed the loss to its device before anything was checked: a
+    # meta loss left it on the meta device, and every later scale_loss, step and
+    # amp.state_dict() raised.
+    model, opt = amp.initialize(tiny(), torch.optim.SGD(tiny().parameters(), lr=0.1),
+                                opt_level=level, half_dtype=torch.bfloat16, loss_scale="dynamic",
+                                verbosity=0)
+    before = amp.state_dict()
+    with pytest.raises(ValueError, match=r"scale_loss: the loss is on the meta device, which "
+                                         r"holds no data"):
+        with amp.scale_loss(torch.ones((), device="meta", requires_grad=True), opt) as s:
+            s.backward()
+    assert amp.state_dict() == before
+    with amp.scale_loss(model(torch.ones(4, 3)).float().sum(), opt) as s:
+        s.backward()
+    opt.step()  # (usable: on the CPU again)
+
+
+def test_fp16_optimizer_and_the_legacy_scalers_refuse_a_meta_loss_or_flag_unchanged():
+    model = nn.Linear(3, 2).to(torch.bfloat16)
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True,
+                         verbose=False)
+    with pytest.raises(ValueError, match=r"FP16_Optimizer.backward: the loss is on the meta"):
+        opt.backward(torch.ones((), device="meta", requires_grad=True))
+    opt.backward(model(torch.ones(4, 3, dtype=torch.bfloat16)).float().sum())
+    opt.step()
+    for scaler in (DynamicLossScaler(), LegacyLossScaler(4.0)):
+        scale = scaler.loss_scale
+        with pytest.raises(ValueError, match=r"LossScaler.backward: the loss is on the meta"):
+            scaler.backward(torch.ones((), device="meta", requires_grad=True))
+        if isinstance(scaler, DynamicLossScaler):  # (a static scaler's update does nothing)
+            with pytest.raises(ValueError, match=r"update_scale: overflow is on the meta"):
+                scaler.update_scale(torch.ones((), device="meta"))
+        assert scaler.loss_scale == scale
+
+
+def test_the_scaler_follows_a_loss_only_to_a_device_its_parameters_are_on():
+    # (a CPU machine has one real device: the scaler's state is put on the meta device to
+    # stand for the other one, where a model was moved after set-up)
+    scaler = LossScaler("dynamic")
+    params = [nn.Parameter(torch.ones(2, device="meta"))]
+    scaler._state = scaler._state.to("meta")
+    with pytest.raises(ValueError, match=r"who: the loss is on cpu but the parameters are on "
+                                         r"meta; compute the loss on their device"):
+        scaler.follow_loss(torch.ones(()), params, "who")
+    assert scaler._state.device.type == "meta"

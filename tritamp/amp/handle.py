@@ -79,7 +79,8 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
                                "amp.initialize(model, optimizer, ...).")
 
     scaler.poll_reports()
-    scaler._to(loss.device)
+    scaler.follow_loss(loss, (p for opt in optimizers for g in opt.param_groups
+                              for p in g["params"]), "scale_loss")
     prepared, dropped = [], []
     for opt in optimizers:
         stash = opt._amp_stash

@@ -277,6 +277,25 @@ class LossScaler:
         self._make_snapshots()
 
     # -- device state -------------------------------------------------------------
+    def follow_loss(self, loss, params, who, what="the loss"):
+        """Move the state to ``loss``'s device (a model moved after set-up), after
+        checking that device: the meta device (no data) or one none of ``params`` (an
+        iterable of parameters, read only on a move) lies on is refused, before the state
+        moves (a move there left it unusable, or away from the gradients)."""
+        device = loss.device
+        if self._state.device == device:
+            return self._state
+        if device.type == "meta":
+            raise ValueError(f"{who}: {what} is on the meta device, which holds no data; "
+                             "compute it from a model materialised on a real device "
+                             "(module.to_empty(device=...), then initialise it)")
+        devices = {p.device for p in params}
+        if devices and device not in devices:
+            raise ValueError(f"{who}: {what} is on {device} but the parameters are on "
+                             f"{', '.join(sorted(map(str, devices)))}; compute the loss on "
+                             "their device (move the output or the target there)")
+        return self._to(device)
+
     def _to(self, device):
         if self._state.device != device:
             self._state = self._state.to(device)

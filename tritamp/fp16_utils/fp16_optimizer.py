@@ -186,7 +186,8 @@ class FP16_Optimizer:
                             f"{type(loss).__name__}")
         scaler = self.loss_scaler
         scaler.poll_reports()
-        scaler._to(loss.device)
+        scaler.follow_loss(loss, (p for g in self.optimizer.param_groups for p in g["params"]),
+                           "FP16_Optimizer.backward")
         prepared = not self._backward_pending
         if prepared:
             self._stash.prepare_backward()

@@ -117,7 +117,7 @@ class _LegacyScaler:
 
     def backward(self, loss, retain_graph=False):
         """``(loss * loss_scale).backward()``; the scale is read on the device."""
-        scale = self._scaler._to(loss.device)[K.SCALE]
+        scale = self._scaler.follow_loss(loss, (), "LossScaler.backward")[K.SCALE]
         (loss * scale).backward(retain_graph=retain_graph)
 
     def state_dict(self):
@@ -216,7 +216,7 @@ class DynamicLossScaler(_LegacyScaler):
         """Advance the scale after an iteration; ``overflow`` is a bool, or a 0-d device
         tensor (then nothing is read back to the host)."""
         if isinstance(overflow, torch.Tensor):
-            self._scaler._to(overflow.device)
+            self._scaler.follow_loss(overflow, (), "update_scale", "overflow")
             self._scaler.found_inf.copy_((overflow != 0).reshape(()))
         else:
             self._scaler.found_inf.fill_(1.0 if overflow else 0.0)
