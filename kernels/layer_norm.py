@@ -567,8 +567,36 @@ def layer_norm_bwd(dy, saved, n, weight=None, bias=None, mean=None, rstd=None, r
     ``x_dtype`` (default ``saved.dtype``), the others in the parameters' dtypes (None where
     there is no parameter)."""
     _check(saved, n, weight, bias)
+    _check_bwd(dy, saved, n, mean, rstd, not (rms or from_output))
     return layer_norm_bwd_prechecked(dy, saved, n, weight, bias, mean, rstd, rms, from_output,
                                      x_dtype, max_block, eps)
+
+
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_bwd(dy, saved, n, mean, rstd, needs_mean):
+    """The backward's own inputs: ``dy`` shaped as ``saved`` on its device, and the
+    forward's statistics (``rstd``, and ``mean`` for LayerNorm from the input) as it gave
+    them: contiguous fp32, one value per row. (The kernels and torch's CPU backward read
+    them by row without bounds: a shorter one was read past its end.)"""
+    if not isinstance(dy, torch.Tensor) or dy.shape != saved.shape \
+            or dy.device != saved.device or dy.dtype not in _GRAD_DTYPES:
+        got = (f"{dy.dtype} of shape {tuple(dy.shape)} on {dy.device}"
+               if isinstance(dy, torch.Tensor) else type(dy).__name__)
+        raise ValueError(f"layer_norm_bwd: dy is {got}; expected a float32/bfloat16/float16 "
+                         f"tensor of the saved tensor's shape {tuple(saved.shape)} on "
+                         f"{saved.device}")
+    m = saved.numel() // n
+    for name, t in (("rstd", rstd),) + ((("mean", mean),) if needs_mean else ()):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.shape != (m,) \
+                or t.device != saved.device or not t.is_contiguous():
+            got = (f"{t.dtype} of shape {tuple(t.shape)} on {t.device}"
+                   f"{'' if t.is_contiguous() else ', not contiguous'}"
+                   if isinstance(t, torch.Tensor) else repr(t))
+            raise ValueError(f"layer_norm_bwd: {name} is {got}; pass the forward's {name}: "
+                             f"a contiguous float32 tensor of shape ({m},) (one value per "
+                             f"row) on {saved.device}")
 
 
 def layer_norm_bwd_prechecked(dy, saved, n, weight=None, bias=None, mean=None, rstd=None,

@@ -321,3 +321,29 @@ def test_syncbn_launchers_refuse_an_input_that_is_not_a_canonical_view_on_both_p
     # the canonical view of the same tensor normalises per channel
     y = BN.syncbn_forward(x.reshape(2, 3, 3), mean, invstd)
     assert torch.allclose((y - x.reshape(2, 3, 3))[0, :, 0], -mean)
+
+
+def test_layer_norm_bwd_refuses_a_dy_or_statistics_that_do_not_match_the_rows(path):
+    # dy, mean and rstd were trusted: a dy or mean of fewer rows was read past its end
+    # (torch's CPU backward and the kernels index them by row without bounds), a strided
+    # rstd was read as if contiguous, and mean=None went through on the kernel path
+    x, w, b = torch.randn(4, 8), torch.randn(8), torch.randn(8)
+    _, mean, rstd = LN.layer_norm_fwd(x, 8, w, b)
+    dy = torch.ones(4, 8)
+    for bad, match in ((dict(dy=torch.ones(2, 8)), r"dy is torch.float32 of shape \(2, 8\) on "
+                        r"cpu; expected a float32/bfloat16/float16 tensor of the saved "
+                        r"tensor's shape \(4, 8\)"),
+                       (dict(dy=torch.ones(4, 8, dtype=torch.float64)), r"dy is torch.float64"),
+                       (dict(mean=mean[:2].clone()), r"mean is torch.float32 of shape \(2,\) on "
+                        r"cpu; pass the forward's mean: a contiguous float32 tensor of shape "
+                        r"\(4,\)"),
+                       (dict(mean=None), r"mean is None; pass the forward's mean"),
+                       (dict(rstd=torch.stack([rstd, rstd], 1)[:, 0]), r"rstd is torch.float32 "
+                        r"of shape \(4,\) on cpu, not contiguous"),
+                       (dict(rstd=rstd.double()), r"rstd is torch.float64")):
+        args = {"dy": dy, "mean": mean, "rstd": rstd, **bad}
+        with pytest.raises(ValueError, match=r"layer_norm_bwd: " + match):
+            LN.layer_norm_bwd(args["dy"], x, 8, w, b, args["mean"], args["rstd"])
+    # RMSNorm and the memory-efficient backward take no mean
+    _, _, rstd_rms = LN.layer_norm_fwd(x, 8, w, None, rms=True)
+    assert LN.layer_norm_bwd(dy, x, 8, w, None, None, rstd_rms, rms=True)[0].shape == (4, 8)
