@@ -572,3 +572,19 @@ def test_larc_built_around_an_amp_optimizer_rewrites_the_masters_gradients(level
     before, after, plain = run("before"), run("after"), run(None)
     assert all(torch.equal(a, b) for a, b in zip(after, before))
     assert any(not torch.equal(a, b) for a, b in zip(after, plain))
+
+
+@pytest.mark.parametrize("key", ["lr", "weight_decay"])
+def test_a_bad_tensor_rate_in_a_later_group_leaves_every_gradient_as_it_was(key, path):
+    # lr was read inside each group's rewrite, after the earlier groups' gradients had
+    # been rewritten (a meta or two-element one was then refused by torch mid-step)
+    for bad in (torch.tensor(0.1, device="meta"), torch.tensor([0.1, 0.1])):
+        torch.manual_seed(0)
+        p0, p1 = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))
+        p0.grad, p1.grad = torch.randn(3), torch.randn(2)
+        before = [t.clone() for t in (p0, p1, p0.grad, p1.grad)]
+        opt = LARC(torch.optim.SGD([{"params": [p0]}, {"params": [p1], key: bad}], lr=0.1))
+        with pytest.raises(ValueError, match=rf"LARC: param_groups\[1\]\['{key}'\] is a tensor "
+                                             rf"of shape \({'2,' if bad.numel() == 2 else ''}\)"):
+            opt.step()
+        assert all(torch.equal(b, t) for b, t in zip(before, (p0, p1, p0.grad, p1.grad)))
