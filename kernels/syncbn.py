@@ -614,6 +614,18 @@ def _check_vector(name, t, c, device):
                          f"{device}; got shape {tuple(t.shape)} on {t.device}")
 
 
+def _check_one(name, t, device, dtypes, op):
+    """``t`` one element of one of ``dtypes`` on ``device`` (a count the kernels read at
+    its first element and the CPU path used whole)."""
+    if not isinstance(t, torch.Tensor) or t.numel() != 1 or t.device != device \
+            or t.dtype not in dtypes:
+        got = (f"{t.dtype} of shape {tuple(t.shape)} on {t.device}"
+               if isinstance(t, torch.Tensor) else type(t).__name__)
+        raise ValueError(f"{op}: {name} must be one element of "
+                         f"{'/'.join(str(d).replace('torch.', '') for d in dtypes)} on "
+                         f"{device}; got {got}")
+
+
 def _merge_settings(p, c, device):
     """(BLOCK_P, BLOCK_C, warps) of a merge over ``p`` rows of ``c`` channels."""
     gpu = gpu_code_path(device)
@@ -723,6 +735,9 @@ def syncbn_finalize(rows, eps, running_mean=None, running_var=None, momentum=0.1
         if momentum is None and num_batches_tracked is None:
             raise ValueError("syncbn_finalize: momentum=None (cumulative average) needs "
                              "num_batches_tracked")
+        if momentum is None:
+            _check_one("num_batches_tracked", num_batches_tracked, rows.device,
+                       (torch.int64, torch.int32, torch.float32), "syncbn_finalize")
     if not use_triton(rows):
         # The reference is the production CPU path too (vectorised ops on the small rows).
         return syncbn_finalize_ref(rows, eps, running_mean, running_var, momentum,
@@ -838,8 +853,15 @@ def syncbn_backward_input(dy, x, mean, invstd, weight=None, sums=None, count=Non
     _check_partner("dy", dy, x)
     _check_partner("z", z, x)
     if sums is not None and (sums.shape != (2 * c,) or sums.dtype != torch.float32
+                             or sums.device != x.device or not sums.is_contiguous()
                              or count is None):
-        raise ValueError(f"syncbn_backward_input: sums must be fp32 [{2 * c}] with a count")
+        raise ValueError(f"syncbn_backward_input: sums must be a contiguous fp32 [{2 * c}] "
+                         f"on {x.device} with a count (syncbn_backward_reduce's); got "
+                         f"{sums.dtype} of shape {tuple(sums.shape)} on {sums.device}"
+                         f"{'' if sums.is_contiguous() else ', not contiguous'}, count "
+                         f"{'None' if count is None else 'given'}")
+    if sums is not None:
+        _check_one("count", count, x.device, (torch.float32,), "syncbn_backward_input")
     return syncbn_backward_input_prechecked(dy, x, mean, invstd, weight, sums, count, bias,
                                             z, relu, need_dz)
 

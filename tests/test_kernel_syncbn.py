@@ -523,3 +523,32 @@ def test_partial_rows_are_padded_and_merge_the_same_as_contiguous_rows(shape):
 
 def _channels_of(x):
     return x.shape[-1] if x.dim() == 2 else x.shape[1]
+
+
+def test_counts_and_sums_read_by_element_are_checked_before_anything_is_written(path):
+    # num_batches_tracked and count were read at their first element by the kernels and
+    # used whole by the CPU path (a per-channel momentum or divisor there); a strided sums
+    # was read as contiguous by the kernels
+    torch.manual_seed(0)
+    x = torch.randn(6, 3)
+    rows, shift = K.syncbn_stats(x)
+    rm, rv = torch.zeros(3), torch.ones(3)
+    for bad, match in ((torch.tensor([2, 2, 2]), r"num_batches_tracked must be one element of "
+                        r"int64/int32/float32 on cpu; got torch.int64 of shape \(3,\)"),
+                       (torch.tensor(2, device="meta"), r"num_batches_tracked .* on meta")):
+        with pytest.raises(ValueError, match=r"syncbn_finalize: " + match):
+            K.syncbn_finalize(rows, 1e-5, rm, rv, None, bad, shift=shift)
+        assert torch.equal(rm, torch.zeros(3)) and torch.equal(rv, torch.ones(3))
+    mean, invstd, count = K.syncbn_finalize(rows, 1e-5, shift=shift)
+    dy = torch.randn(6, 3)
+    sums, _, _ = K.syncbn_backward_reduce(dy, x, mean, invstd)
+    strided = torch.stack([sums, sums], 1)[:, 0]
+    for kw, match in ((dict(sums=strided, count=count), r"sums must be a contiguous fp32 \[6\] "
+                       r"on cpu with a count .*, not contiguous"),
+                      (dict(sums=sums, count=count.expand(3)), r"count must be one element of "
+                       r"float32 on cpu; got torch.float32 of shape \(3,\)"),
+                      (dict(sums=sums, count=count.double()), r"count must be one element")):
+        with pytest.raises(ValueError, match=r"syncbn_backward_input: " + match):
+            K.syncbn_backward_input(dy, x, mean, invstd, **kw)
+    dx, _ = K.syncbn_backward_input(dy, x, mean, invstd, sums=sums, count=count)
+    assert dx.shape == x.shape

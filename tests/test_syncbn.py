@@ -708,3 +708,16 @@ def test_cumulative_momentum_without_a_count_leaves_the_statistics_as_torchs():
     torch.testing.assert_close(sync(x), ref(x), **TOL[torch.float32])
     assert torch.equal(sync.running_mean, ref.running_mean)
     assert torch.equal(sync.running_var, ref.running_var)
+
+
+def test_a_num_batches_tracked_of_several_elements_is_refused_before_it_is_counted(path):
+    # (it was advanced in place, then refused by torch on the CPU path, or read at its
+    # first element by the kernels)
+    bn = SyncBatchNorm(2, momentum=None)
+    bn.num_batches_tracked = torch.tensor([2, 2])
+    before = [bn.running_mean.clone(), bn.running_var.clone()]
+    with pytest.raises(ValueError, match=r"SyncBatchNorm: num_batches_tracked must be one "
+                                         r"element on cpu; got torch.int64 of shape \(2,\)"):
+        bn(torch.randn(4, 2))
+    assert bn.num_batches_tracked.tolist() == [2, 2]
+    assert torch.equal(before[0], bn.running_mean) and torch.equal(before[1], bn.running_var)

@@ -292,6 +292,14 @@ class SyncBatchNorm(_BatchNorm):
                                      or not isinstance(momentum, numbers.Real)):
             raise TypeError(f"batch_norm(): argument 'momentum' (position 7) must be float, "
                             f"not {type(momentum).__name__}")
+        nbt = self.num_batches_tracked
+        if self.training and self.track_running_stats and nbt is not None and (
+                nbt.numel() != 1 or nbt.device != input.device or nbt.is_complex()):
+            # (counted in place before the kernels read it: one of several elements was
+            # advanced, then refused by torch, or read at its first element)
+            raise ValueError(f"SyncBatchNorm: num_batches_tracked must be one element on "
+                             f"{input.device}; got {nbt.dtype} of shape {tuple(nbt.shape)} "
+                             f"on {nbt.device}")
         if z is not None and (z.shape != input.shape or z.dtype != input.dtype
                               or z.device != input.device):
             raise ValueError(f"SyncBatchNorm: z must match the input ({tuple(input.shape)}, "
