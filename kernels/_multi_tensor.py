@@ -1378,6 +1378,8 @@ def scalar_arg(x, name, device):
         if x.numel() != 1:
             raise ValueError(f"{name} must be a float or a one-element tensor, got shape "
                              f"{tuple(x.shape)}")
+        if x.is_complex():  # (the CPU path dropped the imaginary part; the kernels failed)
+            raise ValueError(f"{name} must be real, got a {x.dtype} tensor")
         if x.device != device:
             raise ValueError(f"{name} is on {x.device} but the tensors are on {device}; pass a "
                              f"float or a tensor on {device}")

@@ -31,6 +31,8 @@ Static scaling keeps SCALE and only counts. With hysteresis=1 and no clamps this
 ``torch._amp_update_scale_``'s rule; with min/max clamps and factors 2 / 0.5 it is
 Apex's ``LossScaler.update_scale``.
 """
+import numbers
+
 import torch
 import triton
 import triton.language as tl
@@ -114,6 +116,16 @@ def _config(device, growth_factor, backoff_factor, min_scale, max_scale):
     return t
 
 
+def _check_counts(growth_interval, hysteresis):
+    """Whole numbers of at least 1: the kernel takes them as ints, the CPU path compared
+    the counters with the values given (2.5 grew the scale on one path, not the other)."""
+    for name, v in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
+        if v.__class__ is not int and (isinstance(v, bool) or not isinstance(v, numbers.Integral)) \
+                or v < 1:
+            raise ValueError(f"scale_update: {name} must be a whole number of at least 1, got "
+                             f"{v!r}")
+
+
 def _check_state(state):
     if state.dtype != torch.float32 or state.shape != (STATE_SIZE,) or not state.is_contiguous():
         raise ValueError(f"scale_update: state must be a contiguous float32 tensor of shape "
@@ -127,6 +139,7 @@ def scale_update(state, growth_factor=2.0, backoff_factor=0.5, growth_interval=2
     """Update the scaler ``state`` in place from its overflow slot ``found_slot`` and
     zero the other overflow slot (no host sync)."""
     _check_state(state)
+    _check_counts(growth_interval, hysteresis)
     if found_slot not in (FOUND_INF, FOUND_INF_NEXT):
         raise ValueError(f"scale_update: found_slot must be FOUND_INF ({FOUND_INF}) or "
                          f"FOUND_INF_NEXT ({FOUND_INF_NEXT}), got {found_slot!r}")

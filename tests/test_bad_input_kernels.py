@@ -518,3 +518,26 @@ def test_the_l2_norm_of_an_empty_list_takes_a_scale_and_a_flag():
     for kw in (dict(scale=torch.ones(())), dict(found_inf=torch.zeros(()))):
         total, per_tensor = multi_tensor_l2norm([], **kw)
         assert total.item() == 0.0 and per_tensor is None
+
+
+def test_scale_update_takes_whole_counts_and_kernels_take_real_scalars(path):
+    # a growth_interval of 2.5 was truncated by the kernel and compared as 2.5 on the CPU
+    # path (the scale grew on one path only); a complex scale lost its imaginary part on
+    # the CPU path and failed inside the kernels
+    from tritamp.kernels.axpby import multi_tensor_scale
+    from tritamp.kernels.scale_update import STATE_SIZE, scale_update
+    state = torch.zeros(STATE_SIZE)
+    state[0] = 4.0
+    before = state.clone()
+    for kw, bad in ((dict(growth_interval=2.5), "growth_interval"),
+                    (dict(growth_interval=True), "growth_interval"),
+                    (dict(hysteresis=0), "hysteresis")):
+        with pytest.raises(ValueError, match=rf"scale_update: {bad} must be a whole number "
+                                             r"of at least 1"):
+            scale_update(state, **kw)
+    assert torch.equal(state, before)
+    scale_update(state, growth_interval=np.int64(2), hysteresis=1)  # (any integral number)
+    out = torch.zeros(2)
+    with pytest.raises(ValueError, match=r"scale must be real, got a torch.complex64 tensor"):
+        multi_tensor_scale([torch.ones(2)], [out], torch.tensor(2 + 1j), None)
+    assert torch.equal(out, torch.zeros(2))

@@ -163,3 +163,18 @@ def test_an_empty_generator_warns_and_max_norm_is_read_as_torch_reads_it():
     assert torch.equal(ours, theirs) and torch.equal(p.grad, q.grad)
     with pytest.raises(TypeError, match="float\\(\\) argument must be"):
         clip_grad_norm_([p], None)
+
+
+def test_a_max_norm_tensor_must_be_one_real_element_on_the_gradients_device(path):
+    # (refused before, but in the words of the scale sweep it feeds: "scale is on meta")
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 10.0)
+    for bad in (torch.tensor(1.0, device="meta"), torch.tensor([1.0, 1.0]),
+                torch.tensor(1 + 0j)):
+        with pytest.raises(ValueError, match=r"clip_grad_norm_: max_norm is a .* tensor of "
+                                             r"shape .*; give a number, or one real element "
+                                             r"on the gradients' device \(cpu\)"):
+            clip_grad_norm_([p], bad)
+        assert torch.equal(p.grad, torch.full((3,), 10.0))
+    clip_grad_norm_([p], torch.tensor(1.0))
+    torch.testing.assert_close(p.grad.norm(), torch.tensor(1.0))

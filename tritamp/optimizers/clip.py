@@ -110,6 +110,12 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     if len({g.device for g in grads}) > 1:
         raise ValueError("clip_grad_norm_: gradients on several devices; clip each device's "
                          "parameters separately, or use torch.nn.utils.clip_grad_norm_")
+    if isinstance(max_norm, torch.Tensor) and (
+            max_norm.numel() != 1 or max_norm.is_complex()
+            or max_norm.device != grads[0].device):
+        raise ValueError(f"clip_grad_norm_: max_norm is a {max_norm.dtype} tensor of shape "
+                         f"{tuple(max_norm.shape)} on {max_norm.device}; give a number, or "
+                         f"one real element on the gradients' device ({grads[0].device})")
     reduce = ShardReduce.for_params(grads, "clip_grad_norm_")  # None: nothing to reduce
     grads = locals_of(grads)  # (a DTensor's local tensor: in place, its shard is clipped)
     norm, scale = _sweeps(parameters, grads)
