@@ -152,11 +152,16 @@ def _xhat(v_row, w_ptr, b_ptr, cols, mask, mean, rstd, min_w, IS_RMS: tl.constex
     v = load_f32(v_row + cols, mask, EMULATE_BF16_ROUNDING)
     scaled = v
     if FROM_OUTPUT:
-        if HAS_BIAS:
-            v = v - load_f32(b_ptr + cols, mask, EMULATE_BF16_ROUNDING)
-        scaled = tl.where(mask, v, 0.0)
         if HAS_WEIGHT:
             w = load_f32(w_ptr + cols, mask, EMULATE_BF16_ROUNDING)
+        if HAS_BIAS:
+            v = v - load_f32(b_ptr + cols, mask, EMULATE_BF16_ROUNDING)
+            if HAS_WEIGHT:
+                # weight * xhat is exactly 0 where the weight is: a half output there is
+                # the bias rounded, whose rounding error is not the row's deviation
+                v = tl.where(w == 0.0, 0.0, v)
+        scaled = tl.where(mask, v, 0.0)
+        if HAS_WEIGHT:
             w = tl.where(w >= 0.0, tl.where(w < min_w, min_w, w),
                          tl.where(w > -min_w, -min_w, w))
             v = tl.div_rn(v, tl.where(mask, w, 1.0))
@@ -806,6 +811,8 @@ def _layer_norm_bwd_from_output_cpu(dy32, y, w32, b32, div, rstd):
         scaled = y.float()
     else:  # (a new tensor: y itself is the saved output)
         scaled = torch.sub(y, b32) if y.dtype == torch.float32 else y.float().sub_(b32)
+        if w32 is not None:  # (weight * xhat is exactly 0 where the weight is 0)
+            scaled.masked_fill_(w32 == 0, 0.0)
     xhat = scaled if w32 is None else torch.div(scaled, div)
     wdy = dy32 if w32 is None else torch.mul(dy32, w32)
     c1 = (torch.mul(scaled, dy32) if w32 is not None else torch.mul(xhat, wdy)).mean(
@@ -890,6 +897,10 @@ def layer_norm_bwd_ref(dy, saved, n, weight=None, bias=None, mean=None, rstd=Non
         xhat = v
         if bias is not None and not rms:
             xhat = xhat - bias.reshape(-1).float()
+            if w is not None:
+                # weight * xhat is exactly 0 where the weight is: a half output there is
+                # the bias rounded, and its rounding error is not the row's deviation
+                xhat = torch.where(w == 0, 0.0, xhat)
         scaled = xhat  # y - bias: weight * xhat, without the clamped division
         if w is not None:
             xhat = xhat / _clamped_weight(w, min_weight(eps, weight.dtype))

@@ -602,3 +602,29 @@ def test_export_and_trace_give_torchs_norm_ops(cls):
         buf.seek(0)
         loaded = torch.jit.load(buf)
     torch.testing.assert_close(loaded(x), want, rtol=1e-6, atol=1e-6)
+
+
+def test_memory_efficient_half_layer_norm_gives_a_zero_weight_column_no_rounding_noise(path):
+    # A half output where the weight is 0 is the bias rounded: (y - bias) / eps turned its
+    # rounding error into an xhat of thousands, and that column's weight gradient came out
+    # 50.5 (the documented 0) and its input gradient 7.4 off
+    # (fp32 parameters, bf16 input: the output is bf16, the bias fp32)
+    torch.manual_seed(0)
+    x = torch.randn(8, 32).bfloat16().requires_grad_()
+    ln = FusedLayerNorm(32, memory_efficient=True)
+    with torch.no_grad():
+        ln.weight[3] = 0.0
+        ln.bias.normal_()
+    assert ln.bias[3].bfloat16().float() != ln.bias[3]  # (the bias does not round exactly)
+    dy = torch.randn(8, 32)
+    (ln(x).float() * dy).sum().backward()
+    assert ln.weight.grad[3] == 0
+    ref = torch.nn.LayerNorm(32)
+    ref.load_state_dict(ln.state_dict())
+    x2 = x.detach().clone().requires_grad_()
+    (ref(x2).float() * dy).sum().backward()
+    err = (x.grad.float() - x2.grad.float()).abs()
+    assert err[:, 3].max() < 0.5  # (its xhat is unknown: 0 stands in for it)
+    others = torch.ones(32, dtype=torch.bool)
+    others[3] = False
+    assert err[:, others].max() < 0.05
