@@ -668,9 +668,11 @@ def test_a_kept_sweep_never_takes_tensors_on_another_device(cpu_path):
                                              r"master_params\[1\] is on meta"):
             model_grads_to_master_grads(model_params, masters)
         assert torch.equal(masters[0].grad, before)
-        # the copy back into the model goes through the kept sweep's own device check
+        # the copy back into the model checks every pair's device before any copy
         weights = [p.detach().clone() for p in model_params]
-        with pytest.raises(ValueError, match=r"srcs\[1\] \(shape \(16,\)\) is on the meta device"):
+        with pytest.raises(ValueError, match=r"master_params\[1\] is torch.float32 of shape "
+                                             r"\(16,\) on meta, but model_params\[1\] has "
+                                             r"shape \(16,\) on cpu"):
             master_params_to_model_params(model_params, masters)
         assert all(torch.equal(p, w) for p, w in zip(model_params, weights))
 
@@ -1051,3 +1053,24 @@ def test_a_backward_that_raises_changes_nothing(update, path):
     twin_opt.step()
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q)
+
+
+def test_master_params_to_model_params_refuses_a_mismatched_master_before_any_copy():
+    # Pairs of different layouts go through torch's copy, which broadcast a master of
+    # another shape (a (4,) master filled a (3, 4) parameter) and ran before the sweep
+    # checked the other pairs (pair 0 written, then pair 1 refused)
+    a, b = torch.zeros(3, 4), torch.zeros(3)
+    for masters, bad in (([torch.ones(4), torch.ones(3)], r"master_params\[0\] is "
+                          r"torch.float32 of shape \(4,\) on cpu, but model_params\[0\] has "
+                          r"shape \(3, 4\)"),
+                         ([torch.ones(4, 3).t() * 5, torch.ones(3, 1)], r"master_params\[1\] "
+                          r"is torch.float32 of shape \(3, 1\)"),
+                         ([None, torch.ones(3)], r"master_params\[0\] is NoneType")):
+        with pytest.raises(ValueError, match=r"master_params_to_model_params: " + bad):
+            master_params_to_model_params([a, b], masters)
+        assert not a.any() and not b.any(), "written before the refusal"
+    with pytest.raises(ValueError, match=r"the flat master has shape \(3, 5\), expected one "
+                                         r"dimension"):
+        master_params_to_model_params([a, b], [torch.ones(3, 5)], flat_master=True)
+    master_params_to_model_params([a, b], [torch.ones(4, 3).t() * 5, torch.ones(3)])
+    assert torch.equal(a, torch.full((3, 4), 5.0)) and torch.equal(b, torch.ones(3))

@@ -118,6 +118,10 @@ def _check_flat(flat, params):
 
 def _flat_views(flat, params):
     """Views of the flat master ``flat`` shaped like each of ``params``, in order."""
+    if flat.dim() != 1:
+        raise ValueError(f"the flat master has shape {tuple(flat.shape)}, expected one "
+                         "dimension; pass the lists prep_param_lists(model, flat_master=True) "
+                         "returned")
     _check_flat(flat, params)
     views, offset = [], 0
     for p in params:
@@ -263,7 +267,20 @@ def master_params_to_model_params(model_params, master_params, flat_master=False
     model_params, master_params = list(model_params), list(master_params)
     _check_pairs(model_params, master_params, flat_master)
     if flat_master:
+        if not isinstance(master_params[0], torch.Tensor):
+            raise TypeError(f"master_params_to_model_params: the flat master is a "
+                            f"{type(master_params[0]).__name__}, expected a tensor")
         master_params = _flat_views(master_params[0].detach(), model_params)
+    # Every pair before any copy: torch's copy (pairs of different layouts) would
+    # broadcast a master of another shape, and ran before the sweep checked the others.
+    for i, (p, m) in enumerate(zip(model_params, master_params)):
+        if not isinstance(m, torch.Tensor) or m.shape != p.shape or m.device != p.device \
+                or not m.is_floating_point() or m.is_meta:
+            got = (f"{m.dtype} of shape {tuple(m.shape)} on {m.device}"
+                   if isinstance(m, torch.Tensor) else type(m).__name__)
+            raise ValueError(f"master_params_to_model_params: master_params[{i}] is {got}, "
+                             f"but model_params[{i}] has shape {tuple(p.shape)} on {p.device}; "
+                             "pass the lists prep_param_lists returned. Nothing was written")
     _copy([m.detach() for m in master_params], [p.detach() for p in model_params])
 
 
