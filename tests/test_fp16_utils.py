@@ -1074,3 +1074,39 @@ def test_master_params_to_model_params_refuses_a_mismatched_master_before_any_co
         master_params_to_model_params([a, b], [torch.ones(3, 5)], flat_master=True)
     master_params_to_model_params([a, b], [torch.ones(4, 3).t() * 5, torch.ones(3)])
     assert torch.equal(a, torch.full((3, 4), 5.0)) and torch.equal(b, torch.ones(3))
+
+
+def test_load_state_dict_checks_its_flags_and_keys_before_anything_loads():
+    # overflow was read last, through bool(), after the optimizer state, the scaler and
+    # the masters had been replaced; a missing entry was a bare KeyError
+    model = nn.Linear(3, 2).to(torch.bfloat16)
+    opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                         dynamic_loss_scale=True, verbose=False)
+    opt.backward(model(torch.ones(4, 3, dtype=torch.bfloat16)).float().sum())
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    with torch.no_grad():  # (the masters now differ from the checkpoint's)
+        for m in opt.all_fp32_from_fp16_params:
+            m.add_(1.0)
+    masters = [m.clone() for m in opt.all_fp32_from_fp16_params]
+    state = copy.deepcopy(opt.optimizer.state_dict()["state"])
+    for key, bad, err, match in (
+            ("overflow", torch.tensor([True, False]), TypeError, r"state_dict\['overflow'\] is "
+             r"Tensor .*, expected True or False. Nothing was loaded"),
+            ("overflow", "yes", TypeError, r"state_dict\['overflow'\] is str 'yes'"),
+            ("dynamic_loss_scale", 2, TypeError, r"state_dict\['dynamic_loss_scale'\] is int 2"),
+            ("loss_scaler", None, ValueError, r"the state dict has no 'loss_scaler' entry")):
+        broken = copy.deepcopy(saved)
+        if bad is None:
+            del broken[key]
+        else:
+            broken[key] = bad
+        with pytest.raises(err, match=r"FP16_Optimizer.load_state_dict: " + match):
+            opt.load_state_dict(broken)
+        assert all(torch.equal(a, b) for a, b in zip(masters, opt.all_fp32_from_fp16_params))
+        assert all(torch.equal(state[k]["momentum_buffer"], v["momentum_buffer"])
+                   for k, v in opt.optimizer.state_dict()["state"].items())
+    broken = copy.deepcopy(saved)
+    broken["overflow"] = torch.tensor(True)  # (one value: taken as the flag)
+    opt.load_state_dict(broken)
+    assert opt.overflow

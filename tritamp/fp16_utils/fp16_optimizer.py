@@ -381,6 +381,25 @@ class FP16_Optimizer:
     def load_state_dict(self, state_dict):
         """Restore a :meth:`state_dict`: scaler, optimizer state and the fp32 masters
         themselves (the half model is refreshed from them, so nothing is lost to rounding)."""
+        # Every entry checked before anything loads (the flags were read last, after the
+        # optimizer, the scaler and the masters had been replaced)
+        for key in ("fp32_from_fp16", "loss_scaler", "optimizer_state_dict"):
+            if key not in state_dict:
+                raise ValueError(f"FP16_Optimizer.load_state_dict: the state dict has no "
+                                 f"{key!r} entry; pass what FP16_Optimizer.state_dict() "
+                                 "returned. Nothing was loaded.")
+        flags = {}
+        for key, default in (("dynamic_loss_scale", self.dynamic_loss_scale),
+                             ("overflow", False), ("first_closure_call_this_step", True)):
+            value = state_dict.get(key, default)
+            if isinstance(value, torch.Tensor) and value.numel() == 1 \
+                    and not value.is_meta and not value.is_complex():
+                value = bool(value)  # (one value: a saved flag tensor)
+            if not isinstance(value, (bool, int)) or value not in (0, 1):
+                raise TypeError(f"FP16_Optimizer.load_state_dict: state_dict[{key!r}] is "
+                                f"{type(value).__name__} {value!r:.60}, expected True or "
+                                "False. Nothing was loaded.")
+            flags[key] = bool(value)
         saved_masters = state_dict["fp32_from_fp16"]
         if len(saved_masters) != len(self.fp32_from_fp16_groups) or any(
                 len(s) != len(c) for s, c in zip(saved_masters, self.fp32_from_fp16_groups)):
@@ -404,7 +423,7 @@ class FP16_Optimizer:
                         f"shape {tuple(current.shape)} (the fp32 master of that parameter); "
                         "build the model and optimizer as they were when the checkpoint was "
                         "saved. Nothing was loaded.")
-        dynamic = bool(state_dict.get("dynamic_loss_scale", self.dynamic_loss_scale))
+        dynamic = flags["dynamic_loss_scale"]
         scaler = self.loss_scaler
         if dynamic != scaler.dynamic:  # the checkpoint's mode wins, as in Apex
             scaler = (self._dynamic_scaler() if dynamic
@@ -426,8 +445,8 @@ class FP16_Optimizer:
         self._stash.finish_step()
         self._backward_pending = False
         self._fresh_grads = False
-        self.overflow = state_dict.get("overflow", False)
-        self.first_closure_call_this_step = state_dict.get("first_closure_call_this_step", True)
+        self.overflow = flags["overflow"]
+        self.first_closure_call_this_step = flags["first_closure_call_this_step"]
 
 
 def _scaler_state(saved):
