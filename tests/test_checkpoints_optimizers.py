@@ -619,3 +619,28 @@ def test_a_pickled_or_copied_optimizer_steps_on_as_the_original(make, how):
     run(ps2, opt2, 2, 2)
     for a, b in zip(ps, ps2):
         assert_bits_equal(a.detach(), b.detach(), "parameter")
+
+
+def test_meta_tensors_in_a_checkpoint_are_refused_by_name_and_nothing_loads():
+    # (refused before, but in torch's words: "Cannot copy out of meta tensor", ".item()
+    # cannot be called on meta tensors")
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = FusedAdam([p], lr=0.1)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    for edit, match in (
+            (lambda s: s["state"][0].__setitem__("exp_avg", torch.empty(3, device="meta")),
+             r"FusedAdam.load_state_dict: state 'exp_avg' of parameter 0 is on the meta "
+             r"device, which holds no data"),
+            (lambda s: s["state"][0].__setitem__("step", torch.tensor(1.0, device="meta")),
+             r"FusedAdam.load_state_dict: state 'step' of parameter 0 is on the meta device"),
+            (lambda s: s["param_groups"][0].__setitem__("lr", torch.tensor(0.1, device="meta")),
+             r"Tensor lr is on the meta device, which holds no data \(parameter group 0 of "
+             r"the state dict\)")):
+        broken = copy.deepcopy(saved)
+        edit(broken)
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(broken)
+        assert torch.equal(opt.state[p]["exp_avg"], saved["state"][0]["exp_avg"])
+        assert opt.param_groups[0]["lr"] == 0.1

@@ -493,6 +493,10 @@ class FusedOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _one_element(name, value, where=""):
         if isinstance(value, torch.Tensor):
+            if value.is_meta:
+                raise ValueError(f"Tensor {name} is on the meta device, which holds no "
+                                 f"data{where}; give a number or a tensor on the parameters' "
+                                 "device")
             if value.numel() != 1:
                 raise ValueError(f"Tensor {name} must be 1-element, got shape "
                                  f"{tuple(value.shape)}{where}")
@@ -933,6 +937,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         return loaded
 
     def _check_saved_shape(self, value, key, index, p):
+        if value.is_meta:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: state {key!r} of parameter {index} "
+                "is on the meta device, which holds no data; save the checkpoint from "
+                "materialised state. Nothing was loaded.")
         if value.layout != torch.strided:
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict: state {key!r} of parameter {index} "
@@ -960,6 +969,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         """A saved one-element value (a step count: finite and not negative)."""
         name = type(self).__name__
         if isinstance(value, torch.Tensor):
+            if value.is_meta:
+                raise ValueError(f"{name}.load_state_dict: {what} is on the meta device, "
+                                 "which holds no data. Nothing was loaded.")
             if value.numel() != 1:
                 raise ValueError(f"{name}.load_state_dict: {what} has shape "
                                  f"{tuple(value.shape)}, expected one element. Nothing was "
