@@ -679,7 +679,8 @@ class Prepared:
         # sets them: check_unscale, axpby): a rebind that gives one of them new tensors
         # checks that no two rows share memory
         self.written = sweep.writes
-        self._rebind_cache = {}  # per column its bytes and dtypes per row; per rebind its kept spans
+        # per column its bytes and dtypes per row; per rebind its kept spans; _APART
+        self._rebind_cache = {}
         self.writeback = lists.pop("_writeback", [])
         self.staged = lists.pop("_staged", [])
         self._lists = lists

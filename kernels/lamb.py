@@ -295,7 +295,8 @@ def lamb_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=Tr
     if prepared.n == 0:
         return
     # (checked before anything is written, whichever path runs)
-    check_amp_args(prepared.device, grad_scale=grad_scale, found_inf=found_inf, global_grad_norm=global_grad_norm)
+    check_amp_args(prepared.device, grad_scale=grad_scale, found_inf=found_inf,
+                   global_grad_norm=global_grad_norm)
     lr = scalar_arg(lr, "lr", prepared.device)
     write_grads = write_grads and grad_scale is not None
     if not prepared.triton:
@@ -315,7 +316,6 @@ def lamb_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, adam_w_mode=Tr
                                     device=prepared.device), "sum")
         return  # every tensor is empty
     device = prepared.device
-    lr = scalar_arg(lr, "lr", device)
     anchor = prepared.partials
     betas = device_constants(device, (beta1, beta2))
     flags = dict(HAS_FOUND_INF=found_inf is not None, ADAM_W=bool(adam_w_mode),

@@ -357,7 +357,6 @@ def novograd_launch(prepared, *, lr, beta1, beta2, eps, weight_decay, reg_inside
         prepared.prepared.advance_empty_steps(found_inf)
         return  # every tensor is empty
     device = prepared.device
-    lr = scalar_arg(lr, "lr", device)
     anchor = prepared.partials
     scale = grad_scale if grad_scale is not None else anchor
     skip = found_inf if found_inf is not None else anchor

@@ -120,8 +120,9 @@ def _check_counts(growth_interval, hysteresis):
     """Whole numbers of at least 1: the kernel takes them as ints, the CPU path compared
     the counters with the values given (2.5 grew the scale on one path, not the other)."""
     for name, v in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
-        if v.__class__ is not int and (isinstance(v, bool) or not isinstance(v, numbers.Integral)) \
-                or v < 1:
+        whole = v.__class__ is int or (isinstance(v, numbers.Integral)
+                                       and not isinstance(v, bool))
+        if not whole or v < 1:
             raise ValueError(f"scale_update: {name} must be a whole number of at least 1, got "
                              f"{v!r}")
 

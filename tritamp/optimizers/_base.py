@@ -36,8 +36,8 @@ from tritamp.contract import StepHandoff
 from tritamp.sharding import (ShardReduce, any_dtensor, check_shards, is_dtensor, local,
                               locals_of, shard_index)
 from tritamp.kernels.engine import (GradWrites, SweepCache, borrowed, check_amp_args,
-                                    check_grads_writable, layout_key, memory_span, restride_like, row_labels,
-                                    shares_memory, zero_grads_)
+                                    check_grads_writable, layout_key, memory_span,
+                                    restride_like, row_labels, shares_memory, zero_grads_)
 
 _data_ptr = torch.Tensor.data_ptr
 _grad_of = operator.attrgetter("grad")

@@ -148,19 +148,18 @@ class LARC:
         ps = [p for p in group["params"] if p.grad is not None]
         if not ps:
             return []
+        devices = set(map(_device_of, ps))
         # the rates read these per group inside the rewrite: checked with the plans, so
         # that a bad value in a later group leaves every gradient as it was
         for name in ("lr", "weight_decay"):
             value = group.get(name, 0)
             if isinstance(value, torch.Tensor) and (
-                    value.numel() != 1 or value.is_complex()
-                    or any(p.device != value.device for p in ps)):
+                    value.numel() != 1 or value.is_complex() or devices != {value.device}):
                 raise ValueError(
                     f"LARC: param_groups[{index}]['{name}'] is a tensor of shape "
                     f"{tuple(value.shape)} ({value.dtype}) on {value.device}; give a number, "
                     f"or a real one-element tensor on the parameters' device "
                     f"({ps[0].device})")
-        devices = set(map(_device_of, ps))
         if len(devices) == 1:
             return [self._plan_list(index, devices.pop(), ps, group, weight_decay)]
         by_device = {}
