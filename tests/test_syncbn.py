@@ -617,15 +617,16 @@ def test_strided_weight_and_bias_as_torchs_batchnorm(device):
     torch.testing.assert_close(sync.running_mean, ref.running_mean, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("size", [4, 2], ids=["too-long", "too-short"])
 @pytest.mark.parametrize("name", ["weight", "bias", "running_mean", "running_var"])
-def test_a_wrong_sized_parameter_or_buffer_is_refused_before_anything_changes(name):
+def test_a_wrong_sized_parameter_or_buffer_is_refused_before_anything_changes(name, size):
     # (the kernels refused a wrong-sized weight only after the running statistics had been
-    # updated)
+    # updated; one too few must be refused by the same check)
     sync = SyncBatchNorm(3)
     setattr(sync, name, (nn.Parameter if name in ("weight", "bias") else lambda t: t)(
-        torch.ones(4)))
+        torch.ones(size)))
     before = {k: v.clone() for k, v in sync.state_dict().items()}
-    with pytest.raises(RuntimeError, match=rf"^{name} should contain 3 elements not 4$"):
+    with pytest.raises(RuntimeError, match=rf"^{name} should contain 3 elements not {size}$"):
         sync(torch.randn(4, 3, 2, 2))
     for k, v in sync.state_dict().items():
         assert torch.equal(v, before[k]), k
