@@ -319,3 +319,23 @@ def test_constant_and_near_constant_fp32_rows(max_block, eps):
     y, _, _ = layer_norm_fwd(x, n, w, b, eps, False, max_block=max_block)
     truth = F.layer_norm(x.double(), (n,), w.double(), b.double(), eps)
     torch.testing.assert_close(y.double(), truth, rtol=1e-5, atol=2e-5)
+
+
+def test_memory_efficient_backward_of_a_zero_weight_column_against_the_oracle(path):
+    # half input, fp32 parameters: the saved bf16 output of a zero-weight column is the
+    # bias rounded; the kernels, the CPU path and the oracle all take y - bias as 0 there
+    # (its weight gradient 0, as documented), and every other column matches the oracle
+    g = torch.Generator().manual_seed(3)
+    n = 48
+    x = torch.randn(6, n, generator=g).to(torch.bfloat16)
+    w = 1 + 0.3 * torch.randn(n, generator=g)
+    w[[5, 17]] = 0.0
+    b = torch.randn(n, generator=g)
+    dy = torch.randn(6, n, generator=g).to(torch.bfloat16)
+    y, mean, rstd = layer_norm_fwd(x, n, w, b, 1e-5)
+    assert (y[:, 5].float() != b[5]).all()  # (the rounded bias, not the bias)
+    got = layer_norm_bwd(dy, y, n, w, b, None, rstd, from_output=True, x_dtype=x.dtype)
+    want = layer_norm_bwd_ref(dy, y, n, w, b, None, rstd, from_output=True, x_dtype=x.dtype)
+    assert got[1][5] == 0 and got[1][17] == 0 and want[1][5] == 0
+    for a, r in zip(got, want):
+        torch.testing.assert_close(a.float(), r.float(), rtol=1e-2, atol=1e-2)
