@@ -128,6 +128,7 @@ def test_novograd_write_grads_unscales_once(reg_inside_moment, cpu_path):
                          ids=["lamb", "lamb-l2", "novograd", "novograd-reg_inside"])
 def test_skipped_step_keeps_negative_zero_moments(op, decay_in_gradient, cpu_path):
     # The gated gradient of a skipped step is -0.0: m + (-0.0) keeps a -0.0 moment's sign.
+    # (A -0.0 moment comes from a loaded state only; a skipped step still keeps it.)
     # With the decay added to the gradient (LAMB's L2 mode, NovoGrad's reg_inside_moment)
     # a gated 0 * p added to it gave +0.0, and a +0.0 moment.
     params, grads, (m, v), steps = _lists(((6,),), 2)
@@ -136,6 +137,8 @@ def test_skipped_step_keeps_negative_zero_moments(op, decay_in_gradient, cpu_pat
     grads[0][1] = math.inf
     if op == "novograd":
         v = [torch.full((), 0.5)]
+    else:  # v + (1 - beta2) * g * g with the gated g gave +0.0 for a -0.0 element
+        v[0][4] = -0.0
     lists = [params, m, v, steps]
     everything = all_tensors(grads, *lists)
     start = snapshot(everything)
