@@ -382,6 +382,22 @@ def test_lr_decay_from_torch_state_is_refused():
     assert after["param_groups"] == before["param_groups"] and after["state"] == {}
 
 
+@pytest.mark.parametrize("key,value,error", [
+    ("initial_accumulator_value", -0.1, ValueError),
+    ("initial_accumulator_value", "0.1", TypeError)])
+def test_a_bad_initial_accumulator_value_in_a_checkpoint_is_refused_at_load(key, value, error):
+    ours = make_params(((3,),))
+    opt = FusedAdagrad(ours, lr=0.1)
+    set_grads(ours, grads_for(ours, 0))
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    bad = copy.deepcopy(saved)
+    bad["param_groups"][0][key] = value
+    with pytest.raises(error, match=key):
+        opt.load_state_dict(bad)
+    assert opt.state_dict()["param_groups"] == saved["param_groups"]
+
+
 # --------------------------------------------------------------------------------------
 # hyperparameters and small contracts
 # --------------------------------------------------------------------------------------

@@ -539,6 +539,21 @@ def test_lamb_invalid_hyperparameters(kw):
         FusedLAMB(_params(), **kw)
 
 
+@pytest.mark.parametrize("cls", [FusedLAMB, FusedMixedPrecisionLamb])
+@pytest.mark.parametrize("value,error", [(-1.0, ValueError), ("1.0", TypeError)])
+def test_lamb_bad_max_grad_norm_in_a_checkpoint_is_refused_at_load(cls, value, error):
+    # (was loaded; the step reads the constructor's value, a group's is a checkpoint's)
+    opt = cls(_params(), lr=1e-3)
+    saved = copy.deepcopy(opt.state_dict())
+    bad = copy.deepcopy(saved)
+    bad["param_groups"][0]["max_grad_norm"] = value
+    with pytest.raises(error, match="max_grad_norm"):
+        opt.load_state_dict(bad)
+    assert opt.state_dict() == saved
+    bad["param_groups"][0]["max_grad_norm"] = None  # clipping off: loads
+    opt.load_state_dict(bad)
+
+
 @pytest.mark.parametrize("kw", [dict(lr=-1.0), dict(betas=(0.9, 1.0)), dict(eps=-1.0),
                                 dict(weight_decay=-0.1), dict(norm_type=1),
                                 dict(norm_type=float("inf"))],

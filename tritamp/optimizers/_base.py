@@ -535,9 +535,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         if "betas" in group:
             self._check_betas(group["betas"], where)
         for key, name in (("eps", "epsilon"), ("weight_decay", "weight_decay"),
-                          ("momentum", "momentum")):
+                          ("momentum", "momentum"),
+                          ("initial_accumulator_value", "initial_accumulator_value")):
             if key in group:
                 self._check_nonneg(name, group[key], where)
+        if group.get("max_grad_norm") is not None:  # (None turns LAMB's clipping off)
+            self._check_nonneg("max_grad_norm", group["max_grad_norm"], where)
 
     def _check_group_options(self, group, where=""):
         """Group options this optimizer cannot honour (torch.optim's ``maximize``, ...):
