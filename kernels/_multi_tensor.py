@@ -1373,6 +1373,21 @@ def check_amp_args(device, **tensors):
                              f"a tensor on {device}")
 
 
+def host_number(x, name, where):
+    """A real number given as a Python number or a one-element real tensor (read on the
+    host), as a float: what a kernel takes as a launch argument. Anything else is refused
+    in words naming ``where`` (the function) and ``name`` (the argument)."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1 or x.is_meta or x.is_complex() or x.dtype == torch.bool:
+            raise ValueError(f"{where}: {name} must be a real number (or a one-element real "
+                             f"tensor holding one), got a {x.dtype} tensor of shape "
+                             f"{tuple(x.shape)} on {x.device}")
+        return float(x)
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{where}: {name} must be a real number, got {type(x).__name__} {x!r}")
+    return float(x)
+
+
 def scalar_arg(x, name, device):
     """A float hyperparameter or a one-element device tensor on ``device`` (read there)."""
     if isinstance(x, torch.Tensor):

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from ._dispatch import use_triton
 from .launch import kept_kernel
+from ._multi_tensor import host_number
 
 SCALE, UNSKIPPED, HYSTERESIS, FOUND_INF, USED_SCALE, SKIPPED, FLOOR_STREAK, FOUND_INF_NEXT, \
     PREV_FOUND = range(9)
@@ -108,7 +109,13 @@ _configs = {}
 
 def _config(device, growth_factor, backoff_factor, min_scale, max_scale):
     """The fp64 config vector on ``device``, uploaded once per distinct setting."""
-    key = (device, float(growth_factor), float(backoff_factor), float(min_scale), float(max_scale))
+    if (growth_factor.__class__ is float and backoff_factor.__class__ is float
+            and min_scale.__class__ is float and max_scale.__class__ is float):
+        key = (device, growth_factor, backoff_factor, min_scale, max_scale)
+    else:  # ints, numpy numbers, one-element tensors (read here); anything else named
+        key = (device,) + tuple(host_number(v, name, "scale_update") for name, v in (
+            ("growth_factor", growth_factor), ("backoff_factor", backoff_factor),
+            ("min_scale", min_scale), ("max_scale", max_scale)))
     t = _configs.get(key)
     if t is None:
         t = torch.tensor(key[1:], dtype=torch.float64).to(device)

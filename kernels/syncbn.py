@@ -55,6 +55,7 @@ import triton.language as tl
 from ._dispatch import cdiv, gpu_code_path, next_power_of_2, sm_count, use_triton
 from .launch import kept_kernel
 from ._tl_utils import load_f32, store_cast
+from ._multi_tensor import host_number
 
 
 # -- kernels -------------------------------------------------------------------------------
@@ -726,6 +727,11 @@ def syncbn_finalize(rows, eps, running_mean=None, running_var=None, momentum=0.1
     and, when ``running_mean`` / ``running_var`` are given, update them in place with
     factor ``momentum`` (``None``: ``1 / num_batches_tracked``, read on the device)."""
     p, c, stride = _check_rows(rows, shift)
+    # read once as floats on both paths (the CPU path broadcast a tensor of several
+    # elements over the channels; the kernels took its float())
+    eps = host_number(eps, "eps", "syncbn_finalize")
+    if momentum is not None:
+        momentum = host_number(momentum, "momentum", "syncbn_finalize")
     update = running_mean is not None
     if update:
         if running_var is None:
@@ -752,9 +758,9 @@ def syncbn_finalize(rows, eps, running_mean=None, running_var=None, momentum=0.1
     shift = shift if shift is not None else mean
     rm, rv = (running_mean, running_var) if update else (mean, mean)
     nbt = num_batches_tracked if from_count else count
-    # (eps and momentum are passed as floats whatever their values: their type is fixed)
+    # (eps and momentum are floats whatever their values: their type is fixed)
     kept.launch_aligned(grid, (rows, shift, p, c, stride, mean, mean, invstd, count, rm, rv,
-                               nbt, float(eps), 0.0 if momentum is None else float(momentum)),
+                               nbt, eps, 0.0 if momentum is None else momentum),
                         (rows, shift, mean, invstd, count, rm, rv, nbt), consts, ckey,
                         (p, c, stride))
     return mean, invstd, count

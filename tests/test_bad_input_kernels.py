@@ -512,6 +512,55 @@ def test_a_scale_or_flag_not_one_value_on_the_tensors_device_is_refused_by_name(
     assert all(torch.equal(t, torch.full_like(t, 4.0)) for t in srcs), "unscaled anyway"
 
 
+BAD_FACTORS = [(torch.tensor([2.0, 3.0]), ValueError, r"tensor of shape \(2,\) on cpu"),
+               (torch.tensor(2.0, device="meta"), ValueError, r"tensor of shape \(\) on meta"),
+               (torch.tensor(2 + 0j), ValueError, r"complex64 tensor"),
+               (torch.tensor(True), ValueError, r"bool tensor"),
+               ("2", TypeError, r"must be a real number, got str '2'")]
+
+
+@pytest.mark.parametrize("bad,error,match", BAD_FACTORS,
+                         ids=["two", "meta", "complex", "bool", "str"])
+@pytest.mark.parametrize("name", ["growth_factor", "backoff_factor", "min_scale",
+                                  "max_scale"])
+def test_scale_update_names_a_factor_that_is_not_one_real_number(path, name, bad, error,
+                                                                 match):
+    # (refused in torch's words before: ".item() on meta", "more than one value"; a string
+    # and a bool or complex tensor were taken through float())
+    from tritamp.kernels.scale_update import STATE_SIZE, scale_update
+    state = torch.zeros(STATE_SIZE)
+    state[0] = 4.0
+    before = state.clone()
+    with pytest.raises(error, match=rf"scale_update: {name} .*{match}"):
+        scale_update(state, **{name: bad})
+    assert torch.equal(state, before)
+    scale_update(state, **{name: torch.tensor(2.0) if "factor" in name else 1.0})
+
+
+@pytest.mark.parametrize("bad,error,match", BAD_FACTORS[:2] + BAD_FACTORS[4:],
+                         ids=["two", "meta", "str"])
+@pytest.mark.parametrize("name", ["eps", "momentum"])
+def test_syncbn_finalize_names_an_eps_or_momentum_that_is_not_one_real_number(
+        path, name, bad, error, match):
+    # A two-element momentum was broadcast over two channels on the CPU path (the kernels
+    # took its float()): the paths disagreed
+    from tritamp.kernels import syncbn as S
+    x = torch.randn(4, 2, 3, generator=torch.Generator().manual_seed(0))
+    rows, shift = S.syncbn_stats(x)
+    running = [torch.zeros(2), torch.ones(2)]
+    before = [t.clone() for t in running]
+    kw = dict(eps=1e-5, momentum=0.1)
+    kw[name] = bad
+    with pytest.raises(error, match=rf"syncbn_finalize: {name} .*{match}"):
+        S.syncbn_finalize(rows, kw.pop("eps"), *running, shift=shift, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(running, before))
+    kw = dict(eps=1e-5, momentum=0.1)
+    kw[name] = torch.tensor(kw[name])  # one element: read as the float
+    mean, invstd, _ = S.syncbn_finalize(rows, kw.pop("eps"), *running, shift=shift, **kw)
+    want = S.syncbn_finalize_ref(S.syncbn_stats_ref(x)[0], 1e-5)
+    torch.testing.assert_close(invstd, want[1], rtol=2e-6, atol=0)
+
+
 def test_the_l2_norm_of_an_empty_list_takes_a_scale_and_a_flag():
     # (an empty list has no device to check a scale or a flag against: its norm is 0)
     from tritamp.kernels import multi_tensor_l2norm
