@@ -94,6 +94,10 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
             else:
                 stash.prepare_backward()
                 prepared.append(stash)
+        else:
+            # a later backward of a delay_unscale chain: its gradients are brought to the
+            # scale this backward uses, if they carry another one
+            stash.rescale_chain(scaler)
 
     try:
         yield loss.float() * scaler.scale
@@ -108,8 +112,10 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False,
 
     if delay_unscale:
         for opt in optimizers:
-            opt._amp_stash.params_have_scaled_gradients = True
+            opt._amp_stash.start_chain(scaler)
         return
+    for opt in optimizers:
+        opt._amp_stash.end_chain()
     if scaler.dynamic:
         scaler.clear_overflow_state()
     for opt in optimizers:

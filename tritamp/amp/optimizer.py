@@ -73,6 +73,10 @@ class AmpStash:
         self.grad_scale = None    # scale the plain gradients still carry, or None
         self.scaler = None        # the scaler whose slots found_inf / grad_scale alias
         self.params_have_scaled_gradients = False  # SCALED (delay_unscale)
+        # SCALED: the scaler whose scale the gradients carry, and a copy of that scale
+        # once the scaler rewrote it (None while it still holds it)
+        self.chain_scaler = None
+        self.chain_scale = None
         # (gradients, their version counters) as zero_grad(set_to_none=False) left them
         # zeroed, or None
         self.zeroed = None
@@ -244,6 +248,49 @@ class AmpStash:
                 dsts.append(m.grad)
         self._check_unscale("pending", grads + srcs, self.grad_scale, None, dsts=grads + dsts)
         self.grad_scale = None
+
+    # -- delay_unscale chains --------------------------------------------------------------
+    def start_chain(self, scaler):
+        """SCALED: the gradients carry ``scaler``'s current scale."""
+        self.params_have_scaled_gradients = True
+        if self.chain_scaler is not scaler:
+            self.end_chain()
+            self.chain_scaler = scaler
+            scaler._chains.append(self)
+
+    def keep_chain_scale(self, scaler):
+        """``scaler`` is about to rewrite the scale these gradients carry: copy it."""
+        if self.chain_scaler is scaler and self.chain_scale is None:
+            self.chain_scale = scaler.scale.clone()
+
+    def end_chain(self):
+        scaler, self.chain_scaler, self.chain_scale = self.chain_scaler, None, None
+        if scaler is not None:
+            try:
+                scaler._chains.remove(self)
+            except ValueError:
+                pass
+
+    def rescale_chain(self, scaler):
+        """A later backward of a delay_unscale chain, scaled by ``scaler``: gradients
+        that carry another scale (another loss_id's scaler, or a scale rewritten since:
+        amp.load_state_dict, an update by another optimizer's scale_loss) are brought to
+        ``scaler``'s current one on the device, so that the exit unscales every one of
+        them by the scale it carries. Nothing runs while the scale is the same."""
+        old = self.chain_scale
+        if old is None and self.chain_scaler is scaler:
+            return
+        if old is None:
+            old = self.chain_scaler.scale
+        ratio = scaler.scale / old
+        grads = [p.grad for p in itertools.chain(self.model_params, self.plain_params)
+                 if p.grad is not None]
+        grads += [m.grad for m in self.masters if m.grad is not None]
+        for g in grads:  # (a rare path: no multi-tensor launch kept for it)
+            g.mul_(ratio)
+        self.end_chain()
+        self.chain_scaler = scaler
+        scaler._chains.append(self)
 
     # -- around backward -------------------------------------------------------------
     def drop_carried_flag(self):

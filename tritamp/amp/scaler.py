@@ -266,6 +266,9 @@ class LossScaler:
         # its slot until the next update, then PREV_FOUND until the one after.
         self._records = set()
         self._updates = 0
+        # Optimizer stashes in a delay_unscale chain whose gradients carry this scaler's
+        # current scale: they copy it before anything rewrites it (AmpStash.keep_chain_scale).
+        self._chains = []
         # Counts of non-finite gradient values (tritamp.amp.overflow.Ledger) the next skip
         # report may list, and its rate limit.
         self._ledgers = {}
@@ -355,7 +358,15 @@ class LossScaler:
         elif within_bounds:
             scale = min(max(scale, self.min_loss_scale), self.max_loss_scale)
         self._hand_copies()  # (gradients left scaled by a static scale carry its slot)
+        self._hand_chain_scales()
         self._state[K.SCALE] = scale
+
+    def _hand_chain_scales(self):
+        """Stashes whose delay_unscale gradients carry the current scale take a copy of
+        it: the scale is about to be rewritten (their next scale_loss rescales them)."""
+        for stash in self._chains:
+            stash.keep_chain_scale(self)
+        self._chains.clear()
 
     def _hand_copies(self):
         """Optimizers whose pending step reads this scaler's slots (the overflow flag, the
@@ -423,6 +434,7 @@ class LossScaler:
         if not self.dynamic:
             self._state[K.UNSKIPPED:K.UNSKIPPED + 1].add_(1.0)
             return
+        self._hand_chain_scales()
         if self._records:  # flags of steps two updates old are not kept on the device
             self._detach_records(lambda slot, update: update < self._updates)
         K.scale_update(self._state, self.growth_factor, self.backoff_factor,
@@ -612,6 +624,7 @@ class LossScaler:
         backward's overflow flag) take copies of the slots first: a step after the load
         unscales by the scale the gradients carry, not the loaded one."""
         self._hand_copies()
+        self._hand_chain_scales()
         self._detach_records(lambda slot, update: True)
         scale = values["loss_scale"]
         host = self._state.cpu().tolist()
