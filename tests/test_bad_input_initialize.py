@@ -405,6 +405,41 @@ def test_add_param_group_refuses_float64_after_initialize(level, kwargs, match):
     assert opt.param_groups[-1]["params"] == [frozen]
 
 
+@pytest.mark.parametrize("level,kwargs", [("O2", {}), ("O2", dict(half_dtype=torch.bfloat16)),
+                                          ("O3", dict(master_weights=True))])
+def test_a_half_parameter_in_two_optimizers_with_masters_is_refused(earlier_initialize, level,
+                                                                    kwargs):
+    """Each optimizer kept its own fp32 master of it, and the last to step overwrote the
+    other's update (torch.optim applies both): refused, nothing changed."""
+    model = nn.Linear(4, 2)
+    first = torch.optim.SGD([model.weight], lr=0.1)
+    second = torch.optim.SGD([model.bias, model.weight], lr=0.1)
+    assert_refused(model, [first, second], ValueError,
+                   r"amp with master weights: the parameter of shape \(2, 4\) \(torch\."
+                   r"b?float16, with an fp32 master\) at optimizers\[1\]\.param_groups\[0\]"
+                   r"\['params'\]\[1\] is also at optimizers\[0\]\.param_groups\[0\]"
+                   r"\['params'\]\[0\]\. .*Give each half parameter to one optimizer",
+                   opt_level=level, **kwargs)
+
+
+def test_a_half_parameter_of_another_optimizer_is_refused_by_add_param_group():
+    model = nn.Linear(4, 2)
+    first = torch.optim.SGD([model.weight], lr=0.1)
+    second = torch.optim.SGD([model.bias], lr=0.1)
+    model, (first, second) = amp.initialize(model, [first, second], opt_level="O2",
+                                            verbosity=0)
+    groups = list(second.param_groups)
+    with pytest.raises(ValueError, match=r"at the new param_groups\[1\]\['params'\]\[0\] "
+                                         r"is also at an optimizer amp already manages"):
+        second.add_param_group({"params": [model.weight]})
+    assert second.param_groups == groups
+    # without masters both optimizers update it, as torch's do: accepted
+    model = nn.Linear(4, 2)
+    first = torch.optim.SGD([model.weight], lr=0.1)
+    second = torch.optim.SGD([model.bias, model.weight], lr=0.1)
+    amp.initialize(model, [first, second], opt_level="O3", verbosity=0)
+
+
 # --------------------------------------------------------------------------------------
 # initialize twice
 # --------------------------------------------------------------------------------------

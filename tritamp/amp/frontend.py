@@ -10,7 +10,7 @@ from tritamp.sharding import any_dtensor, overflow_group
 
 from .model import (check_models, check_params_fp32, convert_network, patch_forward,
                      planned_param_dtypes, register_fp32_state_dict)
-from .optimizer import check_param_dtype, process_optimizer
+from .optimizer import check_param_dtype, process_optimizer, shared_master_message
 from .overflow import param_names
 from .state import _amp_state, maybe_print
 from .properties import (Properties, check_dtype_arg, check_half_dtype,
@@ -121,6 +121,7 @@ def _check_optimizers(optimizers, models, props):
                 "half_dtype=torch.bfloat16) or drop the flag")
     cast = props.cast_model_type
     planned = planned_param_dtypes(models, cast, bool(props.keep_batchnorm_fp32)) if cast else {}
+    mastered = {}  # parameters that get an fp32 master: {tensor id: where}
     for i, opt in enumerate(optimizers):
         for g, group in enumerate(opt.param_groups):
             for j, p in enumerate(group["params"]):
@@ -138,6 +139,10 @@ def _check_optimizers(optimizers, models, props):
                 cast_note = "" if dtype == p.dtype else \
                     f" (a {p.dtype} model parameter cast to cast_model_type={cast})"
                 check_param_dtype(p, dtype, props, where, cast_note)
+                if props.master_weights and p.requires_grad and dtype != torch.float32:
+                    first = mastered.setdefault(id(p), where)
+                    if first is not where:
+                        raise ValueError(shared_master_message(p, dtype, first, where))
 
 
 def _options_lines(props):

@@ -825,6 +825,15 @@ def check_param_dtype(p, dtype, props, where, cast_note=""):
             "amp does not manage.")
 
 
+def shared_master_message(p, dtype, first, where):
+    """The refusal of a half parameter given to two optimizers under master weights."""
+    return (f"amp with master weights: the parameter of shape {tuple(p.shape)} ({dtype}, "
+            f"with an fp32 master) at {where} is also at {first}. Each optimizer would keep its own fp32 master of "
+            "it and write it to the parameter, so one optimizer's updates would overwrite "
+            "the other's (torch.optim, without masters, applies both; Apex lost one "
+            "silently). Give each half parameter to one optimizer.")
+
+
 def _new_add_param_group(old_add_param_group):
     def add_param_group(self, param_group):
         if not isinstance(param_group, dict):
@@ -842,8 +851,12 @@ def _new_add_param_group(old_add_param_group):
         index = len(self.param_groups)
         for j, p in enumerate(param_group["params"]):
             if isinstance(p, torch.Tensor) and p.is_floating_point():
-                check_param_dtype(p, p.dtype, props,
-                                  f"the new param_groups[{index}]['params'][{j}]")
+                where = f"the new param_groups[{index}]['params'][{j}]"
+                check_param_dtype(p, p.dtype, props, where)
+                if self._amp_stash.master_weights and p.requires_grad \
+                        and p.dtype != torch.float32 and hasattr(p, MASTER_ATTR):
+                    raise ValueError(shared_master_message(
+                        p, p.dtype, "an optimizer amp already manages", where))
         self._amp_stash.adopt_group(param_group, self)
         old_add_param_group(param_group)
         compiled.refresh(self)
