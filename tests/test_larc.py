@@ -234,7 +234,7 @@ def _grads(ps, step, zero_row=1):
 def _each_larc(opt):
     """The same LARC, every list through the per-parameter rewrite (the path of lists the
     sweep does not take), as the yardstick: fp32 operations in the same order."""
-    def plan(index, group, weight_decay):
+    def plan(index, group, weight_decay, moved):
         ps = [p for p in group["params"] if p.grad is not None]
         return [lambda: opt._adapt_each(ps, group, weight_decay)] if ps else []
     opt._plan = plan

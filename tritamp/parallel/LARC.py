@@ -48,6 +48,41 @@ class _Kept:
             self.rescale.release("grads")
 
 
+_grad_of = operator.attrgetter("grad")
+
+
+def _refuse_shared_across_groups(groups):
+    """Refuse one gradient given to parameters of two groups (each group's plan refuses
+    it within the group): every group's rewrite would scale it again. The gradients'
+    byte spans are sorted per device (a tensor that is not contiguous spans from its
+    first element to its last); only where two overlap are the tensors examined, and
+    the pair named, by ``refuse_shared_rows``."""
+    rows = [(g, index, k) for index, group in enumerate(groups)
+            for k, g in enumerate(map(_grad_of, group["params"])) if g is not None]
+    by_device = {}
+    for row in rows:
+        by_device.setdefault(row[0].device, []).append(row)
+    for same in by_device.values():
+        spans = []
+        for g, _, _ in same:
+            first = g.data_ptr()
+            if g.is_contiguous():
+                spans.append((first, first + g.nbytes))
+            else:
+                last = sum((n - 1) * st for n, st in zip(g.shape, g.stride()) if n)
+                spans.append((first, first + (last + 1) * g.element_size()))
+        spans.sort()
+        reach = 0
+        for first, end in spans:
+            if first < reach:
+                break
+            reach = max(reach, end)
+        else:
+            continue
+        with row_labels([f"param_groups[{i}]['params'][{k}]" for _, i, k in same]):
+            refuse_shared_rows("LARC", [("gradients", [g for g, _, _ in same], True)])
+
+
 class LARC:
     """Wrap ``optimizer`` so that each parameter's step uses an adaptive local learning rate
     (https://arxiv.org/abs/1708.03888)::
@@ -142,7 +177,7 @@ class LARC:
             factor = torch.clamp(factor / group["lr"], max=1.0)
         return factor, (p_norm != 0) & (g_norm != 0)
 
-    def _plan(self, index, group, weight_decay):
+    def _plan(self, index, group, weight_decay, moved):
         """The rewrites of group ``index``, validated (nothing written yet): a list of
         callables that apply them, one per device."""
         ps = [p for p in group["params"] if p.grad is not None]
@@ -153,6 +188,18 @@ class LARC:
         # that a bad value in a later group leaves every gradient as it was
         for name in ("lr", "weight_decay"):
             value = group.get(name, 0)
+            if name == "lr" and self.clip and "lr" not in group:
+                raise ValueError(f"LARC: param_groups[{index}] has no 'lr'; clip=True bounds "
+                                 f"each rate by its group's lr: give the group one, or pass "
+                                 f"clip=False")
+            if not isinstance(value, (torch.Tensor, numbers.Real)) \
+                    and (name == "weight_decay" or self.clip):
+                # (the rates read them only inside the rewrite: a later group's raised
+                # there once the earlier groups' gradients were rewritten)
+                raise TypeError(
+                    f"LARC: param_groups[{index}]['{name}'] is {type(value).__name__} "
+                    f"{value!r}; give a number, or a real one-element tensor on the "
+                    f"parameters' device ({ps[0].device})")
             if isinstance(value, torch.Tensor) and (
                     value.numel() != 1 or value.is_complex() or devices != {value.device}):
                 raise ValueError(
@@ -161,14 +208,14 @@ class LARC:
                     f"or a real one-element tensor on the parameters' device "
                     f"({ps[0].device})")
         if len(devices) == 1:
-            return [self._plan_list(index, devices.pop(), ps, group, weight_decay)]
+            return [self._plan_list(index, devices.pop(), ps, group, weight_decay, moved)]
         by_device = {}
         for p in ps:
             by_device.setdefault(p.device, []).append(p)
-        return [self._plan_list(index, device, same, group, weight_decay)
+        return [self._plan_list(index, device, same, group, weight_decay, moved)
                 for device, same in by_device.items()]
 
-    def _plan_list(self, index, device, ps, group, weight_decay):
+    def _plan_list(self, index, device, ps, group, weight_decay, moved):
         """The norms and the rewrite as kept multi-tensor sweeps: per step two norm
         launches, a few small vector ops and one rescale launch per dtype group, whatever
         the number of parameters; nothing validated, planned or uploaded again while the
@@ -197,6 +244,7 @@ class LARC:
                                    within_rows=True)
 
         def prepare():
+            moved.append(index)
             refuse_shared()
             if all(p.dtype in _SWEPT and is_dense(p) for p in ps) \
                     and all(g.dtype in _SWEPT and is_dense(g) for g in grads):
@@ -204,6 +252,7 @@ class LARC:
             return None  # the per-parameter rewrite, for this layout
 
         def rebind(kept, addresses):
+            moved.append(index)
             if kept is None:  # (the per-parameter rewrite: checked again, nothing kept)
                 refuse_shared()
                 return True
@@ -267,8 +316,17 @@ class LARC:
             # later group left the earlier ones rewritten: a retry applied LARC twice)
             plans = []
             with torch.no_grad():
+                planned = 0  # (groups with a rewrite)
+                moved = []  # (groups whose gradients are not the ones a kept plan checked)
                 for index, group in enumerate(groups):
-                    plans.extend(self._plan(index, group, group.get("weight_decay", 0)))
+                    group_plans = self._plan(index, group, group.get("weight_decay", 0),
+                                             moved)
+                    plans.extend(group_plans)
+                    planned += bool(group_plans)
+                if planned > 1 and moved:
+                    # (while every group's gradients stay where its kept plan checked
+                    # them, so do the groups' overlaps)
+                    _refuse_shared_across_groups(groups)
                 for index, group in enumerate(groups):
                     # LARC applies the weight decay itself (inside the adaptive rate)
                     weight_decays.append(group.get("weight_decay", 0))
