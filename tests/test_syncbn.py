@@ -700,6 +700,16 @@ def test_a_parameter_buffer_or_momentum_it_cannot_use_is_refused_before_anything
         assert torch.equal(sync.state_dict()[k], v), k
 
 
+@pytest.mark.parametrize("momentum", [True, False])
+def test_a_bool_momentum_is_a_factor_of_one_or_zero_as_in_torch(path, momentum):
+    # (refused before, in words torch's batch_norm does not give: it takes a bool)
+    sync, ref = _pair(3, 4, torch.device("cpu"), momentum=momentum)
+    x = _data((4, 3, 2, 2), torch.float32, torch.device("cpu"))
+    torch.testing.assert_close(sync(x), ref(x), **TOL[torch.float32])
+    torch.testing.assert_close(sync.running_mean, ref.running_mean, **TOL[torch.float32])
+    torch.testing.assert_close(sync.running_var, ref.running_var, **TOL[torch.float32])
+
+
 def test_cumulative_momentum_without_a_count_leaves_the_statistics_as_torchs():
     # torch's BatchNorm with momentum=None and num_batches_tracked=None: factor 0
     sync, ref = _pair(3, 4, torch.device("cpu"), momentum=None)

@@ -288,8 +288,8 @@ class SyncBatchNorm(_BatchNorm):
                                    f"(SyncBatchNorm's {name} is {t.dtype}: keep it floating "
                                    "point, e.g. float32)")
         momentum = self.momentum
-        if momentum is not None and (isinstance(momentum, bool)
-                                     or not isinstance(momentum, numbers.Real)):
+        if momentum is not None and not isinstance(momentum, numbers.Real):
+            # (a bool is a number to torch's batch_norm: True is a factor of 1.0)
             raise TypeError(f"batch_norm(): argument 'momentum' (position 7) must be float, "
                             f"not {type(momentum).__name__}")
         nbt = self.num_batches_tracked
@@ -309,6 +309,8 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input, z=None):
         self._check(input, z)
         factor = self.momentum
+        if factor.__class__ is bool:
+            factor = float(factor)
         if self.training and self.track_running_stats and factor is None \
                 and self.num_batches_tracked is None:
             factor = 0.0  # torch's: a cumulative average with no count leaves the stats
