@@ -308,6 +308,18 @@ def test_rms_norm_eps_none_is_torchs_machine_epsilon(path, dtype):
     torch.testing.assert_close(ours.double(), truth, **TOL[dtype])
 
 
+@pytest.mark.parametrize("cls,op", [(FusedLayerNorm, "layer_norm"), (FusedRMSNorm, "rms_norm")])
+def test_an_eps_that_is_not_a_number_is_refused_in_torchs_words(cls, op):
+    # (float() took the string "1e-5", which torch's norms refuse)
+    m = cls(4)
+    m.eps = "1e-5"
+    with pytest.raises(TypeError, match=rf"^{op}\(\): argument 'eps' must be float, not str$"):
+        m(torch.randn(2, 4))
+    m.eps = torch.tensor(1e-5)  # one element, as torch takes it
+    torch.testing.assert_close(m(torch.ones(2, 4)), torch.zeros(2, 4) if op == "layer_norm"
+                               else torch.ones(2, 4), **TOL[torch.float32])
+
+
 def test_autocast_leaves_float64_input_alone(path):
     """torch's autocast (and so Apex's casts) never cast float64: neither do the norms."""
     x = torch.randn(4, 8, dtype=torch.float64)

@@ -182,6 +182,10 @@ def _norm(input, weight, bias, normalized_shape, eps, memory_efficient, rms, mix
         # torch.nn.RMSNorm's default: the machine epsilon of the dtype it computes in,
         # fp32 for half input (its kernels' opmath type), not the half dtype's own
         eps = torch.finfo(torch.float32 if dtype in _HALF else dtype).eps
+    elif eps.__class__ is not float and not isinstance(eps, (numbers.Real, torch.Tensor)):
+        # (torch's words; float() took the string "1e-5")
+        raise TypeError(f"{'rms_norm' if rms else 'layer_norm'}(): argument 'eps' must be "
+                        f"float, not {type(eps).__name__}")
     device_type = input.device.type
     if torch.is_autocast_enabled(device_type) and dtype is not torch.float64:
         # (autocast's casts leave float64 alone)
