@@ -674,6 +674,10 @@ def test_register_functions_on_a_user_module():
     amp.register_promote_function(ns, "mm")
     with pytest.raises(ValueError, match="No function named"):
         amp.register_half_function(ns, "missing")
+    ns.eps = 1e-5  # (replaced by a wrapper that failed only when called)
+    with pytest.raises(TypeError, match=r"\.eps is a float, not a function"):
+        amp.register_float_function(ns, "eps")
+    assert ns.eps == 1e-5
     x = torch.randn(3, 3)
     with torch.autocast("cpu", dtype=torch.float16):
         assert ns.double(x).dtype == torch.float16

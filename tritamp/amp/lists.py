@@ -104,6 +104,9 @@ def _register(module, name, target):
     if not hasattr(module, name):
         raise ValueError(f"No function named {name} in module {module}.")
     fn = getattr(module, name)
+    if not callable(fn):  # (it was replaced by a wrapper that failed when called)
+        raise TypeError(f"{module}.{name} is a {type(fn).__name__}, not a function; register "
+                        "a function (or other callable) of the module")
     if getattr(fn, "__wrapped_by_tritamp__", False):
         fn = fn.__wrapped__
     setattr(module, name, _make_wrapper(fn, target))
