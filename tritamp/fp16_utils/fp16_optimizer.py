@@ -73,6 +73,16 @@ class FP16_Optimizer:
                     raise TypeError("Wrapped parameters must be either float16, bfloat16 or "
                                     f"float32 tensors. Received {p.dtype} with {tuple(p.size())}")
         # Everything that can be refused is checked before the optimizer changes.
+        inner = getattr(init_optimizer, "optim", init_optimizer)  # (a LARC's optimizer)
+        flag = next((f for f in ("stochastic_rounding", "kahan_summation")
+                     if getattr(inner, f, False) is True), None)
+        if flag is not None:
+            # (amp.initialize refuses it up front too: accepted here, every step refused)
+            raise ValueError(
+                f"FP16_Optimizer keeps fp32 master weights, but the wrapped "
+                f"{type(inner).__name__} has {flag}=True, which stores bf16 weights without "
+                "fp32 masters: drop the flag, or use the optimizer on its own over the bf16 "
+                "model (without FP16_Optimizer). Nothing was changed.")
         self._dynamic_loss_args = self._check_dynamic_args(dynamic_loss_args)
         self.verbose = verbose
         self.dynamic_loss_scale = bool(dynamic_loss_scale)

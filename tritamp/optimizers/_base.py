@@ -27,6 +27,7 @@ import numbers
 import operator
 import warnings
 
+import numpy as np
 import torch
 from torch.optim import optimizer as _torch_optimizer
 from torch.optim.optimizer import required
@@ -75,16 +76,28 @@ class _ParamLabels:
         return f"{self.owner}'s param_groups[{self.group}]['params'][{self.rows[i]}]"
 
 
+def _other_real(value):
+    """A real number of a type other than bool, int and float (a Fraction, numpy's
+    float32): the checks take it, torch's foreach ops on the CPU path do not."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (int, float, torch.Tensor))
+
+
 def _host_value(value):
-    return float(value) if isinstance(value, torch.Tensor) else value
+    return float(value) if isinstance(value, torch.Tensor) or _other_real(value) else value
+
+
+# Numbers every path reads as a launch argument (torch's foreach ops on the CPU path take
+# no Fraction: the constructor reads other reals as floats, a group set later must not)
+_PLAIN_REALS = (int, float, np.integer, np.floating)
 
 
 def _real_option(value):
-    """A number a launch can read: a real Python number, or a real one-element tensor
-    (its element count and device are checked with the other tensors)."""
+    """A number a launch can read: an int, a float or a numpy number, or a real
+    one-element tensor (its element count and device are checked with the other
+    tensors)."""
     if isinstance(value, torch.Tensor):
         return not value.is_complex() and value.dtype != torch.bool
-    return isinstance(value, numbers.Real)
+    return isinstance(value, _PLAIN_REALS)
 
 
 def _number_kinds(defaults):
@@ -108,8 +121,9 @@ def _check_number_option(name, gi, key, value, length):
     if length == 0:
         if not _real_option(value):
             raise TypeError(f"{name}: param_groups[{gi}]['{key}'] is "
-                            f"{type(value).__name__} {value!r}; it must be a real number "
-                            "(or a one-element real tensor), as when the optimizer was built")
+                            f"{type(value).__name__} {value!r}; it must be a real number (an "
+                            "int, a float, a numpy number or a one-element real tensor), as "
+                            "when the optimizer was built")
     elif not (isinstance(value, (tuple, list)) and len(value) == length
               and all(map(_real_option, value))):
         raise TypeError(f"{name}: param_groups[{gi}]['{key}'] is {value!r}; it must be "
@@ -125,9 +139,10 @@ def _host_hyperparameters(values):
     for key, value in values.items():
         if key in ("params", "lr"):
             if key == "lr":
-                out[key] = value
+                out[key] = float(value) if _other_real(value) else value
             continue
-        if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+        if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) or _other_real(v)
+                                                    for v in value):
             value = type(value)(map(_host_value, value))
         out[key] = _host_value(value)
     return out

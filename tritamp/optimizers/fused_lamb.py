@@ -298,7 +298,7 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         super().load_state_dict(state_dict)
         saved = state_dict["param_groups"]
         for group, saved_group in zip(self.param_groups, saved):
-            if "step" in saved_group:
+            if saved_group.get("step") is not None:  # (None: no count, as the checks read it)
                 step = group["step"]
             else:
                 # Another optimizer's checkpoint (FusedLAMB's): the group has taken as many
@@ -307,6 +307,17 @@ class FusedMixedPrecisionLamb(FusedLAMB):
                           if "step" in self.state.get(p, ())]
                 step = int(max(counts)) if counts else self.defaults["step"]
             group["step"] = self._group_step(step, group)
+
+    def _check_step_options(self, gi, group):
+        super()._check_step_options(gi, group)
+        # The group's count, set by hand after the optimizer was built: a number (Apex's
+        # ``group['step'] += ...`` takes one) becomes the group's int32 device tensor here,
+        # before anything is written (left as it was, the count's update after the
+        # launches failed, with the weights already stepped).
+        step = group.get("step")
+        if not isinstance(step, torch.Tensor):
+            group["step"] = self._group_step(
+                _check_step(step, f" (param_groups[{gi}]['step'])"), group)
 
     def _keeps_master(self, p):
         if p.dtype not in _HALF:
