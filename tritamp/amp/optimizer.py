@@ -208,6 +208,32 @@ class AmpStash:
                 self.plain_params.append(p)
                 self.plain_stash.append(None)
 
+    def adopt_added_group(self, group, optimizer, add_param_group):
+        """:meth:`adopt_group` for a group given to ``add_param_group`` (the optimizer's
+        own, called after it): when the optimizer refuses the group, the stash, the
+        parameters' master attributes and the group's list are put back as they were, so
+        that a corrected group can be added (left behind, each half parameter kept an
+        orphan master and was refused as "already managed")."""
+        params = group["params"]
+        listed = list(params)
+        held = [(p, getattr(p, MASTER_ATTR, None)) for p in listed]
+        n_model, n_plain = len(self.model_params), len(self.plain_params)
+        self.adopt_group(group, optimizer)
+        try:
+            return add_param_group(group)
+        except BaseException:
+            del self.model_params[n_model:], self.masters[n_model:]
+            del self.master_grad_bufs[n_model:]
+            del self.plain_params[n_plain:], self.plain_stash[n_plain:]
+            for p, master in held:
+                if master is None:
+                    if hasattr(p, MASTER_ATTR):
+                        delattr(p, MASTER_ATTR)
+                else:
+                    setattr(p, MASTER_ATTR, master)
+            params[:] = listed
+            raise
+
     def _master_grad_buf(self, i):
         buf = self.master_grad_bufs[i]
         if buf is None:
@@ -857,8 +883,7 @@ def _new_add_param_group(old_add_param_group):
                         and p.dtype != torch.float32 and hasattr(p, MASTER_ATTR):
                     raise ValueError(shared_master_message(
                         p, p.dtype, "an optimizer amp already manages", where))
-        self._amp_stash.adopt_group(param_group, self)
-        old_add_param_group(param_group)
+        self._amp_stash.adopt_added_group(param_group, self, old_add_param_group)
         compiled.refresh(self)
     return add_param_group
 

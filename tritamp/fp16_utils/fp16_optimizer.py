@@ -18,6 +18,8 @@ reads ``found_inf`` on the device (``_step_supports_amp_scaling``: tritamp's fus
 optimizers, torch's ``fused=True`` Adam/AdamW/SGD); then a step makes no host sync.
 """
 import logging
+import types
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -114,10 +116,28 @@ class FP16_Optimizer:
         init_optimizer._amp_stash = stash
         self._stash = stash
         self._amp_step = amp_step(init_optimizer.step)
+        # A group added later (to the wrapper or to the optimizer itself) gets its fp32
+        # masters and its unscale as the constructor's groups do: left out of the stash,
+        # its half gradients were stepped still carrying the loss scale.
+        init_optimizer.add_param_group = types.MethodType(
+            _adopting_add_param_group(init_optimizer.add_param_group, weakref.ref(self)),
+            init_optimizer)
+        self._collect_groups()
 
+        # Recast any existing per-parameter state onto the fp32 masters.
+        init_optimizer.load_state_dict(init_optimizer.state_dict())
+
+        self._overflow_flag = None        # device flag of the last checked gradients
+        self._backward_pending = False    # scaled gradients not yet moved to the masters
+        self._fresh_grads = False         # a backward since the last step or zero_grad
+        self.first_closure_call_this_step = True
+        self.clip_grad_norm = clip_grad_norm
+
+    def _collect_groups(self):
+        stash = self._stash
         self.fp16_groups, self.fp32_from_fp16_groups, self.fp32_from_fp32_groups = [], [], []
         model_of = {id(m): p for m, p in zip(stash.masters, stash.model_params)}
-        for group in init_optimizer.param_groups:
+        for group in self.optimizer.param_groups:
             half, masters, plain = [], [], []
             for p in group["params"]:
                 model = model_of.get(id(p))
@@ -133,14 +153,10 @@ class FP16_Optimizer:
         self.all_fp32_from_fp16_params = [p for g in self.fp32_from_fp16_groups for p in g]
         self.all_fp32_from_fp32_params = [p for g in self.fp32_from_fp32_groups for p in g]
 
-        # Recast any existing per-parameter state onto the fp32 masters.
-        init_optimizer.load_state_dict(init_optimizer.state_dict())
-
-        self._overflow_flag = None        # device flag of the last checked gradients
-        self._backward_pending = False    # scaled gradients not yet moved to the masters
-        self._fresh_grads = False         # a backward since the last step or zero_grad
-        self.first_closure_call_this_step = True
-        self.clip_grad_norm = clip_grad_norm
+    def add_param_group(self, param_group):
+        """Add a param group to the wrapped optimizer: its half parameters get fp32
+        masters (and its gradients the unscale) as the constructor's groups do."""
+        return self.optimizer.add_param_group(param_group)
 
     def _dynamic_scaler(self):
         return OptimizerLossScaler("dynamic", arg_names=_DYNAMIC_NAMES, **self._dynamic_loss_args)
@@ -252,6 +268,12 @@ class FP16_Optimizer:
 
         With a ``closure`` (which must call ``optimizer.backward(loss)``), an overflowing
         evaluation is repeated at the reduced scale until its gradients are finite."""
+        if torch.compiler.is_compiling():
+            # torch.compile(optimizer.step): the wrapper's step runs eagerly (a graph
+            # break; fullgraph=True refuses before anything runs). Traced, amp's step ran
+            # the wrapped optimizer's own step as one custom op, without the overflow
+            # skip: an overflowing step wrote inf/NaN into the weights.
+            return _eager_step(self, closure)
         self._require_updated("step()")
         if closure is not None:
             return self._step_with_closure(closure)
@@ -457,6 +479,53 @@ class FP16_Optimizer:
         self._fresh_grads = False
         self.overflow = flags["overflow"]
         self.first_closure_call_this_step = flags["first_closure_call_this_step"]
+
+
+@torch.compiler.disable
+def _eager_step(fp16_optimizer, closure):
+    return fp16_optimizer.step(closure)
+
+
+def _adopting_add_param_group(old_add_param_group, wrapper_ref):
+    """The wrapped optimizer's ``add_param_group``, adopting the new group into the
+    wrapper's stash first (fp32 masters for its half parameters); checked before
+    anything changes, and taken back if the optimizer refuses the group."""
+    def add_param_group(self, param_group):
+        wrapper = wrapper_ref()
+        if wrapper is None:
+            return old_add_param_group(param_group)
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        params = param_group["params"]
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif isinstance(params, set):
+            raise TypeError("optimizer parameters need to be organized in ordered collections, "
+                            "but the ordering of tensors in sets will change between runs. "
+                            "Please use a list instead.")
+        else:
+            params = list(params)
+        wrapped = set(map(id, wrapper.all_fp16_params))
+        for j, p in enumerate(params):
+            where = f"the new param group's params[{j}]"
+            if not isinstance(p, torch.Tensor) or not p.is_floating_point():
+                what = p.dtype if isinstance(p, torch.Tensor) else type(p).__name__
+                raise TypeError(f"FP16_Optimizer.add_param_group: {where} is {what}; "
+                                "parameters must be float16, bfloat16 or float32 tensors")
+            if p.requires_grad and p.dtype not in _PARAM_DTYPES:
+                raise TypeError("Wrapped parameters must be either float16, bfloat16 or "
+                                f"float32 tensors. Received {p.dtype} with {tuple(p.size())} "
+                                f"({where})")
+            if id(p) in wrapped:
+                raise ValueError(f"FP16_Optimizer.add_param_group: {where} is already in "
+                                 "another parameter group (through its fp32 master); a "
+                                 "parameter belongs to one group")
+        # (refused by the optimizer: the stash is put back as it was)
+        result = wrapper._stash.adopt_added_group(dict(param_group, params=params), self,
+                                                  old_add_param_group)
+        wrapper._collect_groups()
+        return result
+    return add_param_group
 
 
 def _scaler_state(saved):
