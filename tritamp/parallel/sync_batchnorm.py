@@ -118,6 +118,21 @@ def _dense_vector(t):
     return t.reshape(-1).contiguous()
 
 
+class _OneValuePerChannel(ValueError):
+    """The group's batch holds one value per channel (raised by every rank alike)."""
+
+
+def _check_group_count(rows, input):
+    """torch's BatchNorm refusal of a training batch with one value per channel, for the
+    whole group's batch (the gathered rows' counts), before the running statistics are
+    written."""
+    if float(rows[:, -1].sum()) == 1.0:
+        raise _OneValuePerChannel(
+            "Expected more than 1 value per channel when training, got input size "
+            f"{input.size()} on this rank and one value per channel over the whole "
+            "process group (SyncBatchNorm normalises the group's batch)")
+
+
 class SyncBatchnormFunction(torch.autograd.Function):
     """Autograd of one SyncBatchNorm call (see the module docstring for the data flow)."""
 
@@ -133,6 +148,12 @@ class SyncBatchnormFunction(torch.autograd.Function):
             if world_size > 1:
                 rows = _all_gather_rows(syncbn_combine(rows, shift), process_group, world_size)
                 shift = None
+                if 0 < layout.C and input.numel() <= layout.C:
+                    # At most one value per channel here: the group's batch may hold one
+                    # value per channel in all (its unbiased variance would be 0/0, a NaN
+                    # running_var). Every rank of such a group takes this branch (each
+                    # holds at most one), so all of them read the count and raise.
+                    _check_group_count(rows, input)
             update = running_mean is not None
             mean, invstd, count = syncbn_finalize(
                 rows, eps, running_mean if update else None, running_var if update else None,
@@ -347,14 +368,21 @@ class SyncBatchNorm(_BatchNorm):
         used = track or not bn_training
         running = [_dense_vector(self.running_mean) if used else None,
                    _dense_vector(self.running_var) if used else None]
-        if track and self.num_batches_tracked is not None:
-            # (counted once nothing can be refused any more)
+        counted = track and self.num_batches_tracked is not None
+        if counted:
+            # (counted once nothing can be refused any more but the group's batch of one
+            # value per channel, which only the gathered counts tell: uncounted below)
             self.num_batches_tracked.add_(1)
-        out = SyncBatchnormFunction.apply(
-            input, z, weight, bias, running[0], running[1],
-            self.num_batches_tracked if track else None,
-            self.eps, factor, bn_training, group, world_size, self.channel_last,
-            self.fuse_relu)
+        try:
+            out = SyncBatchnormFunction.apply(
+                input, z, weight, bias, running[0], running[1],
+                self.num_batches_tracked if track else None,
+                self.eps, factor, bn_training, group, world_size, self.channel_last,
+                self.fuse_relu)
+        except _OneValuePerChannel:
+            if counted:
+                self.num_batches_tracked.sub_(1)
+            raise
         if track:
             # a buffer updated through a dense copy (a strided or reshaped one) takes it
             for buf, dense in zip((self.running_mean, self.running_var), running):
