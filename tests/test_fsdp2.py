@@ -60,7 +60,8 @@ def test_lamb_and_novograd_norms_are_those_of_the_whole_tensors(reports, key):
         assert all(r["triton"]) == key.endswith("interpreted"), r
 
 
-@pytest.mark.parametrize("key", ["clip", "clip/interpreted"])
+@pytest.mark.parametrize("key", ["clip", "clip/interpreted", "clip/inf", "clip/1.0",
+                                 "clip/3.0", "clip/error_if_nonfinite"])
 def test_clip_grad_norm_over_sharded_gradients(reports, key):
     for r in _both(reports, key):
         assert r["total"] == pytest.approx(r["ref"], rel=1e-6), r

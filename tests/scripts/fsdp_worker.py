@@ -145,13 +145,16 @@ def vs_unsharded(name, rank):
     return dict(rel=rel_diff(fa, fb), moved=rel_diff(fb, start), triton=on_triton(opt_a))
 
 
-def clip(rank):
+def clip(rank, norm_type=2.0, error_if_nonfinite=False):
     a, b = make(), make(sharded=False)
     x, y = batch(0)
     loss_of(a, x, y).backward()
     loss_of(b, x, y).backward()
-    total = clip_grad_norm_(a.parameters(), 0.1)
-    ref = torch.nn.utils.clip_grad_norm_(b.parameters(), 0.1)
+    # (rank 1's shard of the one-row parameter is empty: torch's own clipping of other
+    # norms refused it on that rank alone, and rank 0 waited for ever)
+    total = clip_grad_norm_(a.parameters(), 0.1, norm_type,
+                            error_if_nonfinite=error_if_nonfinite)
+    ref = torch.nn.utils.clip_grad_norm_(b.parameters(), 0.1, norm_type)
     ga = full([p.grad for p in a.parameters()])
     gb = full([p.grad for p in b.parameters()])
     return dict(total=float(total), ref=float(ref), rel=rel_diff(ga, gb),
@@ -433,6 +436,9 @@ def cases(rank, out):
     for name in UNSHARDED:
         yield f"unsharded/{name}", lambda name=name: vs_unsharded(name, rank)
     yield "clip", lambda: clip(rank)
+    for norm_type in ("inf", "1.0", "3.0"):
+        yield f"clip/{norm_type}", lambda p=float(norm_type): clip(rank, p)
+    yield "clip/error_if_nonfinite", lambda: clip(rank, error_if_nonfinite=True)
     yield "refused", lambda: refused(rank)
     yield "refused/gradient", lambda: refused_gradient(rank)
     for name in ("sgd", "adam"):
