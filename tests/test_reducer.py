@@ -108,6 +108,17 @@ def test_reducer_needs_torch_distributed():
     assert all(torch.equal(g, torch.ones(2)) for g in reducer.grads[:1])
 
 
+@pytest.mark.parametrize("bad,kind", [(torch.arange(3), "torch.int64"),
+                                       (torch.ones(2, dtype=torch.bool), "torch.bool"),
+                                       (torch.eye(2).to_sparse(), "torch.sparse_coo")])
+def test_a_list_with_a_tensor_it_cannot_average_is_refused_when_built(bad, kind):
+    # (an integer tensor was all-reduced in place, then refused by the division: left
+    # summed over the ranks; a sparse one failed to flatten, in torch's words)
+    with pytest.raises(TypeError, match=rf"Reducer averages dense floating-point tensors; "
+                                        rf"tensor 1 \(shape \({bad.shape[0]},.*\) is {kind}"):
+        Reducer([torch.ones(2), [bad]])
+
+
 def test_reduce_op_is_torchs_as_apex_exported_it():
     from tritamp.parallel import ReduceOp
     assert ReduceOp is torch.distributed.ReduceOp

@@ -104,6 +104,14 @@ class Reducer:
             self.module = None
             self.grads = []
             _collect(module_or_grads_list, self.grads)
+            for i, t in enumerate(self.grads):
+                # (an integer tensor was all-reduced in place, then refused by the average's
+                # division: left summed over the ranks; a sparse one failed to flatten)
+                if t.layout != torch.strided or not (t.is_floating_point() or t.is_complex()):
+                    kind = t.dtype if t.layout == torch.strided else t.layout
+                    raise TypeError(f"Reducer averages dense floating-point tensors; tensor "
+                                    f"{i} (shape {tuple(t.shape)}) is {kind}: leave it out "
+                                    "of the list")
 
     def reduce(self):
         """Average the gradients over all ranks, in place.
