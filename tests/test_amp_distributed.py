@@ -47,6 +47,14 @@ def test_overflow_group_makes_every_rank_skip(reports, kind, group):
         assert rep[f"overflow/{group}/{kind}"] == dict(stepped=False, loss_scale=32768.0)
 
 
+def test_an_overflow_group_this_rank_is_not_in_is_refused_by_name(reports):
+    # (rank 1 got torch's GroupMember.NON_GROUP_MEMBER, -100: refused as "got -100")
+    r0, r1 = (rep["overflow/not_a_member"] for rep in reports)
+    assert r0["message"] is None
+    assert r1["message"].startswith("overflow_process_group: this rank (1) is not a member "
+                                    "of the group") and r1["unchanged"], r1
+
+
 def test_overflow_group_needs_distributed_initialised():
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -76,6 +76,22 @@ def overflow_on_one_rank(group, fused, rank):
                 loss_scale=amp.state_dict()["loss_scaler0"]["loss_scale"])
 
 
+def group_without_this_rank(rank):
+    """new_group([0]) on rank 1 is GroupMember.NON_GROUP_MEMBER: refused by name."""
+    _reset()
+    only_rank0 = dist.new_group([0])  # (every rank must call new_group)
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        amp.initialize(model, opt, opt_level="O2", verbosity=0,
+                       overflow_process_group=only_rank0)
+        message = None
+    except ValueError as e:
+        message = str(e)
+    _reset()
+    return dict(message=message, unchanged=model.weight.dtype == torch.float32)
+
+
 def main():
     out = sys.argv[1]
     dist.init_process_group("gloo")
@@ -90,6 +106,7 @@ def main():
         report[f"overflow/none/{kind}"] = overflow_on_one_rank(None, fused, rank)
         report[f"overflow/world/{kind}"] = overflow_on_one_rank(dist.group.WORLD, fused, rank)
         report[f"overflow/pair/{kind}"] = overflow_on_one_rank(pair, fused, rank)
+    report["overflow/not_a_member"] = group_without_this_rank(rank)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
     dist.barrier()

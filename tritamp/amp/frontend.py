@@ -225,6 +225,13 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
             raise RuntimeError("overflow_process_group was given but torch.distributed is not "
                                "initialized; call torch.distributed.init_process_group(...) "
                                "before amp.initialize, or leave overflow_process_group=None.")
+        if overflow_process_group is dist.GroupMember.NON_GROUP_MEMBER:
+            # (what new_group returns on a rank it leaves out)
+            raise ValueError(
+                f"overflow_process_group: this rank ({dist.get_rank()}) is not a member of "
+                "the group (torch.distributed.new_group gives the other ranks "
+                "GroupMember.NON_GROUP_MEMBER); amp agrees on overflows over the ranks that "
+                "train this model together: pass a group this rank belongs to")
         if not (overflow_process_group is dist.group.WORLD
                 or isinstance(overflow_process_group, dist.ProcessGroup)):
             raise TypeError("overflow_process_group must be a torch.distributed process group "
