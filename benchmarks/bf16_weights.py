@@ -128,7 +128,16 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     ap.add_argument("--json", default=None, help="also write the rows here ('-': stdout)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    # (a batch of 0 or a width of 0 ran: nan losses, or bytes per parameter of the biases)
+    for flag in ("steps", "width", "batch_size"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not (args.lr > 0 and args.lr != float("inf")):
+        ap.error(f"--lr must be a finite number > 0, got {args.lr}")
+    if args.threads is not None and args.threads < 0:
+        ap.error(f"--threads must be >= 0, got {args.threads}")
+    return args
 
 
 def main(argv=None):

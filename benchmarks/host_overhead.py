@@ -694,7 +694,7 @@ def _larc_cases():
     from tritamp.parallel import LARC
 
     class PerParameter(LARC):
-        def _plan_list(self, index, device, ps, group, weight_decay):
+        def _plan_list(self, index, device, ps, group, weight_decay, moved):
             return lambda: self._adapt_each(ps, group, weight_decay)
 
     cases = []
@@ -807,6 +807,9 @@ def main(argv=None):
     ap.add_argument("--syncbn-only", action="store_true",
                     help="only SyncBatchNorm's host cost per call (one process)")
     args = ap.parse_args(argv)
+    for flag in ("rounds", "steps_per_round"):  # (0 fell back to the default, -1 timed nothing)
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     global VERBOSITY
     VERBOSITY = args.verbosity
     torch.set_num_threads(1)
@@ -866,7 +869,7 @@ def main(argv=None):
         print(f"\nSyncBatchNorm per call (one process), bf16 {list(SYNCBN_SHAPE)}, on the GPU "
               "code path, against torch's nn.BatchNorm2d on the same CPU tensor:\n")
         print(syncbn_table(syncbn_rows))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(environment=env, quick=args.quick, rounds=rounds,
                        steps_per_round=per_round, target_us=TARGET_US,

@@ -49,6 +49,7 @@ CONFIGS = {
     "torch.amp-bf16": ("torch", torch.bfloat16, {}),
 }
 BASELINE = "torch.amp-bf16"
+TRANSFORMER_POSITIONS = 512  # the transformer's positional table: its longest sequence
 SAME_DTYPE_BASELINE = {torch.float32: "torch-fp32", torch.float16: "torch.amp",
                        torch.bfloat16: "torch.amp-bf16"}
 # A CPU has no fp16 arithmetic (about 20x slower than fp32): its default leaves fp16 out.
@@ -105,7 +106,8 @@ class TransformerClassifier(nn.Module):
     ``norm`` is the LayerNorm class: tritamp's FusedLayerNorm for tritamp's configurations,
     torch's nn.LayerNorm for the torch.amp baseline (same parameters, same initial values)."""
 
-    def __init__(self, num_classes=10, vocab=1000, width=64, depth=2, heads=4, seq=512,
+    def __init__(self, num_classes=10, vocab=1000, width=64, depth=2, heads=4,
+                 seq=TRANSFORMER_POSITIONS,
                  norm=nn.LayerNorm):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
@@ -608,8 +610,19 @@ def parse_args(argv=None):
     if any(v is not None and v < 1 for v in (args.rounds, args.warmup, args.steps_per_round,
                                               args.repeats)):
         p.error("--rounds, --repeats, --steps-per-round and --warmup must be >= 1")
+    # (a batch of 0 or images of side 0 ran: a table of nan losses and 0 samples/s)
+    for flag, value in (("--batch-size", args.batch_size), ("--image-size", args.image_size)):
+        if value is not None and value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
+    if args.threads < 0:
+        p.error(f"--threads must be >= 0 (0 keeps torch's default), got {args.threads}")
     if args.worker:
         return args
+    if args.optimizer is not None and args.model is None:
+        p.error("--optimizer applies to --model only (a workload names its optimizer: "
+                "cnn-sgd, cnn-adamw, transformer-adamw)")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"--out {args.out!r} is a file; give a folder for the JSON and PNG")
     if args.model is not None:
         if args.workloads is not None:
             p.error("give --model or --workloads, not both")
@@ -656,6 +669,11 @@ def parse_args(argv=None):
             w["steps_per_round"] = args.steps_per_round
         if args.warmup is not None:
             w["warmup"] = args.warmup
+    for name, w in workloads.items():
+        if w["model"] == "transformer" and w["image_size"] > TRANSFORMER_POSITIONS:
+            p.error(f"--image-size {w['image_size']}: {name}'s transformer holds "
+                    f"{TRANSFORMER_POSITIONS} positions; give a sequence length <= "
+                    f"{TRANSFORMER_POSITIONS}")
     args.workload_specs = workloads
     if args.levels is None:
         levels = CPU_LEVELS if cpu else list(CONFIGS)

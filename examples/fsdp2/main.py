@@ -95,7 +95,16 @@ def parse(argv=None):
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--checkpoint", default=None,
                     help="folder for a torch.distributed.checkpoint (resumed when present)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    # (a negative --clip turned every gradient around: the loss climbed, nothing said)
+    if not 0 <= args.clip < math.inf:
+        ap.error(f"--clip must be a finite number >= 0 (0: off), got {args.clip}")
+    for flag in ("batch_size", "seq", "width", "heads", "layers", "vocab"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.steps < 0:
+        ap.error(f"--steps must be >= 0, got {args.steps}")
+    return args
 
 
 def main(argv=None):

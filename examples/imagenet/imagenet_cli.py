@@ -123,11 +123,18 @@ def check_args(args):
         sys.exit(f"--print-freq must be >= 1, got {args.print_freq}")
     if args.batch_size < 1:
         sys.exit(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.crop_size < 1 or args.val_resize < args.crop_size:
+    if args.crop_size < 1:
+        sys.exit(f"--crop-size must be >= 1, got {args.crop_size}")
+    if args.val_resize < args.crop_size:
         sys.exit(f"--val-resize ({args.val_resize}) must be at least --crop-size "
                  f"({args.crop_size}): validation images are resized, then centre-cropped")
     if args.workers < 0:
         sys.exit(f"--workers must be >= 0, got {args.workers}")
+    scale = getattr(args, "static_loss_scale", 1.0)  # (the older scripts' option)
+    if not 0 < scale < float("inf"):
+        # (0 or inf divided the gradients into nan: a nan model trained and was saved)
+        sys.exit(f"--static-loss-scale must be a finite number > 0, got {scale}; "
+                 f"e.g. 128.0, or 1 for none")
 
 
 def setup(args):
