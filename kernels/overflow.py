@@ -79,7 +79,8 @@ def _check_index(index, n):
     if index is None:
         return list(range(n))
     index = list(index)
-    if len(index) != n or any(not isinstance(i, int) or i < 0 for i in index):
+    if len(index) != n or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
+                              for i in index):
         raise ValueError(f"count_nonfinite: index must hold one int >= 0 per source ({n}), "
                          f"got {index!r}; pass each source's position in counts")
     return index
@@ -93,7 +94,7 @@ def _check_counts(counts, index, device, default):
     n = len(index)
     need = max(index, default=-1) + 1
     ok = (isinstance(counts, torch.Tensor) and counts.dtype == torch.int32
-          and counts.dim() == 1 and counts.device == device and counts.is_contiguous()
+          and counts.dim() == 1 and device in (None, counts.device) and counts.is_contiguous()
           and (counts.shape == (n,) if default else counts.numel() >= need))
     if not ok:
         got = (f"{counts.dtype} {tuple(counts.shape)} on {counts.device}"
@@ -113,9 +114,10 @@ def count_nonfinite_launch(prepared, counts, found_inf):
     if not isinstance(found_inf, torch.Tensor):
         raise TypeError("count_nonfinite: found_inf must be a one-element tensor (the "
                         f"overflow flag the counts are kept for), got {type(found_inf).__name__}")
-    check_amp_args(prepared.device, found_inf=found_inf)
-    if prepared.n == 0:
+    if prepared.n == 0:  # (no sources, so no device to check the flag against)
+        check_amp_args(found_inf.device, found_inf=found_inf)
         return
+    check_amp_args(prepared.device, found_inf=found_inf)
     if not prepared.triton:
         count_nonfinite_cpu(prepared, counts, found_inf)
         return
@@ -127,7 +129,8 @@ def count_nonfinite_launch(prepared, counts, found_inf):
 def count_nonfinite_cpu(prepared, counts, found_inf):
     """The production CPU path: the flag read from host memory (no device to wait for),
     then, on a skipped step only, one count per tensor."""
-    if float(found_inf.detach().numpy()) == 0.0:
+    # (any one-element shape and dtype: numpy reads neither a (1,) array as a float nor bf16)
+    if float(found_inf.detach().reshape(()).float().numpy()) == 0.0:
         return
     srcs = prepared.lists["srcs"]
     n = torch.stack([(~torch.isfinite(x)).sum() for x in srcs]).to(torch.int32)

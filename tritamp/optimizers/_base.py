@@ -141,6 +141,12 @@ def _host_hyperparameters(values):
             if key == "lr":
                 out[key] = float(value) if _other_real(value) else value
             continue
+        if key == "seed" and isinstance(value, numbers.Integral) \
+                and not isinstance(value, bool):
+            # a numpy integer seed stays a whole number (as a float it was refused at every
+            # step, and above 2**53 it lost bits)
+            out[key] = int(value)
+            continue
         if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) or _other_real(v)
                                                     for v in value):
             value = type(value)(map(_host_value, value))
@@ -263,6 +269,8 @@ def _draw_seed():
 # What a parameter's state holds before its first plan: at most the fp32 master its
 # links made (master_weights).
 _LINK_STATE = frozenset(("master_param",))
+# A key a step's journal saw absent (see FusedOptimizer._journal)
+_ABSENT = object()
 
 
 class _Epoch:
@@ -565,6 +573,15 @@ class FusedOptimizer(torch.optim.Optimizer):
                              "negate the loss instead")
         if "seed" in group and self._rounding == "stochastic":
             _check_seed(type(self).__name__, group["seed"], where)
+        for flag, mode in (("stochastic_rounding", "stochastic"), ("kahan_summation", "kahan")):
+            if flag in group and bool(group[flag]) != (self._rounding == mode):
+                name = type(self).__name__
+                raise ValueError(
+                    f"{name}: a parameter group{where} says {flag}={group[flag]!r}, but "
+                    f"{flag} is an option of the optimizer, {self._rounding == mode} for "
+                    f"every group (the group's would be ignored): construct "
+                    f"{name}(..., {flag}={bool(group[flag])}) for these parameters, or drop "
+                    "the key")
 
     # (group key, attribute): a weight-decay rule the optimizer applies to every group,
     # which a group may name (torch.optim.Adam's per-group decoupled_weight_decay)
@@ -750,7 +767,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     _NOT_PICKLED = frozenset((
         "_links_cache", "_plans", "step_handoff", "_tritamp_step_handle",
         "_tritamp_step_params", "_tritamp_step_token", "_rounding_checked",
-        "_weight_versions", "_shard_reduce_cache", "_number_kinds",
+        "_weight_versions", "_comp_versions", "_step_journal", "_shard_reduce_cache",
+        "_number_kinds",
         "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
         "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
         "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"))
@@ -826,6 +844,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             if post_hooks is not None:
                 self._optimizer_load_state_dict_post_hooks = post_hooks
         self._track_state()
+        # The loaded masters and compensations go with the weights as they are now (or as
+        # loaded next, model.load_state_dict): the weights written before this load are
+        # not "written since the last step" (their loaded masters would be overwritten)
+        self.__dict__.pop("_weight_versions", None)
+        self.__dict__.pop("_comp_versions", None)
         scalars = self._saved_keys()[1]
         for p, values, dropped in loaded:
             st = self.state[p]
@@ -1082,10 +1105,12 @@ class FusedOptimizer(torch.optim.Optimizer):
                 copies.append(model)
                 models.append(model)
             elif self._keeps_master(p):
+                self._journal_new(p)
                 st = self.state[p]
                 if "master_param" not in st:
                     master = (p.detach().to(torch.float32, copy=True) if is_dtensor(p)
                               else restride_like(p.detach(), p, dtype=torch.float32))
+                    self._journal(st, "kahan_comp", "master_param")
                     comp = dict.pop(st, "kahan_comp", None)  # a Kahan optimizer's checkpoint:
                     if comp is not None:                     # the weight it stood for
                         master.add_(comp.to(torch.float32))
@@ -1248,6 +1273,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _state_for(self, p, target, group):
         """The state of parameter ``p`` (created on first use: fp32, laid out as ``target``)."""
         st = self.state[p]
+        # (what this changes is undone if the step is refused: see _journal)
+        self._journal(st, *self._STATE_LIKE, *self._STATE_SCALARS, "kahan_comp",
+                      "master_param")
         # Created with dict.__setitem__: a plan being built is not a change of state.
         for key in self._STATE_LIKE:
             if key not in st:
@@ -1261,14 +1289,39 @@ class FusedOptimizer(torch.optim.Optimizer):
             comp = self._zero_state(p, target, self._state_dtype("kahan_comp"))
             master = st.get("master_param")
             if master is not None and not self._keeps_master(p):
-                # a masters optimizer's checkpoint: what the bf16 weight drops of its master
-                comp.copy_(master - p.detach().to(torch.float32))
+                # a masters optimizer's checkpoint: what the bf16 weight drops of its master,
+                # rounded to nearest; truncated (as a step stores it) where a remainder just
+                # under half an ulp rounded to half an ulp: weight + compensation was then a
+                # tie that rounds to the weight's other neighbour (a skipped step on the CPU
+                # path, which stores the split of weight + compensation, moved the weight)
+                from tritamp.kernels.rounding import kahan_remainder_
+                weight = local(p).detach()
+                rest = local(master).to(torch.float32) - weight.to(torch.float32)
+                near = rest.to(torch.bfloat16)
+                moved = (weight.to(torch.float32) + near.to(torch.float32)).to(
+                    torch.bfloat16) != weight
+                local(comp).copy_(torch.where(moved, kahan_remainder_(rest.clone()).to(
+                    torch.bfloat16), near))
             dict.__setitem__(st, "kahan_comp", comp)
         if not self._keeps_master(p):
             dict.pop(st, "master_param", None)  # loaded from a masters optimizer: not used
         if not kahan:
             dict.pop(st, "kahan_comp", None)  # loaded from a Kahan optimizer: not used
         return st
+
+    def _journal(self, st, *keys):
+        """Note ``st``'s values of ``keys`` before a step that is being validated changes
+        them (a master made, a checkpoint's master or compensation converted or dropped):
+        a refused step puts them back (:meth:`_step_groups`)."""
+        journal = self.__dict__.get("_step_journal")
+        if journal is not None:
+            journal.extend((st, k, dict.get(st, k, _ABSENT)) for k in keys)
+
+    def _journal_new(self, p):
+        """Note that ``p`` has no state yet, before a step being validated makes one."""
+        journal = self.__dict__.get("_step_journal")
+        if journal is not None and p not in self.state:
+            journal.append((None, p, _ABSENT))
 
     # -- bf16 parameters without masters: stochastic rounding, Kahan summation ---------------
     def _check_rounding(self):
@@ -1367,6 +1420,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         handoff = self.step_handoff
         _, grad_scale, found_inf, write_grads = handoff.take(self)
         fresh = []
+        journal = self._step_journal = []
         try:
             if self._rounding is not None:
                 self._check_rounding()
@@ -1384,11 +1438,22 @@ class FusedOptimizer(torch.optim.Optimizer):
                                    grad_scale=grad_scale, found_inf=found_inf)
         except Exception:
             handoff.reset()
-            if fresh:  # a refused step leaves no state behind, in any group
-                for p in fresh:
-                    dict.pop(self.state, p, None)
+            self._step_journal = None
+            # a refused step leaves the state as it was: what validating it changed in
+            # place is put back, and state it created is dropped, in any group
+            for st, key, old in reversed(journal):
+                if st is None:  # (a parameter that had no state)
+                    dict.pop(self.state, key, None)
+                elif old is _ABSENT:
+                    dict.pop(st, key, None)
+                else:
+                    dict.__setitem__(st, key, old)
+            for p in fresh:
+                dict.pop(self.state, p, None)
+            if fresh or journal:
                 self._bump()  # plans and links that hold the dropped state
             raise
+        self._step_journal = None
         launched = plans
         if write_grads:
             launched = [None if p is None else GradWrites(p) for p in plans]
@@ -1396,6 +1461,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             owned = self._owned_masters()
             if owned:
                 self._masters_follow_written_weights(owned)
+            comped = self._kahan_pairs() if self._rounding == "kahan" else ()
+            if comped:
+                self._comps_follow_written_weights(comped)
             extra = self._before_groups(plans, grad_scale)
             for gi, (group, prepared) in enumerate(zip(self.param_groups, plans)):
                 if prepared is not None:
@@ -1407,6 +1475,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                         cache.key = (None, cache.key[1])
             if owned:
                 self._weight_versions = {id(w): (w._version, w.data_ptr()) for w, _ in owned}
+            if comped:
+                self._comp_versions = {id(w): (w._version, w.data_ptr()) for w, _ in comped}
         except BaseException:
             handoff.reset()  # no stale handoff for the next step
             raise
@@ -1439,6 +1509,37 @@ class FusedOptimizer(torch.optim.Optimizer):
             last = seen.get(id(weight))
             if last is not None and (weight._version, weight.data_ptr()) != last:
                 master.copy_(weight)
+
+    def _kahan_pairs(self):
+        """[(bf16 weight, its Kahan compensation)] of the groups' current links."""
+        pairs = []
+        state = self.state
+        for gi in range(len(self.param_groups)):
+            cached = self._links_cache.get(gi)
+            if cached is None:
+                continue
+            links = cached[1]
+            for p, t, c in zip(links.params, links.targets, links.copies):
+                if c is None and t.dtype == torch.bfloat16:
+                    comp = dict.get(state, p, {}).get("kahan_comp")
+                    if comp is not None:
+                        pairs.append((t, local(comp)))
+        return pairs
+
+    def _comps_follow_written_weights(self, pairs):
+        """A bf16 weight written since the last step (``model.load_state_dict``, a layer
+        re-initialised, ``p.data = t``: its version counter or address moved) is exact as
+        written: its compensation, which held what rounding dropped of the weight before,
+        is zeroed (added to the new weight it moved it, by up to half an ulp of the old
+        one). As for masters, a write through ``.data`` into the same storage is not seen.
+        Runs once the step is validated."""
+        seen = self.__dict__.get("_comp_versions")
+        if not seen:
+            return
+        for weight, comp in pairs:
+            last = seen.get(id(weight))
+            if last is not None and (weight._version, weight.data_ptr()) != last:
+                comp.zero_()
 
     def _shard_reduce(self):
         """The :class:`~tritamp.sharding.ShardReduce` of this optimizer's DTensor
