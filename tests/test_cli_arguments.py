@@ -7,8 +7,8 @@ ImageNet scripts trained and checkpointed a nan model), --optimizer without --mo
 (ignored), an --out that is a file or a bare file name (the run finished, then crashed
 writing its report). Also: the host-overhead benchmark's LARC cases step with LARC's
 current planning signature, and profile_step checks its configuration names before the
-first runs and exits non-zero when one failed. Every check calls a script's argument parser or main() in
-this process with tiny settings; nothing is timed."""
+first runs and exits non-zero when one failed. Every check calls a script's argument
+parser or main() in this process with tiny settings; nothing is timed."""
 import importlib
 import importlib.util
 import json

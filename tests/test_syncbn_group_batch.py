@@ -28,8 +28,10 @@ def _one_value_over_the_group(rank, channel_last):
         message = None
     except ValueError as e:
         message = str(e)
-    unchanged = all(torch.equal(v.reshape(-1).view(torch.uint8), before[k].reshape(-1).view(torch.uint8))
-                    for k, v in m.state_dict().items())
+    def bits(t):
+        return t.reshape(-1).view(torch.uint8)
+
+    unchanged = all(torch.equal(bits(v), bits(before[k])) for k, v in m.state_dict().items())
     return dict(message=message, unchanged=unchanged,
                 finite=bool(torch.isfinite(m.running_var).all()))
 

@@ -854,10 +854,10 @@ def check_param_dtype(p, dtype, props, where, cast_note=""):
 def shared_master_message(p, dtype, first, where):
     """The refusal of a half parameter given to two optimizers under master weights."""
     return (f"amp with master weights: the parameter of shape {tuple(p.shape)} ({dtype}, "
-            f"with an fp32 master) at {where} is also at {first}. Each optimizer would keep its own fp32 master of "
-            "it and write it to the parameter, so one optimizer's updates would overwrite "
-            "the other's (torch.optim, without masters, applies both; Apex lost one "
-            "silently). Give each half parameter to one optimizer.")
+            f"with an fp32 master) at {where} is also at {first}. Each optimizer would keep "
+            "its own fp32 master of it and write it to the parameter, so one optimizer's "
+            "updates would overwrite the other's (torch.optim, without masters, applies "
+            "both; Apex lost one silently). Give each half parameter to one optimizer.")
 
 
 def _new_add_param_group(old_add_param_group):
