@@ -13,10 +13,12 @@ import importlib
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
-from benchmarks import bf16_weights, host_overhead, opt_levels, profile_step
+from benchmarks import bf16_weights, opt_levels, profile_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -75,7 +77,23 @@ def test_bf16_weights_refuses_zero_sizes_and_steps(flag, capsys):
 
 
 # -- benchmarks/host_overhead.py ---------------------------------------------------------------
-def test_host_overhead_larc_cases_step_with_larcs_planning_signature(monkeypatch):
+@pytest.fixture
+def host_overhead():
+    """The module, imported here: it sets TRITON_INTERPRET=0 when imported (for its own
+    process), which would put every later test of this process off the interpreter. The
+    variable is put back as it was."""
+    saved = os.environ.get("TRITON_INTERPRET")
+    try:
+        return importlib.import_module("benchmarks.host_overhead")
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def test_host_overhead_larc_cases_step_with_larcs_planning_signature(host_overhead,
+                                                                     monkeypatch):
     monkeypatch.setattr(host_overhead, "LARC_TENSORS", 2)
     monkeypatch.setattr(host_overhead, "LARC_NUMEL", 4)
     cases = dict(host_overhead._larc_cases())
@@ -84,22 +102,20 @@ def test_host_overhead_larc_cases_step_with_larcs_planning_signature(monkeypatch
         step()  # (TypeError on the per-parameter rewrite: the whole LARC section failed)
 
 
-@pytest.fixture
-def no_measuring(monkeypatch):
-    # every section and regime empty: main() only parses, prints and writes its report
-    monkeypatch.setattr(host_overhead, "_section", lambda name, run, rounds: [])
-    monkeypatch.setattr(host_overhead, "run_regime", lambda *a, **k: [])
-
-
-def test_host_overhead_writes_its_report_to_a_bare_file_name(no_measuring, tmp_path,
-                                                             monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    assert host_overhead.main(["--quick", "--norms-only", "--out", "report.json"]) == 0
+def test_host_overhead_writes_its_report_to_a_bare_file_name(tmp_path):
+    # (its own process: the recorder needs kernels imported without the interpreter)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.host_overhead", "--quick",
+                           "--norms-only", "--out", "report.json"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((tmp_path / "report.json").read_text())["quick"] is True
 
 
 @pytest.mark.parametrize("flag,value", [("--rounds", "0"), ("--steps-per-round", "-1")])
-def test_host_overhead_refuses_counts_below_one(flag, value, no_measuring, tmp_path, capsys):
+def test_host_overhead_refuses_counts_below_one(host_overhead, flag, value, tmp_path,
+                                                capsys):
     out = tmp_path / "report.json"
     _refused(host_overhead.main, ["--quick", flag, value, "--out", str(out)], capsys, flag)
     assert not out.exists()
