@@ -218,20 +218,24 @@ class AmpStash:
         listed = list(params)
         held = [(p, getattr(p, MASTER_ATTR, None)) for p in listed]
         n_model, n_plain = len(self.model_params), len(self.plain_params)
-        self.adopt_group(group, optimizer)
         try:
+            self.adopt_group(group, optimizer)  # (it refuses a non-float parameter midway)
             return add_param_group(group)
         except BaseException:
             del self.model_params[n_model:], self.masters[n_model:]
             del self.master_grad_bufs[n_model:]
             del self.plain_params[n_plain:], self.plain_stash[n_plain:]
             for p, master in held:
+                made = getattr(p, MASTER_ATTR, None)
+                if made is not None and made is not master and made in optimizer.state:
+                    optimizer.state[p] = optimizer.state.pop(made)  # (adopt_group moved it)
                 if master is None:
                     if hasattr(p, MASTER_ATTR):
                         delattr(p, MASTER_ATTR)
                 else:
                     setattr(p, MASTER_ATTR, master)
             params[:] = listed
+            group["params"] = params  # (the optimizer rebinds it to its own list first)
             raise
 
     def _master_grad_buf(self, i):
