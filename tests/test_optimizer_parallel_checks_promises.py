@@ -3,7 +3,7 @@ the other tests leave open: a Fraction learning rate given to the
 constructor steps as a float, and numpy numbers set on a group later are taken; a group
 that turns the optimizer's rounding mode off is refused as one that turns it on; a step
 after a refused one (its checkpoint state put back) steps as if the refused one never
-ran; an optimizer loaded in process keeps the loaded Kahan compensations; LARC finds a
+ran; LARC finds a
 non-contiguous gradient overlapping another group's past its first element; the Reducer
 takes complex tensors; scale_update refuses a Python bool factor; on a one-rank mesh,
 sharded gradients are clipped by other p-norms as torch clips them (an empty shard
@@ -102,40 +102,6 @@ def test_a_step_after_a_refused_one_steps_the_checkpoint_state_it_put_back(path)
     for p, q in ((a2, a3), (b2, b3)):
         assert sorted(opt.state[p]) == sorted(ref.state[q])
         assert torch.equal(opt.state[p]["master_param"], ref.state[q]["master_param"])
-
-
-def _train(model, opt, steps, start=0):
-    for s in range(start, start + steps):
-        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16)
-        opt.zero_grad()
-        model(x).float().pow(2).mean().backward()
-        opt.step()
-
-
-def _bf16_linear():
-    torch.manual_seed(0)
-    return torch.nn.Linear(4, 3).to(torch.bfloat16)
-
-
-def test_an_optimizer_loaded_in_process_keeps_the_loaded_kahan_compensations(path):
-    model = _bf16_linear()
-    opt = FusedAdam(model.parameters(), lr=1e-2, kahan_summation=True)
-    _train(model, opt, 2)
-    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
-    assert all(st["kahan_comp"].any() for st in saved[1]["state"].values())
-    _train(model, opt, 2, start=100)  # on, then back to the checkpoint in this process
-    model.load_state_dict(saved[0])
-    opt.load_state_dict(saved[1])
-    _train(model, opt, 1, start=2)
-
-    fresh = _bf16_linear()
-    fresh_opt = FusedAdam(fresh.parameters(), lr=1e-2, kahan_summation=True)
-    fresh.load_state_dict(saved[0])
-    fresh_opt.load_state_dict(saved[1])
-    _train(fresh, fresh_opt, 1, start=2)
-    for p, q in zip(model.parameters(), fresh.parameters()):
-        assert torch.equal(p, q)
-        assert torch.equal(opt.state[p]["kahan_comp"], fresh_opt.state[q]["kahan_comp"])
 
 
 def test_larc_non_contiguous_gradient_overlapping_another_groups_past_its_first_element(path):
