@@ -674,7 +674,7 @@ def _lamb_moments_foreach(engine, g, plan, p, u, grads, bias_correction, *, beta
         torch._foreach_addcmul_(v, grad, grad, value=1.0 - beta2)
     else:  # (1 - beta2) * g * g is +0.0 for the gated g, and -0.0 + +0.0 is +0.0: the
         # factor is -0.0 on a skipped step instead, making the addend -0.0 (an identity)
-        factor = torch.where(keep.bool(), 1.0 - beta2, -0.0).to(torch.float64)
+        factor = gated(1.0 - beta2, keep, -0.0)
         torch._foreach_addcmul_(v, grad, grad, factor.expand(len(v)).contiguous())
     # u = (m / bc1) / (sqrt(v / bc2) + eps), the denominators in the gradient scratch.
     denom = grad

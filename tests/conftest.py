@@ -139,6 +139,19 @@ def all_tensors(*lists):
     return [t for lst in lists if lst is not None for t in lst if t is not None]
 
 
+def step_alike(ps, qs, opt, ref, gen, steps=2):
+    """Step ``opt`` over ``ps`` and ``ref`` over ``qs`` with the same random gradients
+    (from ``gen``) ``steps`` times; the parameters must come out bitwise equal."""
+    for _ in range(steps):
+        for p, q in zip(ps, qs):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    for p, q in zip(ps, qs):
+        assert torch.equal(p, q)
+
+
 def snapshot(tensors):
     return [t.clone() for t in tensors]
 

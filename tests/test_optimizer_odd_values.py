@@ -23,7 +23,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from conftest import all_tensors, assert_bits_unchanged, snapshot
+from conftest import all_tensors, assert_bits_unchanged, snapshot, step_alike
 from tritamp.fp16_utils import FP16_Optimizer
 from tritamp.optimizers import FusedAdam, FusedLAMB, FusedMixedPrecisionLamb, FusedNovoGrad
 
@@ -119,14 +119,7 @@ def test_fraction_hyperparameters_step_as_floats_on_the_cpu_path(cpu_path, make,
           torch.randn(5, generator=gen).requires_grad_()]
     qs = [p.detach().clone().requires_grad_() for p in ps]
     opt, ref = make(ps, lr=0.1, **odd), make(qs, lr=0.1, **exact)
-    for _ in range(2):
-        for p, q in zip(ps, qs):
-            p.grad = torch.randn(p.shape, generator=gen)
-            q.grad = p.grad.clone()
-        opt.step()
-        ref.step()
-    for p, q in zip(ps, qs):
-        assert torch.equal(p, q)
+    step_alike(ps, qs, opt, ref, gen)
 
 
 def test_fraction_set_on_a_group_after_construction_is_refused_with_nothing_changed(

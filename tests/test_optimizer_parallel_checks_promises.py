@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import step_alike
 from tritamp.optimizers import FusedAdam
 from tritamp.parallel import LARC, Reducer
 
@@ -25,22 +26,11 @@ def _pair(seed=0):
     return ps, [p.detach().clone().requires_grad_() for p in ps], gen
 
 
-def _step_both(ps, qs, opt, ref, gen, steps=2):
-    for _ in range(steps):
-        for p, q in zip(ps, qs):
-            p.grad = torch.randn(p.shape, generator=gen)
-            q.grad = p.grad.clone()
-        opt.step()
-        ref.step()
-    for p, q in zip(ps, qs):
-        assert torch.equal(p, q)
-
-
 def test_a_fraction_learning_rate_given_to_the_constructor_steps_as_a_float(cpu_path):
     ps, qs, gen = _pair()
     opt, ref = FusedAdam(ps, lr=Fraction(1, 4)), FusedAdam(qs, lr=0.25)
     assert type(opt.param_groups[0]["lr"]) is float
-    _step_both(ps, qs, opt, ref, gen)
+    step_alike(ps, qs, opt, ref, gen)
 
 
 def test_numpy_numbers_set_on_a_group_after_construction_step_as_floats(cpu_path):
@@ -49,7 +39,7 @@ def test_numpy_numbers_set_on_a_group_after_construction_step_as_floats(cpu_path
     opt.param_groups[0].update(eps=np.float32(0.5), weight_decay=np.float64(0.25),
                                betas=(np.float64(0.5), np.float32(0.75)))
     ref.param_groups[0].update(eps=0.5, weight_decay=0.25, betas=(0.5, 0.75))
-    _step_both(ps, qs, opt, ref, gen)
+    step_alike(ps, qs, opt, ref, gen)
 
 
 @pytest.mark.parametrize("flag,kw", [("stochastic_rounding", dict(seed=1)),

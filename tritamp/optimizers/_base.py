@@ -273,6 +273,23 @@ _LINK_STATE = frozenset(("master_param",))
 _ABSENT = object()
 
 
+def _versions(pairs):
+    """{id(weight): (version counter, address)} of the weights of (weight, x) pairs."""
+    return {id(w): (w._version, w.data_ptr()) for w, _ in pairs}
+
+
+def _written(pairs, seen):
+    """The (weight, x) pairs whose weight was written since ``seen`` (:func:`_versions`
+    at the last step; None: nothing to compare with): its version counter or address
+    moved."""
+    if not seen:
+        return
+    for weight, x in pairs:
+        last = seen.get(id(weight))
+        if last is not None and (weight._version, weight.data_ptr()) != last:
+            yield weight, x
+
+
 class _Epoch:
     """A counter shared by an optimizer's per-parameter state dicts."""
     __slots__ = ("value",)
@@ -1474,9 +1491,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                         cache = self._plans[gi]
                         cache.key = (None, cache.key[1])
             if owned:
-                self._weight_versions = {id(w): (w._version, w.data_ptr()) for w, _ in owned}
+                self._weight_versions = _versions(owned)
             if comped:
-                self._comp_versions = {id(w): (w._version, w.data_ptr()) for w, _ in comped}
+                self._comp_versions = _versions(comped)
         except BaseException:
             handoff.reset()  # no stale handoff for the next step
             raise
@@ -1502,13 +1519,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         (``p.data = t``). A write through ``.data`` into the same storage
         (``p.data.copy_(t)``) moves no counter and is not seen. Runs once the step is
         validated: a refused step leaves the masters as they were."""
-        seen = self.__dict__.get("_weight_versions")
-        if not seen:
-            return
-        for weight, master in owned:
-            last = seen.get(id(weight))
-            if last is not None and (weight._version, weight.data_ptr()) != last:
-                master.copy_(weight)
+        for weight, master in _written(owned, self.__dict__.get("_weight_versions")):
+            master.copy_(weight)
 
     def _kahan_pairs(self):
         """[(bf16 weight, its Kahan compensation)] of the groups' current links."""
@@ -1533,13 +1545,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         is zeroed (added to the new weight it moved it, by up to half an ulp of the old
         one). As for masters, a write through ``.data`` into the same storage is not seen.
         Runs once the step is validated."""
-        seen = self.__dict__.get("_comp_versions")
-        if not seen:
-            return
-        for weight, comp in pairs:
-            last = seen.get(id(weight))
-            if last is not None and (weight._version, weight.data_ptr()) != last:
-                comp.zero_()
+        for _, comp in _written(pairs, self.__dict__.get("_comp_versions")):
+            comp.zero_()
 
     def _shard_reduce(self):
         """The :class:`~tritamp.sharding.ShardReduce` of this optimizer's DTensor
